@@ -1,0 +1,3 @@
+from portrl.backends.cpu.backend import CPUBackend
+
+__all__ = ["CPUBackend"]

@@ -1,0 +1,6 @@
+"""portrl: RL post-training for language models on any accelerator (cpu, cuda, rocm, npu).
+
+Importing portrl does no work: no device runtime is initialised, no plugin is loaded.
+"""
+
+__version__ = "0.1.0"

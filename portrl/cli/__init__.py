@@ -1,0 +1,60 @@
+"""The ``portrl`` command line: ``portrl <command> [args]``.
+
+Each command lives in its own module ``portrl.cli.<module>`` defining ``add_arguments(parser)``
+and ``run(args) -> int``; modules are imported only when their command runs, so ``portrl --help``
+stays fast. To add a command, add a line to COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# command -> (module under portrl.cli, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "devices": ("devices", "list every registered device backend and whether it can run here"),
+    "doctor": ("doctor", "check the chosen backend's environment against its compatibility rows"),
+}
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The command word: the first argument that is not an option or the value of --log-level."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported to attach its arguments."""
+    parser = argparse.ArgumentParser(prog="portrl", description="RL post-training on any accelerator.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(f"portrl.cli.{module}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_in(argv))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(f"portrl.cli.{COMMANDS[args.command][0]}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

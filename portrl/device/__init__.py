@@ -1,0 +1,17 @@
+"""Device abstraction: the Backend contract and the registry of backends."""
+
+from portrl.device.backend import Backend, CompatRow, ProbeResult, import_optional, module_available, package_version
+from portrl.device.registry import (
+    BackendError,
+    all_backends,
+    backend_names,
+    clear_cache,
+    detect,
+    get_backend,
+    resolve_backend,
+)
+
+__all__ = [
+    "Backend", "BackendError", "CompatRow", "ProbeResult", "all_backends", "backend_names", "clear_cache",
+    "detect", "get_backend", "import_optional", "module_available", "package_version", "resolve_backend",
+]

@@ -1,0 +1,195 @@
+"""The Backend contract: one subclass per vendor, living in ``backends/<name>/``.
+
+A backend is mostly *data* (identity, Ray facts, env presets, compatibility rows) plus a few
+small methods. Heavy parts (the torch device module, vendor kernels) are resolved lazily, so
+constructing a backend or calling :meth:`Backend.probe` never initialises a device runtime.
+
+Method families (DESIGN.md, "The Backend contract"):
+
+* identity: ``name``, ``device_type``, ``dist_backend``, ``ray_resource``,
+  ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
+* probe: :meth:`probe` -> :class:`ProbeResult`
+* device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
+  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`manual_seed`
+* dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
+* kernels: :meth:`register_kernels` (called once with the ops registry),
+  :meth:`kernel_preferences` (op name -> implementation names, best first)
+* rollout engines: :meth:`rollout_engines`, :meth:`rollout_fixups`
+* environment: :meth:`env_presets`
+* compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a backend can run here. ``reason`` says why not (empty when usable)."""
+
+    usable: bool
+    reason: str = ""
+    device_count: int = 0
+    device_name: str = ""
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompatRow:
+    """One set of versions a backend is known to work with, e.g. ``{"torch": "2.10.0", "torch_npu": "2.10.0.post4"}``.
+
+    ``pins`` maps a distribution (or a system component such as ``CANN``) to an exact version;
+    ``note`` says where the row comes from.
+    """
+
+    pins: Mapping[str, str]
+    note: str = ""
+
+    def matches(self, installed: Mapping[str, str]) -> bool:
+        """True when every pinned component that is installed has the pinned version (local tags ignored)."""
+        for pkg, want in self.pins.items():
+            have = installed.get(pkg)
+            if have is not None and _base_version(have) != _base_version(want):
+                return False
+        return True
+
+
+def _base_version(v: str) -> str:
+    return v.split("+", 1)[0]
+
+
+def package_version(dist: str) -> str | None:
+    """Installed version of a distribution, or None; never imports the package."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def module_available(module: str) -> bool:
+    """True when ``module`` can be found on the path; never imports it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class Backend:
+    """Base class of every device backend. Subclasses set the class attributes and override where the vendor differs."""
+
+    # --- identity -------------------------------------------------------------------------
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = "cpu"  # torch's device type: ROCm is "cuda", Ascend is "npu"
+    dist_backend: ClassVar[str] = "gloo"  # torch.distributed process-group backend
+    ray_resource: ClassVar[str | None] = None  # Ray resource name: "GPU", "NPU" or None
+    visible_devices_env: ClassVar[str | None] = None  # variable that Ray sets for each worker
+    ray_noset_env: ClassVar[tuple[str, ...]] = ()  # opt-outs that stop Ray setting the variable
+    detect_priority: ClassVar[int] = 0  # higher is tried first by detection ("auto")
+    #: distributions whose versions `portrl devices` and `doctor` report
+    version_packages: ClassVar[tuple[str, ...]] = ("torch",)
+    #: version rows this backend is known to work with (newest first)
+    compat_rows: ClassVar[tuple[CompatRow, ...]] = ()
+
+    # --- probe ------------------------------------------------------------------------------
+    def probe(self) -> ProbeResult:
+        """Is this backend usable here, and if not, why? Must not initialise a device runtime."""
+        raise NotImplementedError
+
+    def installed_versions(self) -> dict[str, str]:
+        """Versions of ``version_packages`` that are installed (metadata only, no imports)."""
+        found = {p: package_version(p) for p in self.version_packages}
+        return {p: v for p, v in found.items() if v is not None}
+
+    # --- device and memory ------------------------------------------------------------------
+    def _module(self):
+        """torch's per-device module (``torch.cuda``, ``torch.npu``, ...), resolved lazily."""
+        import torch
+
+        return torch.get_device_module(self.device_type)
+
+    def device(self, index: int | None = None):
+        import torch
+
+        if self.device_type == "cpu" or index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, index)
+
+    def device_count(self) -> int:
+        return int(self._module().device_count())
+
+    def set_device(self, index: int) -> None:
+        self._module().set_device(index)
+
+    def synchronize(self) -> None:
+        self._module().synchronize()
+
+    def empty_cache(self) -> None:
+        self._module().empty_cache()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Allocated / reserved / peak bytes on the current device (empty where not tracked)."""
+        mod = self._module()
+        return {
+            "allocated": int(mod.memory_allocated()),
+            "reserved": int(mod.memory_reserved()),
+            "peak_allocated": int(mod.max_memory_allocated()),
+        }
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed torch on the host and on every device of this backend."""
+        import torch
+
+        torch.manual_seed(seed)
+        if self.device_type != "cpu":
+            self._module().manual_seed_all(seed)
+
+    # --- dtypes -----------------------------------------------------------------------------
+    def supported_dtypes(self) -> tuple[str, ...]:
+        """Training dtypes in order of preference (torch dtype names)."""
+        return ("bfloat16", "float16", "float32") if self.supports_bf16() else ("float16", "float32")
+
+    def supports_bf16(self) -> bool:
+        return True
+
+    def fp8_dtype(self) -> str | None:
+        """The fp8 e4m3 dtype this device computes with, or None without fp8."""
+        return "float8_e4m3fn"
+
+    # --- kernels ------------------------------------------------------------------------------
+    def register_kernels(self, registry: Any) -> None:
+        """Register this backend's op implementations into ``registry`` (portrl.ops). Imports stay lazy."""
+
+    def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
+        """Op name -> implementation names, best first. The first that can run here is chosen."""
+        return {}
+
+    # --- rollout engines ----------------------------------------------------------------------
+    def rollout_engines(self) -> tuple[str, ...]:
+        """Rollout engine names this backend offers, best first ("hf" runs everywhere)."""
+        return ("hf",)
+
+    def rollout_fixups(self, engine: str) -> dict[str, Any]:
+        """Engine keyword arguments this backend needs (e.g. ``enforce_eager``); empty by default."""
+        return {}
+
+    # --- environment --------------------------------------------------------------------------
+    def env_presets(self, deterministic: bool = False) -> dict[str, str]:
+        """Environment variables every worker process of this backend gets (allocator, comms, determinism)."""
+        return {}
+
+    # --- misc ---------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r}>"
+
+
+def import_optional(module: str, install: str):
+    """Import an optional package, or raise ImportError naming the package and its install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{module} is required here but is not importable ({exc}); install it with: {install}") from exc

@@ -1,0 +1,109 @@
+"""Backend registry: discovery through the ``portrl.backends`` entry-point group, and resolution.
+
+Built-in backends are registered in pyproject.toml exactly as a third-party plugin would be::
+
+    [project.entry-points."portrl.backends"]
+    xpu = "my_pkg.xpu:XPUBackend"
+
+Resolution order: an explicit name (``--device``, then ``PORTRL_DEVICE``, then config
+``device.name``); ``auto`` or nothing means detection: backends are probed in descending
+``detect_priority`` (npu, rocm, cuda, cpu) and the first usable one wins. The core holds no
+list of vendors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import logging
+import os
+from functools import lru_cache
+
+from portrl.device.backend import Backend
+
+ENTRY_POINT_GROUP = "portrl.backends"
+ENV_VAR = "PORTRL_DEVICE"
+AUTO = "auto"
+
+log = logging.getLogger(__name__)
+
+
+class BackendError(RuntimeError):
+    """A backend name is unknown, duplicated or not usable here."""
+
+
+@lru_cache(maxsize=1)
+def _discover() -> dict[str, type[Backend]]:
+    """Load every entry point of the group once. Two plugins claiming one name is an error."""
+    found: dict[str, type[Backend]] = {}
+    origin: dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        cls = ep.load()
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise BackendError(f"entry point {ep.name!r} ({ep.value}) is not a portrl Backend subclass")
+        name = cls.name or ep.name
+        if name != ep.name:
+            raise BackendError(f"entry point {ep.name!r} ({ep.value}) declares name {cls.name!r}; they must agree")
+        if name in found and ep.value != origin[name]:
+            raise BackendError(f"two plugins claim backend {name!r}: {origin[name]} and {ep.value}")
+        found[name] = cls
+        origin[name] = ep.value
+    return found
+
+
+def clear_cache() -> None:
+    """Forget discovered backends (tests that add plugins call this)."""
+    _discover.cache_clear()
+    get_backend.cache_clear()
+
+
+def backend_names() -> list[str]:
+    """Registered names, in detection order (highest ``detect_priority`` first)."""
+    classes = _discover()
+    return sorted(classes, key=lambda n: (-classes[n].detect_priority, n))
+
+
+@lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The backend registered under ``name`` (not probed). Unknown names list the valid ones."""
+    classes = _discover()
+    if name not in classes:
+        close = difflib.get_close_matches(name, classes, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise BackendError(f"unknown device {name!r}; registered: {', '.join(backend_names())}, or 'auto'.{hint}")
+    return classes[name]()
+
+
+def all_backends() -> list[Backend]:
+    return [get_backend(n) for n in backend_names()]
+
+
+def detect() -> Backend:
+    """The first usable backend in detection order."""
+    reasons = []
+    for backend in all_backends():
+        result = backend.probe()
+        if result.usable:
+            return backend
+        reasons.append(f"{backend.name}: {result.reason}")
+    raise BackendError("no usable device backend: " + "; ".join(reasons))
+
+
+def resolve_backend(cli: str | None = None, config: str | None = None, *, require_usable: bool = True) -> Backend:
+    """Resolve the backend: ``cli`` > ``$PORTRL_DEVICE`` > ``config`` > detection.
+
+    An explicit backend that is not usable here is an error naming the reason, unless
+    ``require_usable`` is False (``portrl doctor`` inspects unusable backends too).
+    """
+    for source, value in (("--device", cli), (ENV_VAR, os.environ.get(ENV_VAR)), ("device.name", config)):
+        if value and value != AUTO:
+            backend = get_backend(value)
+            if require_usable:
+                result = backend.probe()
+                if not result.usable:
+                    raise BackendError(f"device {value!r} (from {source}) is not usable here: {result.reason}")
+            log.info("device backend %s (from %s)", backend.name, source)
+            return backend
+    backend = detect()
+    log.info("device backend %s (detected)", backend.name)
+    return backend
