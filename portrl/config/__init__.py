@@ -1,0 +1,1 @@
+"""Run configuration: the structured schema, presets and their composition."""

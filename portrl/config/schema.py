@@ -1,0 +1,288 @@
+"""The structured config of a portrl run: one dataclass per group.
+
+Groups: algorithm, data, model, actor, rollout, ref, critic, reward, trainer, device. Names
+follow verl where verl has the knob, so recipes translate one to one. Batch sizes count
+*prompts* (``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says
+sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences.
+``None`` means "decided at run time" (documented on the field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+# --------------------------------------------------------------------------------- algorithm
+@dataclass
+class KLControlConfig:
+    """KL coefficient controller for KL-in-reward (fixed, or adaptive per Ziegler et al. 2019)."""
+
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: keep only prompt groups whose metric varies."""
+
+    enable: bool = False
+    metric: str = "acc"  # acc | seq_reward | seq_final_reward
+    max_num_gen_batches: int = 10  # 0 = unbounded
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # the preset's name, for reports
+    adv_estimator: str = "grpo"  # a name of portrl.algo's adv_estimator registry
+    gamma: float = 1.0
+    lam: float = 1.0
+    lam_actor: Optional[float] = None  # VC-PPO decoupled GAE: lambda for the policy advantages
+    lam_critic: Optional[float] = None  # VC-PPO decoupled GAE: lambda for the value targets
+    vapo_alpha: Optional[float] = None  # VAPO length-adaptive lambda 1 - 1/(alpha*len), clamped to [0, 1]
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # estimator used for KL in the reward
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    sppo_eta: float = 1.0  # SPPO soft-mean temperature beta of the advantage (0 = arithmetic mean)
+    # online DPO (pairs from sampled responses): objective = "dpo" switches the actor loss
+    objective: str = "policy_gradient"  # policy_gradient | sppo | dpo
+    dpo_beta: float = 0.1
+    dpo_loss_type: str = "sigmoid"  # sigmoid | ipo
+    dpo_label_smoothing: float = 0.0
+    dpo_reference_free: bool = False
+
+
+# -------------------------------------------------------------------------------------- data
+@dataclass
+class ArithDataConfig:
+    """The built-in arithmetic task (generated offline, deterministic by seed)."""
+
+    num_train: int = 2000
+    num_test: int = 200
+    difficulty: int = 1
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = "arith"  # arith | gsm8k | math | dapo_math | custom (files given)
+    train_files: List[str] = field(default_factory=list)  # parquet in verl's schema; empty + arith = generated
+    val_files: List[str] = field(default_factory=list)
+    train_batch_size: int = 16  # prompts per step
+    val_batch_size: Optional[int] = None  # None = the whole validation set at once
+    max_prompt_length: int = 64
+    max_response_length: int = 16
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error | left | right
+    shuffle: bool = True
+    seed: int = 0
+    max_val_samples: Optional[int] = None
+    arith: ArithDataConfig = field(default_factory=ArithDataConfig)
+
+
+# ------------------------------------------------------------------------------------- model
+@dataclass
+class TinyModelConfig:
+    """The model built (and cached) when ``model.path`` is empty: Qwen2 architecture, small vocabulary."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # local HF directory; None = the built-in tiny model (see tiny)
+    tokenizer_path: Optional[str] = None  # None = path
+    dtype: Optional[str] = None  # None = the backend's preferred training dtype
+    attn_impl: Optional[str] = None  # None = the backend's preferred varlen attention
+    gradient_checkpointing: bool = False
+    use_packing: bool = True  # padding removed in training forwards
+    logprob_chunk_size: Optional[int] = None  # tokens per chunk of the log-prob/entropy op
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    sft_warm_start: bool = False  # run a short SFT on the task before RL (the default run sets it)
+    sft_steps: int = 200
+
+
+# ------------------------------------------------------------------------------------- actor
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warm-up; overrides warmup_ratio when > 0
+    warmup_ratio: float = 0.0  # of total_steps
+    scheduler: str = "constant"  # constant | cosine | linear
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"  # a name of portrl.algo's policy_loss registry
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 0.1
+    dro_beta: Optional[float] = None
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (times rollout.n sequences)
+    ppo_micro_batch_size_per_device: int = 16  # sequences per forward/backward (gradient accumulation)
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (packing); None = unused
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # None = clip_ratio
+    clip_ratio_high: Optional[float] = None  # None = clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
+    tau_pos: float = 1.0  # SAPO gate temperatures
+    tau_neg: float = 1.05
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    positive_lm_coef: float = 0.0  # VAPO positive-example LM loss weight (0 = off)
+    sppo_eta: float = 1.0  # eta of the SPPO square loss
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: str = "auto"  # auto | fsdp | ddp (auto: fsdp where it runs, ddp otherwise)
+    lora_rank: int = 0  # > 0 trains LoRA adapters (peft); merged weights go to the rollout engine
+    lora_alpha: int = 16
+    lora_target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+# ----------------------------------------------------------------------------------- rollout
+@dataclass
+class ValidationSamplingConfig:
+    n: int = 1
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"  # auto (the backend's first available) | hf | vllm
+    n: int = 4  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    gpu_memory_utilization: float = 0.5  # engine memory fraction (vLLM)
+    tensor_model_parallel_size: int = 1
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = True
+    placement: str = "colocated"  # colocated (actor and rollout in one process) | separated
+    num_rollout_workers: int = 1  # separated placement only
+    weight_sync_bucket_mb: int = 64
+    val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+
+
+# --------------------------------------------------------------------------- ref / critic / reward
+@dataclass
+class RefConfig:
+    enable: Optional[bool] = None  # None = when a KL term (loss or reward) needs it
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None = when the advantage estimator needs values (gae)
+    model_path: Optional[str] = None  # None = initialised from the actor's model with a value head
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = 0.5
+    loss_agg_mode: Optional[str] = None  # None = the actor's
+    ppo_epochs: Optional[int] = None  # None = the actor's
+    warmup_steps: int = 0  # critic-only steps before the actor starts updating (VC-PPO value pretraining)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = None  # a Python file defining the function
+    name: str = "compute_score"
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 4
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    model_path: Optional[str] = None  # a local HF sequence-classification reward model
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    num_workers: int = 4  # processes for rule scoring of large batches
+
+
+# ----------------------------------------------------------------------------------- trainer
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    num_workers: int = 1  # data-parallel actor workers (per node x nodes)
+    nnodes: int = 1
+    ray_address: Optional[str] = None  # join an existing cluster; None = a local one on 127.0.0.1
+    ray_dashboard: bool = False
+    use_ray: Optional[bool] = None  # None = only when num_workers > 1 or a cluster is named
+    output_dir: str = "outputs/run"
+    test_freq: int = 5  # validate every k steps (0 = never)
+    val_before_train: bool = True
+    save_freq: int = 0  # checkpoint every k steps (0 = only at the end when save_final)
+    save_final: bool = True
+    max_ckpt_to_keep: int = 2
+    resume: str = "auto"  # auto | off | PATH
+    export_hf: bool = True  # write a transformers-loadable copy of the final policy
+    loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard | wandb | mlflow
+    project_name: str = "portrl"
+    experiment_name: str = "run"
+    seed: int = 0
+    deterministic: bool = False
+    progress_bar: bool = True
+    plot: bool = True
+
+
+# ------------------------------------------------------------------------------------ device
+@dataclass
+class DeviceConfig:
+    name: str = "auto"  # cpu | cuda | rocm | npu | auto
+    preset: Optional[str] = None  # the device preset that was applied, for reports
+    dtype: Optional[str] = None  # overrides model.dtype when set
+    attn_impl: Optional[str] = None  # overrides model.attn_impl when set
+    kernels: Dict[str, str] = field(default_factory=dict)  # op -> implementation name
+    tp_by_model_size: Dict[str, int] = field(default_factory=dict)  # e.g. {"7b": 1, "70b": 8}
+    env: Dict[str, str] = field(default_factory=dict)  # extra env vars for workers
+    num_threads: Optional[int] = None  # torch intra-op threads on CPU
+
+
+@dataclass
+class PortRLConfig:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+def default_config() -> Any:
+    """The defaults as a structured (type-checked, closed) omegaconf object."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(PortRLConfig)
