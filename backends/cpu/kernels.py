@@ -1,0 +1,60 @@
+"""CPU kernels for portrl.ops: varlen attention through torch SDPA (per sequence) and eager (block-diagonal mask).
+
+Both are plain torch and run on any device; the cuda and rocm backends reuse ``attention_varlen_sdpa``
+as their fallback for dtypes flash-attention does not compute (float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from portrl.ops.attention import check_varlen_inputs
+
+#: implementation names this module registers, best first (for the backend's kernel_preferences)
+PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native")}
+
+
+def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
+    """One ``scaled_dot_product_attention`` call per sequence (is_causal, GQA via enable_gqa)."""
+    scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qi, ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale, enable_gqa=n_rep > 1)
+        outs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """(total, total) bool, True where query i may attend key j: same sequence (and j <= i when causal)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    mask = seq_id[:, None] == seq_id[None, :]
+    return mask.tril() if causal else mask
+
+
+def attention_varlen_eager(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
+    """All sequences in one masked matmul over the packed tokens (block-diagonal mask).
+
+    Memory is O(heads * total^2): for many short sequences, not for long packs.
+    """
+    scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
+    if q.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).repeat_interleave(n_rep, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(n_rep, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    scores = scores.masked_fill(~block_diagonal_mask(cu_seqlens, causal), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1)
+
+
+def register(registry) -> None:
+    """Register the CPU implementations into the ops registry (``portrl.ops.registry``)."""
+    registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)
+    registry.register("attention_varlen", "eager", attention_varlen_eager)

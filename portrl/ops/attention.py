@@ -1,0 +1,97 @@
+"""Variable-length (packed) causal attention: the native reference and shared input checks.
+
+Packed layout (the flash-attention "varlen" layout): the tokens of B sequences are concatenated,
+``q`` is ``(total, Hq, D)``, ``k`` and ``v`` are ``(total, Hkv, D)`` with ``Hq % Hkv == 0``
+(grouped-query attention: query head ``h`` reads key/value head ``h // (Hq // Hkv)``), and
+``cu_seqlens`` (int, ``B + 1``) holds the cumulative lengths starting at 0, so sequence ``i`` is
+``[cu_seqlens[i], cu_seqlens[i+1])``. For each sequence and head::
+
+    out = softmax(scale * q k^T + M) v,   M[i, j] = -inf where j > i (causal), else 0
+
+with ``scale = softmax_scale or 1/sqrt(D)``. No token attends across a sequence boundary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        softmax_scale: float | None = None) -> tuple[float, int]:
+    """Validate packed attention inputs; return ``(scale, n_rep)`` where ``n_rep = Hq // Hkv``."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be (total_tokens, heads, head_dim); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must both be (total, Hkv, D) matching q (total, Hq, D); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of B+1 cumulative lengths, got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != q.shape[0]:
+        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={q.shape[0]}; got {first}..{last}")
+    if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return scale, q.shape[1] // k.shape[1]
+
+
+def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
+    """int32 ``[0, l0, l0+l1, ...]`` from per-sequence lengths (list or tensor)."""
+    lengths = torch.as_tensor(lengths, device=device)
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens int32, max_seqlen)`` of a packed row whose positions restart at each sequence.
+
+    A new sequence starts wherever the position does not increase by exactly 1 (as in
+    ``[0,1,2,0,1,0,1,2,3]``). ``position_ids`` is ``(total,)`` or ``(1, total)``.
+    """
+    pos = position_ids.reshape(-1)
+    if pos.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32, device=pos.device), 0
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    idx = torch.nonzero(starts).reshape(-1)
+    cu = torch.cat([idx, torch.tensor([pos.numel()], device=pos.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _causal_mask(n: int, device) -> torch.Tensor:
+    """True where attention is allowed (key index <= query index)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_seqlen: int | None = None, softmax_scale: float | None = None,
+                     causal: bool = True) -> torch.Tensor:
+    """Native reference: explicit softmax attention, one sequence at a time, computed in at least float32.
+
+    Returns ``(total, Hq, D)`` in q's dtype. ``max_seqlen`` is accepted for signature parity with
+    the vendor kernels and not needed here.
+    """
+    scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        qi = q[start:end].to(compute).transpose(0, 1)  # (Hq, L, D)
+        ki = k[start:end].to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        vi = v[start:end].to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(end - start, q.device), float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), vi).transpose(0, 1))
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0).to(q.dtype)

@@ -1,0 +1,39 @@
+"""Native RMSNorm, rotary embedding and SwiGLU (the formulas Hugging Face Llama/Qwen2 use)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))``; the normalisation runs in at least float32 and is cast
+    back to x's dtype before the weight multiplies (as Qwen2RMSNorm / LlamaRMSNorm)."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm weight must have shape ({x.shape[-1]},) (x's last dim); got {tuple(weight.shape)}")
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim split in halves."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, "half" layout: ``x * cos + rotate_half(x) * sin``; cos/sin broadcast to x."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"rotary needs an even last dim, got {x.shape[-1]}")
+    if cos.shape != sin.shape or cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"cos and sin must share a shape whose last dim is {x.shape[-1]}; got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    return x * cos + rotate_half(x) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``silu(g) = g * sigmoid(g)``."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return torch.nn.functional.silu(gate) * up

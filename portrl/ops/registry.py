@@ -1,0 +1,147 @@
+"""Registry of op implementations: which function serves each op, and which one runs here.
+
+Every op has a pure-torch ``native`` implementation (``portrl.ops``). A backend adds faster ones
+from its ``register_kernels(registry)`` (this module is the ``registry`` it receives), and its
+``kernel_preferences()`` gives, per op, the implementation names best first. :func:`select`
+walks that order, appends ``native`` and returns the first implementation that can run here.
+The choice is logged once per (backend, op, implementation). Asking by name for an
+implementation that is unknown or cannot run here is an :class:`OpError` that lists those that can.
+
+``available`` (given at registration) is a zero-argument callable answering "can this run
+here?": ``True`` means yes; ``False`` or a non-empty string (the reason) means no.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+#: the ops every backend may serve; each has a native implementation in portrl.ops
+OPS = ("attention_varlen", "logprobs_entropy", "rms_norm", "rotary", "swiglu")
+NATIVE = "native"
+
+
+class OpError(ValueError):
+    """An op or implementation name is unknown, or the implementation cannot run here."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    op: str
+    name: str
+    fn: Callable
+    available: Callable[[], bool | str] | None = None
+
+    def why_not(self) -> str | None:
+        """None when this implementation can run here, else the reason it cannot."""
+        if self.available is None:
+            return None
+        try:
+            ok = self.available()
+        except Exception as exc:  # an availability probe must never crash selection
+            return f"availability check failed: {exc}"
+        if ok is True:
+            return None
+        return ok if isinstance(ok, str) and ok else "not available here"
+
+
+_lock = threading.Lock()
+_impls: dict[str, dict[str, Impl]] = {op: {} for op in OPS}
+_backends_loaded: set[str] = set()
+_logged: set[tuple[str, str, str]] = set()
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise OpError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
+
+
+def register(op: str, impl: str, fn: Callable, available: Callable[[], bool | str] | None = None) -> None:
+    """Register ``fn`` as implementation ``impl`` of ``op``. Registering a name again replaces it."""
+    _check_op(op)
+    if not impl or not isinstance(impl, str):
+        raise OpError(f"implementation name for op {op!r} must be a non-empty string, got {impl!r}")
+    if not callable(fn):
+        raise OpError(f"implementation {impl!r} of op {op!r} is not callable: {fn!r}")
+    with _lock:
+        _impls[op][impl] = Impl(op, impl, fn, available)
+
+
+def _ensure_native() -> None:
+    if _impls["attention_varlen"].get(NATIVE) is not None:
+        return
+    from portrl.ops.attention import attention_varlen
+    from portrl.ops.layers import apply_rotary, rms_norm, swiglu
+    from portrl.ops.logprobs import logprobs_entropy
+
+    for op, fn in (("attention_varlen", attention_varlen), ("logprobs_entropy", logprobs_entropy),
+                   ("rms_norm", rms_norm), ("rotary", apply_rotary), ("swiglu", swiglu)):
+        register(op, NATIVE, fn)
+
+
+def _resolve_backend(backend: Any):
+    """A Backend instance, a registered name, or None (resolve the current backend)."""
+    from portrl.device import get_backend, resolve_backend
+
+    if backend is None:
+        return resolve_backend()
+    if isinstance(backend, str):
+        return get_backend(backend)
+    return backend
+
+
+def load_backend_kernels(backend: Any) -> None:
+    """Call ``backend.register_kernels`` once per backend name (it registers into this module)."""
+    import sys
+
+    name = backend.name
+    with _lock:
+        if name in _backends_loaded:
+            return
+        _backends_loaded.add(name)
+    backend.register_kernels(sys.modules[__name__])
+
+
+def implementations(op: str) -> dict[str, str | None]:
+    """Registered implementations of ``op``: name -> None when it can run here, else the reason it cannot."""
+    _check_op(op)
+    _ensure_native()
+    return {name: impl.why_not() for name, impl in sorted(_impls[op].items())}
+
+
+def runnable(op: str) -> list[str]:
+    """Names of the implementations of ``op`` that can run here."""
+    return [name for name, why in implementations(op).items() if why is None]
+
+
+def select(op: str, impl: str | None = None, backend: Any = None) -> tuple[str, Callable]:
+    """Choose the implementation of ``op``: ``impl`` if given, else the backend's preference order then native.
+
+    ``backend`` is a Backend, a backend name, or None for the resolved current backend; its kernels
+    are registered on first use. Returns ``(impl_name, fn)``.
+    """
+    _check_op(op)
+    _ensure_native()
+    be = _resolve_backend(backend)
+    load_backend_kernels(be)
+    table = _impls[op]
+    if impl is not None and impl != "auto":
+        found = table.get(impl)
+        why = "not registered" if found is None else found.why_not()
+        if why is not None:
+            can = ", ".join(runnable(op))
+            raise OpError(f"implementation {impl!r} of op {op!r} cannot run here ({why}); "
+                          f"implementations that can: {can}")
+        chosen = impl
+    else:
+        order = tuple(be.kernel_preferences().get(op, ())) + (NATIVE,)
+        chosen = next(name for name in order if name in table and table[name].why_not() is None)
+    key = (be.name, op, chosen)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("op %s -> %s (backend %s)", op, chosen, be.name)
+    return chosen, table[chosen].fn
