@@ -1,4 +1,4 @@
-"""portrl: RL post-training for language models on any accelerator (cpu, cuda, rocm, npu).
+"""portrl: RL post-training for language models on any accelerator, or the CPU.
 
 Importing portrl does no work: no device runtime is initialised, no plugin is loaded.
 """

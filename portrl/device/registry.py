@@ -7,7 +7,7 @@ Built-in backends are registered in pyproject.toml exactly as a third-party plug
 
 Resolution order: an explicit name (``--device``, then ``PORTRL_DEVICE``, then config
 ``device.name``); ``auto`` or nothing means detection: backends are probed in descending
-``detect_priority`` (npu, rocm, cuda, cpu) and the first usable one wins. The core holds no
+``detect_priority`` (each backend declares its own) and the first usable one wins. The core holds no
 list of vendors.
 """
 

@@ -1,0 +1,131 @@
+"""The NVIDIA CUDA backend: ``torch.cuda``, NCCL collectives, Ray resource "GPU".
+
+Facts (shared/VENDOR_APIS.md): device type "cuda"; process group "nccl"; Ray sets
+``CUDA_VISIBLE_DEVICES`` for each worker unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``
+is set. A ROCm build of torch also answers to ``torch.cuda``; the two are told apart by
+``torch.version.hip`` (set on ROCm builds, None on CUDA builds) — see backends/rocm.
+
+:meth:`probe` never initialises CUDA: it reads package metadata and ``torch.version`` and
+counts devices with ``torch.cuda.device_count()``, which asks NVML first and does not create
+a CUDA context. What only hardware confirms: the device name, bf16 and fp8 support (these read
+the device properties, which initialises CUDA, so they are called at run time, not by probe).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from portrl.device.backend import Backend, CompatRow, ProbeResult, module_available, package_version
+
+TORCH_CUDA_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cu128"
+VLLM_INSTALL = "pip install 'portrl[cuda]'  (flash-attn, vllm)"
+
+
+def fp8_dtype_for_capability(capability: tuple[int, int]) -> str | None:
+    """fp8 e4m3 dtype for an NVIDIA compute capability: OCP ``float8_e4m3fn`` from sm_89 (Ada) and sm_90 (Hopper) on."""
+    return "float8_e4m3fn" if tuple(capability) >= (8, 9) else None
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    ray_resource = "GPU"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    ray_noset_env = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",)
+    detect_priority = 10
+    version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn")
+    compat_rows = (
+        CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},
+                  "vLLM 0.11.0 pins torch==2.8.0; flash-attn 2.8.3 publishes wheels up to torch 2.8"),
+        CompatRow({"torch": "2.7.1", "vllm": "0.10.0", "flash-attn": "2.8.3"},
+                  "vLLM 0.10.0 pins torch==2.7.1"),
+    )
+
+    # --- probe ----------------------------------------------------------------------------------
+    def probe(self) -> ProbeResult:
+        versions = self.installed_versions()
+        if not module_available("torch"):
+            return ProbeResult(False, f"torch is not installed; install a CUDA build: {TORCH_CUDA_INSTALL}", versions=versions)
+        import torch
+
+        wrong_build = self._wrong_build_reason(torch)
+        if wrong_build:
+            return ProbeResult(False, wrong_build, versions=versions)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            count = int(torch.cuda.device_count())
+        if count == 0:
+            return ProbeResult(False, self._no_device_reason(torch, caught), versions=versions)
+        return ProbeResult(True, device_count=count, device_name=self._device_name_without_init(), versions=versions)
+
+    def _wrong_build_reason(self, torch) -> str:
+        if torch.version.hip:
+            return f"torch {torch.__version__} is a ROCm (HIP {torch.version.hip}) build; use --device rocm"
+        if not torch.version.cuda:
+            return f"torch {torch.__version__} was built without CUDA; install a CUDA build: {TORCH_CUDA_INSTALL}"
+        return ""
+
+    def _no_device_reason(self, torch, caught) -> str:
+        env = os.environ.get(self.visible_devices_env)
+        hint = f"{self.visible_devices_env}={env!r}" if env is not None else f"{self.visible_devices_env} unset"
+        detail = "; ".join(str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip())
+        reason = f"no CUDA device visible to torch {torch.__version__} (CUDA {torch.version.cuda}; {hint})"
+        if detail:
+            return f"{reason}: {detail}"  # e.g. "The NVIDIA driver on your system is too old" = version mismatch
+        return f"{reason}; check the driver with nvidia-smi"
+
+    def _device_name_without_init(self) -> str:
+        """GPU 0's name from NVML (nvidia-ml-py) when installed; empty otherwise. Never creates a CUDA context."""
+        if not module_available("pynvml"):
+            return ""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            finally:
+                pynvml.nvmlShutdown()
+            return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # NVML missing or refusing: the name is cosmetic
+            return ""
+
+    # --- dtypes (run time: these read device properties) ---------------------------------------
+    def supports_bf16(self) -> bool:
+        """bf16 needs compute capability >= 8.0 (Ampere); asks torch, which initialises CUDA."""
+        import torch
+
+        return bool(torch.cuda.is_bf16_supported())
+
+    def fp8_dtype(self) -> str | None:
+        import torch
+
+        return fp8_dtype_for_capability(torch.cuda.get_device_capability())
+
+    # --- kernels and engines --------------------------------------------------------------------
+    def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
+        return {
+            "attention_varlen": ("flash_attn3", "flash_attn", "sdpa", "native"),
+            "logprobs_entropy": ("triton", "native"),
+            "rms_norm": ("triton", "native"),
+            "rotary": ("triton", "native"),
+            "swiglu": ("triton", "native"),
+        }
+
+    def rollout_engines(self) -> tuple[str, ...]:
+        return ("vllm", "hf") if package_version("vllm") else ("hf",)
+
+    # --- environment ----------------------------------------------------------------------------
+    def env_presets(self, deterministic: bool = False) -> dict[str, str]:
+        """Allocator: expandable segments (less fragmentation with rollout/train switching).
+
+        Deterministic: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (torch requires it for deterministic
+        cuBLAS) and ``NCCL_ALGO=Ring`` (a ring reduces in a fixed order; NCCL has no
+        "deterministic" switch — Megatron-LM's deterministic mode uses the same setting).
+        """
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        if deterministic:
+            env.update({"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"})
+        return env
