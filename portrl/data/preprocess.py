@@ -1,0 +1,204 @@
+"""Preprocessing: read local raw files, write verl-schema train/test parquet (atomically).
+
+Inputs are ``.jsonl``, ``.json`` (a list of records, or {"data"/"rows": [...]}) or ``.parquet``.
+An input directory holds one file per split, named ``train*`` and ``test*`` (as on the Hub:
+``train-00000-of-00001.parquet``); a single file is split by ``test_fraction`` with ``seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+from portrl.data.schema import DataError
+
+log = logging.getLogger(__name__)
+RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
+TASKS = ("gsm8k", "math", "dapo_math", "arith")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of one raw file (jsonl, json or parquet)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise DataError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from None
+        return records
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        if isinstance(data, dict):
+            data = data.get("data", data.get("rows"))
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json input must hold a list of records (or {{'data': [...]}})")
+        return data
+    raise DataError(f"{path}: unsupported input type {suffix!r}; valid: {', '.join(RAW_SUFFIXES)}")
+
+
+def find_split_files(directory: Path) -> dict[str, list[Path]]:
+    """{"train": [...], "test": [...]} raw files in ``directory`` by name prefix (test may be empty)."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in RAW_SUFFIXES)
+    splits = {"train": [p for p in files if p.name.lower().startswith("train")],
+              "test": [p for p in files if p.name.lower().startswith("test")]}
+    if not splits["train"]:
+        raise DataError(f"{directory}: no raw file named train* with suffix {', '.join(RAW_SUFFIXES)}")
+    return splits
+
+
+def write_split(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(list(rows))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def split_records(records: list, test_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, test) by a seeded shuffle; test gets round(len * test_fraction) records."""
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_test = round(len(records) * test_fraction)
+    test_idx = set(order[:n_test])
+    return ([r for i, r in enumerate(records) if i not in test_idx], [r for i, r in enumerate(records) if i in test_idx])
+
+
+def _converter(task: str) -> Callable[..., list[dict]]:
+    if task == "gsm8k":
+        from portrl.data.gsm8k import convert
+    elif task == "math":
+        from portrl.data.hendrycks_math import convert
+    elif task == "dapo_math":
+        from portrl.data.dapo_math import convert
+    else:
+        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    return convert
+
+
+def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
+    out = []
+    for p in paths:
+        out.extend((str(p), i, r) for i, r in enumerate(read_records(p)))
+    return out[:n] if n is not None else out
+
+
+def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None = None,
+               test_input: str | Path | None = None, test_fraction: float = 0.1, seed: int = 0,
+               n: int | None = None, difficulty: int | None = None, sft: bool = False) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
+
+    ``n`` limits the raw records read per split (arith: the number of problems, default 10000);
+    ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (arith only),
+    ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+    if n is not None and n <= 0:
+        raise ValueError(f"--n must be positive, got {n}")
+    out = Path(output_dir)
+    if task == "arith":
+        if input_path is not None or test_input is not None:
+            raise ValueError("arith generates its problems; it takes no --input")
+        from portrl.data.arith import make_arith_rows, make_arith_sft_rows
+
+        total = n or 10000
+        n_test = round(total * test_fraction)
+        kw = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
+        splits = {"train": make_arith_rows(total - n_test, split="train", **kw),
+                  "test": make_arith_rows(n_test, split="test", **kw)}
+        if sft:
+            splits["sft_train"] = make_arith_sft_rows(total - n_test, split="train", **kw)
+            splits["sft_test"] = make_arith_sft_rows(n_test, split="test", **kw)
+        return _write_splits(splits, out)
+    if sft:
+        raise ValueError("--sft is only available for arith (other tasks have no reference responses)")
+    if difficulty is not None and task != "math":
+        raise ValueError("--difficulty applies to arith (level) and math (highest MATH level kept) only")
+    if input_path is None:
+        raise ValueError(f"{task} needs --input (a raw file or a folder with train*/test* files)")
+    src = Path(input_path)
+    if not src.exists():
+        raise FileNotFoundError(f"input {str(src)!r} does not exist")
+    if src.is_dir():
+        files = find_split_files(src)
+        train_raw = _load(files["train"], n)
+        test_raw = _load(files["test"], n)
+    else:
+        train_raw = _load([src], n)
+        test_raw = []
+    if test_input is not None:
+        test_raw = _load([Path(test_input)], n)
+    convert = _converter(task)
+    kw = {"max_level": difficulty} if task == "math" else {}
+    train = convert(train_raw, split="train", **kw)
+    test = convert(test_raw, split="test", **kw)
+    if not test_raw and test_fraction > 0:
+        # split after converting, so that deduplication (DAPO) cannot put one problem in both splits
+        train, test = (_relabel(part, name) for part, name in zip(split_records(train, test_fraction, seed),
+                                                                  ("train", "test")))
+    if not train:
+        raise DataError(f"{task}: no training rows left from {src}")
+    log.info("%s: %d train rows, %d test rows -> %s", task, len(train), len(test), out)
+    return _write_splits({"train": train, "test": test}, out)
+
+
+def _relabel(rows: list[dict], split: str) -> list[dict]:
+    """Rows with extra_info.split and a fresh 0-based extra_info.index."""
+    for i, row in enumerate(rows):
+        row["extra_info"] = {**row["extra_info"], "split": split, "index": i}
+    return rows
+
+
+def _write_splits(splits: dict[str, list[dict]], out: Path) -> dict[str, Path]:
+    """Write each non-empty split as ``<name>.parquet``; an empty split is skipped (and logged)."""
+    paths = {}
+    for name, rows in splits.items():
+        if rows:
+            paths[name] = write_split(rows, out / f"{name}.parquet")
+        else:
+            log.warning("no %s rows: %s.parquet not written", name, name)
+    return paths
+
+
+def field(record: dict, name: str, where: str, index: int, kind: type = str):
+    """``record[name]`` checked to be a ``kind``; DataError naming the file, row and field."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: row {index}: is a {type(record).__name__}, expected a record")
+    value = record.get(name)
+    if value is None:
+        raise DataError(f"{where}: row {index}: field {name!r} is missing")
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: row {index}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value

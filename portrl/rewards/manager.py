@@ -1,0 +1,165 @@
+"""RewardManager: scores a batch of responses, shapes them, and places them on the last token.
+
+``score`` calls the built-in ``compute_score`` (or a custom function) on each row, in a pool of
+spawned processes when the batch has at least ``parallel_threshold`` rows and ``num_workers > 1``.
+A result is a float (acc = score > 0) or a dict with "score" (and optionally "acc"; other keys are
+returned in ``RewardResult.extra`` as lists with None where a row lacks them). With
+``overlong_buffer.enable`` the DAPO overlong reward (portrl.rewards.shaping) is added to the score.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from portrl.rewards.custom import RewardFunctionError, load_custom_reward
+from portrl.rewards.registry import compute_score
+from portrl.rewards.shaping import overlong_buffer_settings, overlong_rewards
+
+
+@dataclass
+class RewardResult:
+    scores: torch.Tensor  # (B,) float32, after shaping
+    acc: torch.Tensor  # (B,) float32 in {0, 1}
+    extra: dict[str, list] = field(default_factory=dict)
+
+
+def _score_rows(custom: tuple[str, str] | None, kwargs: dict, rows: list[tuple]) -> list[tuple[float, float, dict]]:
+    """Score (index, data_source, response, ground_truth, extra_info) rows; runs in a worker or inline."""
+    if custom is not None:
+        fn, what = load_custom_reward(*custom), f"custom reward {custom[1]!r} from {custom[0]!r}"
+    else:
+        fn, what = compute_score, "built-in reward"
+    out = []
+    for index, source, response, truth, extra in rows:
+        try:
+            result = fn(source, response, truth, extra, **kwargs)
+        except Exception as exc:
+            raise RewardFunctionError(f"{what} raised on row {index} (data_source {source!r}): "
+                                      f"{type(exc).__name__}: {exc}") from None
+        if isinstance(result, Mapping):
+            if "score" not in result:
+                raise RewardFunctionError(f"{what} returned a dict without 'score' on row {index}: keys {sorted(result)}")
+            score = float(result["score"])
+            acc = float(result["acc"]) if result.get("acc") is not None else float(score > 0)
+            rest = {k: v for k, v in result.items() if k not in ("score", "acc")}
+        elif isinstance(result, (int, float)):
+            score, acc, rest = float(result), float(result > 0), {}
+        else:
+            raise RewardFunctionError(f"{what} returned {type(result).__name__} on row {index}; expected float or dict")
+        if not math.isfinite(score):
+            raise RewardFunctionError(f"{what} returned a non-finite score {score} on row {index}")
+        out.append((score, acc, rest))
+    return out
+
+
+class RewardManager:
+    """Batch reward computation (see the module docstring)."""
+
+    def __init__(self, custom_path: str | None = None, custom_name: str | None = None,
+                 overlong_buffer: Mapping | None = None, max_response_length: int | None = None,
+                 num_workers: int | None = None, parallel_threshold: int = 256,
+                 reward_kwargs: Mapping[str, Any] | None = None):
+        if custom_name and not custom_path:
+            raise ValueError("reward.custom.name is set but reward.custom.path is not")
+        self.custom = None
+        if custom_path:
+            load_custom_reward(custom_path, custom_name or "compute_score")  # fail early, in the driver
+            self.custom = (str(custom_path), custom_name or "compute_score")
+        self.overlong = overlong_buffer_settings(overlong_buffer, max_response_length)
+        self.max_response_length = max_response_length
+        self.num_workers = max(1, int(num_workers if num_workers is not None else min(8, os.cpu_count() or 1)))
+        self.parallel_threshold = int(parallel_threshold)
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _pool_get(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.num_workers, mp_context=get_context("spawn"))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def score(self, responses: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[str],
+              extra_infos: Sequence[dict | None] | None = None,
+              response_lengths: Sequence[int] | None = None) -> RewardResult:
+        """Score B decoded responses; ``response_lengths`` (tokens) is needed for overlong shaping."""
+        n = len(responses)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        for name, seq in (("data_sources", data_sources), ("ground_truths", ground_truths), ("extra_infos", extra_infos)):
+            if len(seq) != n:
+                raise ValueError(f"{name} has {len(seq)} rows but responses has {n}")
+        rows = [(i, data_sources[i], responses[i], ground_truths[i], extra_infos[i]) for i in range(n)]
+        if n >= self.parallel_threshold and self.num_workers > 1:
+            size = max(1, math.ceil(n / (self.num_workers * 4)))
+            chunks = [rows[i:i + size] for i in range(0, n, size)]
+            futures = [self._pool_get().submit(_score_rows, self.custom, self.reward_kwargs, c) for c in chunks]
+            results = [r for f in futures for r in f.result()]
+        else:
+            results = _score_rows(self.custom, self.reward_kwargs, rows)
+        scores = [r[0] for r in results]
+        extra: dict[str, list] = {}
+        for i, (_, _, rest) in enumerate(results):
+            for k, v in rest.items():
+                extra.setdefault(k, [None] * n)[i] = v
+        if self.overlong is not None:
+            if response_lengths is None or len(response_lengths) != n:
+                raise ValueError("overlong shaping needs response_lengths (one per response)")
+            penalties = overlong_rewards(response_lengths, self.max_response_length, *self.overlong)
+            extra["raw_score"] = scores
+            extra["overlong_reward"] = penalties
+            extra["overlong"] = [int(L) >= self.max_response_length for L in response_lengths]
+            scores = [s + p for s, p in zip(scores, penalties)]
+        return RewardResult(torch.tensor(scores, dtype=torch.float32),
+                            torch.tensor([r[1] for r in results], dtype=torch.float32), extra)
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """token_level_scores (B, T): each score at its row's last response token (mask == 1), 0 elsewhere.
+
+    A row without any response token gets no reward.
+    """
+    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(f"scores must be (B,) and response_mask (B, T); got {tuple(scores.shape)} and "
+                         f"{tuple(response_mask.shape)}")
+    mask = response_mask.to(torch.bool)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=scores.dtype if scores.is_floating_point() else torch.float32,
+                      device=scores.device)
+    has = last >= 0
+    rows = torch.nonzero(has).squeeze(1)
+    out[rows, last[rows]] = scores[rows].to(out.dtype)
+    return out
+
+
+def per_source_metrics(data_sources: Sequence[str], scores: torch.Tensor | Sequence[float],
+                       acc: torch.Tensor | Sequence[float], prefix: str = "") -> dict[str, float]:
+    """Mean score and accuracy per data source: ``{prefix}score/{source}``, ``{prefix}acc/{source}``, and
+    ``{prefix}count/{source}``."""
+    scores = [float(s) for s in scores]
+    acc = [float(a) for a in acc]
+    groups: dict[str, list[int]] = {}
+    for i, src in enumerate(data_sources):
+        groups.setdefault(src, []).append(i)
+    out: dict[str, float] = {}
+    for src, idx in sorted(groups.items()):
+        out[f"{prefix}score/{src}"] = sum(scores[i] for i in idx) / len(idx)
+        out[f"{prefix}acc/{src}"] = sum(acc[i] for i in idx) / len(idx)
+        out[f"{prefix}count/{src}"] = float(len(idx))
+    return out
