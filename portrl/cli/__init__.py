@@ -16,6 +16,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "devices": ("devices", "list every registered device backend and whether it can run here"),
     "doctor": ("doctor", "check the chosen backend's environment against its compatibility rows"),
+    "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math) or the arith task into verl parquet"),
 }
 
 
