@@ -1,0 +1,67 @@
+"""``compute_advantage``: one entry point for every registered advantage estimator.
+
+Registered names: gae, vcppo_gae, vapo_gae (``gae``), grpo, grpo_passk, reinforce_plus_plus_baseline,
+rloo, opo, gpg (``advantages_outcome``), reinforce_plus_plus, remax, optimal_token_baseline
+(``advantages_return``). Each estimator takes the keyword arguments it needs; ``compute_advantage``
+passes each only the arguments its signature names, so e.g. ``gamma`` reaches gae and
+reinforce_plus_plus but not grpo (as verl's dispatcher does).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Sequence
+
+import torch
+
+import portrl.algo.advantages_outcome  # noqa: F401  (registers the outcome estimators)
+import portrl.algo.advantages_return  # noqa: F401
+import portrl.algo.gae  # noqa: F401
+from portrl.algo.registry import ADV_ESTIMATORS
+
+
+def get_adv_estimator(name: str) -> Callable:
+    """The registered estimator ``name``; unknown names raise, listing the registered ones."""
+    return ADV_ESTIMATORS.get(name)
+
+
+def compute_advantage(
+    estimator: str,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Optional[Sequence] = None,
+    values: Optional[torch.Tensor] = None,
+    reward_baselines: Optional[torch.Tensor] = None,
+    old_log_probs: Optional[torch.Tensor] = None,
+    sum_pi_squared: Optional[torch.Tensor] = None,
+    gamma=1.0,
+    lam=1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    lam_actor=None,
+    lam_critic=None,
+    vapo_alpha: Optional[float] = None,
+    epsilon: float = 1e-6,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+):
+    """Advantages and returns ``(B,T)`` by ``estimator`` (float32, float64 for float64 rewards).
+
+    ``index`` holds one hashable group id (the prompt uid) per row. Options an estimator does not use
+    are ignored; a required one that is missing (values for gae, index for grouped estimators,
+    reward_baselines for remax, old_log_probs/sum_pi_squared for optimal_token_baseline) raises.
+    Passing lam_actor/lam_critic/vapo_alpha to an estimator other than the GAE family is an error.
+    """
+    fn = get_adv_estimator(estimator)
+    offered = dict(
+        token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, values=values,
+        reward_baselines=reward_baselines, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+        gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, lam_actor=lam_actor,
+        lam_critic=lam_critic, vapo_alpha=vapo_alpha, epsilon=epsilon, rollout_is_weights=rollout_is_weights,
+    )
+    accepted = inspect.signature(fn).parameters
+    for opt in ("lam_actor", "lam_critic", "vapo_alpha"):
+        if offered[opt] is not None and opt not in accepted:
+            raise ValueError(f"advantage estimator {estimator!r} does not take {opt}; "
+                             f"use gae, vcppo_gae or vapo_gae")
+    kwargs = {k: v for k, v in offered.items() if k in accepted}
+    return fn(**kwargs)

@@ -1,0 +1,110 @@
+"""Name -> function registries for the algorithm core.
+
+Four registries exist: ``adv_estimator``, ``policy_loss``, ``loss_agg_mode`` and ``kl_penalty``
+(plus any a caller creates). A registry maps a name to one function:
+
+* registering the *same* function twice under a name is allowed (idempotent re-import);
+* registering a *different* function under a taken name is a ``ValueError``;
+* asking for an unknown name is a ``KeyError`` whose message lists every registered name;
+* aliases (other spellings of the same entry, e.g. ``k1`` for ``kl``) resolve to their target
+  and are listed separately from the canonical names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+
+class UnknownNameError(KeyError, ValueError):
+    """An unknown registry name. Subclasses both KeyError and ValueError so either can be caught."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry:
+    """A registry of functions of one kind (e.g. ``"policy_loss"``)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._fns: Dict[str, Callable] = {}
+        self._aliases: Dict[str, str] = {}
+
+    def register(self, name: str, fn: Optional[Callable] = None):
+        """Register ``fn`` under ``name``; usable as ``@reg.register("name")``."""
+
+        def _add(f: Callable) -> Callable:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{self.kind}: a registry name must be a non-empty string, got {name!r}")
+            if name in self._aliases:
+                raise ValueError(f"{self.kind}: {name!r} is already an alias of {self._aliases[name]!r}")
+            old = self._fns.get(name)
+            if old is not None and old is not f:
+                raise ValueError(
+                    f"{self.kind}: {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
+                    f"refusing to replace it with {f.__module__}.{f.__qualname__}"
+                )
+            self._fns[name] = f
+            return f
+
+        return _add(fn) if fn is not None else _add
+
+    def alias(self, alias: str, target: str) -> None:
+        """Make ``alias`` another name for the registered entry ``target``."""
+        if target not in self._fns:
+            raise self._unknown(target)
+        if alias in self._fns:
+            raise ValueError(f"{self.kind}: {alias!r} is a registered name, it cannot also be an alias")
+        if self._aliases.get(alias, target) != target:
+            raise ValueError(f"{self.kind}: alias {alias!r} already points to {self._aliases[alias]!r}")
+        self._aliases[alias] = target
+
+    def resolve(self, name: str) -> str:
+        """The canonical name for ``name`` (itself or an alias target); unknown names raise."""
+        if name in self._fns:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        raise self._unknown(name)
+
+    def get(self, name: str) -> Callable:
+        return self._fns[self.resolve(name)]
+
+    def names(self, include_aliases: bool = False) -> List[str]:
+        out = sorted(self._fns)
+        return out + sorted(self._aliases) if include_aliases else out
+
+    def aliases(self) -> Dict[str, str]:
+        return dict(self._aliases)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns or name in self._aliases
+
+    def _unknown(self, name: object) -> UnknownNameError:
+        extra = f"; aliases: {', '.join(sorted(self._aliases))}" if self._aliases else ""
+        return UnknownNameError(
+            f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._fns))}{extra}"
+        )
+
+
+ADV_ESTIMATORS = Registry("adv_estimator")
+POLICY_LOSSES = Registry("policy_loss")
+LOSS_AGG_MODES = Registry("loss_agg_mode")
+KL_PENALTIES = Registry("kl_penalty")
+
+_KINDS = {r.kind: r for r in (ADV_ESTIMATORS, POLICY_LOSSES, LOSS_AGG_MODES, KL_PENALTIES)}
+
+
+def get_registry(kind: str) -> Registry:
+    """The registry of ``kind`` ("adv_estimator", "policy_loss", "loss_agg_mode", "kl_penalty")."""
+    try:
+        return _KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown registry kind {kind!r}; valid: {', '.join(sorted(_KINDS))}") from None
+
+
+def registered(kind: str, include_aliases: bool = False) -> List[str]:
+    """Sorted canonical names registered under ``kind`` (aliases appended if asked)."""
+    import portrl.algo  # noqa: F401  (importing the package fills the registries)
+
+    return get_registry(kind).names(include_aliases=include_aliases)
