@@ -71,6 +71,15 @@ def register(op: str, impl: str, fn: Callable, available: Callable[[], bool | st
         _impls[op][impl] = Impl(op, impl, fn, available)
 
 
+def unregister(op: str, impl: str) -> None:
+    """Remove an implementation (tests); ``native`` cannot be removed."""
+    _check_op(op)
+    if impl == NATIVE:
+        raise OpError("the native implementation cannot be unregistered")
+    with _lock:
+        _impls[op].pop(impl, None)
+
+
 def _ensure_native() -> None:
     if _impls["attention_varlen"].get(NATIVE) is not None:
         return

@@ -1,0 +1,86 @@
+"""Load a Hugging Face causal LM and its tokenizer from a local directory (never from the hub)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+HF_ATTENTION = ("hf_sdpa", "hf_eager")
+
+
+def _check_model_dir(path) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist (portrl loads local directories only; "
+                                "download the model first, e.g. with `huggingface-cli download <repo> --local-dir DIR`)")
+    if not p.is_dir():
+        raise NotADirectoryError(f"model path {str(p)!r} is not a directory")
+    return p
+
+
+def load_tokenizer(path):
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a missing path or tokenizer is a clear error."""
+    from transformers import AutoTokenizer
+
+    p = _check_model_dir(path)
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+        raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {str(p)!r}")
+    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def torch_dtype(dtype):
+    """A torch dtype from its name ("float32", "bfloat16", ...) or a torch dtype."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient_checkpointing: bool = False,
+                   device=None):
+    """Load ``AutoModelForCausalLM`` from a local directory with the backend's varlen attention plugged in.
+
+    ``backend``: a Backend, a backend name or None (resolved: --device / PORTRL_DEVICE / detection).
+    ``attn_impl``: an implementation name of the ``attention_varlen`` op (None: the backend's first
+    choice that runs here); "hf_sdpa" / "hf_eager" bypass portrl and use transformers' own attention
+    (padded batches with 4-D masks; the baseline the benchmarks compare against).
+    The chosen log-prob kernel is kept on the model for :func:`portrl.models.compute_logprobs`.
+    With ``gradient_checkpointing`` the decoder layers recompute activations in backward (non-reentrant)
+    and the KV cache is disabled. ``device``: move the model there after loading.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from portrl.models.attention import register_attention
+    from portrl.ops.registry import _resolve_backend, select
+
+    p = _check_model_dir(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{str(p)!r} has no config.json; it is not a Hugging Face model directory")
+    be = _resolve_backend(backend)
+    if attn_impl in HF_ATTENTION:
+        attn_name, impl = attn_impl[3:], attn_impl
+    else:
+        impl, fn = select("attention_varlen", impl=attn_impl, backend=be)
+        attn_name = register_attention(be.name, impl, fn)
+    config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=torch_dtype(dtype),
+                                                 attn_implementation=attn_name, local_files_only=True)
+    lp_impl, lp_fn = select("logprobs_entropy", backend=be)
+    model.portrl_kernels = {"attention_varlen": impl, "logprobs_entropy": lp_impl}
+    model.portrl_logprobs_entropy = lp_fn
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if device is not None:
+        model.to(device)
+    log.info("loaded %s (%s, %s) attention=%s logprobs=%s", p, type(model).__name__, dtype, impl, lp_impl)
+    return model

@@ -1,0 +1,84 @@
+"""Log-probabilities (and entropy) of response tokens under a causal LM, on packed sequences.
+
+Batch layout (verl): ``input_ids (B, P+T)`` = left-padded prompt + right-padded response,
+``attention_mask (B, P+T)``; the response is the last ``T = response_length`` columns. The token
+in column ``j`` is scored by the final hidden state of column ``j - 1``::
+
+    logp[b, t] = log softmax(h[b, P+t-1] W^T / temperature)[input_ids[b, P+t]]
+
+Packed (default): padding is removed, the B rows are concatenated into one row of N tokens with
+position_ids restarting at 0 for each sequence and ``cu_seq_lens_q/k`` passed to the attention, so
+no compute is spent on padding. The LM head never produces full logits: only the hidden states that
+score response tokens go through the ``logprobs_entropy`` op (chunked, with its own backward).
+Positions where the response is padding get 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portrl.ops.attention import cu_seqlens_from_lengths
+
+
+def _decoder_and_head(model):
+    """(base decoder returning final-normed hidden states, LM head Linear) of a CausalLM (or a PEFT wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = getattr(inner, inner.base_model_prefix, None)
+    head = inner.get_output_embeddings()
+    if base is None or head is None:
+        raise TypeError(f"{type(inner).__name__} is not a causal LM with a base model and an output embedding")
+    return inner, base, head
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Remove padding: ``(flat_ids (N,), position_ids (N,), cu_seqlens int32 (B+1,), max_len, flat_index (B, L))``
+    where ``flat_index[b, j]`` is column j's row in the packed tokens (meaningful where the mask is 1)."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(1)
+    flat_index = mask.reshape(-1).cumsum(0).reshape(mask.shape) - 1
+    position_ids = (mask.cumsum(1) - 1)[mask]
+    return input_ids[mask], position_ids, cu_seqlens_from_lengths(lengths), int(lengths.max()), flat_index
+
+
+def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+                     temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
+                     chunk_size: int | None = None):
+    """``(logp (B, T), entropy (B, T) or None)`` of the response tokens, float32, differentiable.
+
+    ``packed=False`` runs the padded batch instead (position_ids = cumsum(mask) - 1); same result.
+    The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids and attention_mask must both be (B, P+T); got {tuple(input_ids.shape)} and "
+                         f"{tuple(attention_mask.shape)}")
+    batch, length = input_ids.shape
+    T = int(response_length)
+    if not 0 < T < length:
+        raise ValueError(f"response_length must be in [1, {length - 1}] for sequences of length {length}; got {T}")
+    inner, base, head = _decoder_and_head(model)
+    fn = getattr(inner, "portrl_logprobs_entropy", None)
+    if fn is None:
+        from portrl.ops.logprobs import logprobs_entropy as fn
+    mask = attention_mask.bool()
+    resp_valid = mask[:, length - T:]
+    if not bool(mask[:, length - T - 1:length - 1][resp_valid].all()):
+        raise ValueError("every response token must follow an unmasked token (is the prompt left-padded and non-empty?)")
+
+    if packed:
+        flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
+        out = base(input_ids=flat_ids[None], position_ids=position_ids[None], use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        hidden = out.last_hidden_state[0]
+    else:
+        position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state.reshape(batch * length, -1)
+        flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
+
+    rows = flat_index[:, length - T - 1:length - 1][resp_valid]
+    labels = input_ids[:, length - T:][resp_valid]
+    logp_v, ent_v = fn(hidden[rows], head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
+    zeros = torch.zeros(batch, T, dtype=logp_v.dtype, device=logp_v.device)
+    logp = zeros.index_put((resp_valid,), logp_v)
+    entropy = zeros.index_put((resp_valid,), ent_v) if with_entropy else None
+    return logp, entropy
