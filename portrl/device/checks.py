@@ -78,7 +78,11 @@ def declared_requirement_checks(dists: Iterable[str]) -> list[Check]:
     for dist in dists:
         if installed[dist] is None:
             continue
-        for line in importlib.metadata.requires(dist) or ():
+        try:
+            declared = importlib.metadata.requires(dist) or ()
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for line in declared:
             try:
                 req = Requirement(line)
             except InvalidRequirement:
@@ -113,7 +117,7 @@ def compat_check(rows: Iterable[CompatRow], installed: Mapping[str, str]) -> Che
     if not applicable:
         return Check("compatibility rows", OK, "fewer than two pinned components installed: nothing to pair")
     best = max(covered[id(r)] for r in applicable)
-    candidates = [r for r in applicable if covered[id(r)] == best]
+    candidates = sorted((r for r in applicable if covered[id(r)] == best), key=lambda r: len(r.pins))
     for row in candidates:
         if row.matches({p: v for p in row.pins if (v := _lookup(installed, p)) is not None}):
             return Check("compatibility rows", OK, f"matches {_describe(row)}")

@@ -1,0 +1,53 @@
+"""The layering rule: nothing under portrl/ mentions a vendor library or a vendor name (DESIGN.md, "Rule")."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+PORTRL = Path(__file__).resolve().parents[1] / "portrl"
+
+# Attribute paths and module names, matched as written; vendor names as whole words, any case.
+FORBIDDEN = [
+    r"torch\.cuda", r"torch\.npu", r"torch\.version\.hip", r"\btorch_npu\b", r"\bflash_attn\b",
+    r"\bvllm\b", r"\baiter\b",
+    r"\bnvidia\b", r"\bamd\b", r"\bascend\b", r"\bhuawei\b", r"\brocm\b", r"\bcuda\b", r"\bnpu\b",
+]
+PATTERN = re.compile("|".join(FORBIDDEN), re.IGNORECASE)
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts or path.suffix in {".pyc", ".parquet"}:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            for m in PATTERN.finditer(line):
+                found.append(f"{path.relative_to(root.parent)}:{lineno}: {m.group(0)!r} in {line.strip()[:100]}")
+    return found
+
+
+def test_portrl_mentions_no_vendor():
+    found = violations(PORTRL)
+    assert not found, "vendor names belong in backends/ only:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", [
+    "import torch_npu", "x = torch.cuda.device_count()", "# runs on ROCm", "Ascend 910B", "an NVIDIA GPU",
+    "from vllm import LLM", "torch.version.hip", "use flash_attn", "AMD Instinct", "device='npu'", "aiter kernels",
+])
+def test_rule_catches(tmp_path, line):
+    (tmp_path / "portrl").mkdir()
+    (tmp_path / "portrl" / "m.py").write_text(f"{line}\n")
+    assert violations(tmp_path / "portrl")
+
+
+@pytest.mark.parametrize("line", ["accuracy = 1.0", "cudagraph_like = 1", "ascending order", "sample amdahl"])
+def test_rule_spares_words_that_contain_a_name(tmp_path, line):
+    (tmp_path / "portrl").mkdir()
+    (tmp_path / "portrl" / "m.py").write_text(f"{line}\n")
+    assert not violations(tmp_path / "portrl")
