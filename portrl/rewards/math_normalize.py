@@ -61,7 +61,9 @@ def normalize(answer: str) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("°", "").replace("\\circ", "")
     s = s.replace("\\$", "").replace("$", "")
-    s = _TRAILING_TEXT_RE.sub("", s).strip()
+    without_units = _TRAILING_TEXT_RE.sub("", s).strip()
+    if without_units:  # "5\text{ cm}" -> "5", but "\text{ 7 }" alone is the answer itself
+        s = without_units
     for _ in range(3):  # \text{\textbf{x}} unwraps in two passes
         s = _TEXT_CMD_RE.sub(r"\1", s)
     s = s.replace("\\%", "").replace("%", "")
