@@ -1,0 +1,230 @@
+"""The ``hf`` rollout engine: batched sampling over any Hugging Face causal LM, on every backend.
+
+Its own decode loop rather than ``model.generate`` (less Python per token, and the log-probs come
+out of the same pass):
+
+1. prefill: the ``B`` distinct prompts, left-padded, with ``attention_mask`` and ``position_ids``
+   (``cumsum(mask) - 1``), computing logits for the last position only; the KV cache and the last
+   logits are then repeated ``n`` times (``n`` samples share one prefill);
+2. decode: one token per row per step through the cache (``DynamicCache``), sampling with
+   :func:`portrl.rollout.sampling.sample_next` from a ``torch.Generator`` seeded by
+   ``SamplingParams.seed``;
+3. a row stops after EOS or a stop id; finished rows are dropped from the batch and its cache once
+   they make up ``compact_fraction`` of it, and the loop ends when every row has finished.
+
+The engine either wraps the trainer's module (colocated, weights shared: ``update_weights`` only
+checks that the tensors are the module's own) or owns a model loaded from ``model_path``
+(``update_weights`` copies tensors in). Deterministic for a given seed, model, device and batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from portrl.rollout.engine import RolloutEngine, check_prompts
+from portrl.rollout.sampling import sample_next
+from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from portrl.rollout.weights import load_named_tensors
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.extend([source] if isinstance(source, int) else list(source))
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _load_model(model_path: str, backend: Any, dtype: str) -> torch.nn.Module:
+    """Load a local HF checkpoint through portrl.models when present, else transformers directly."""
+    try:
+        from portrl.models import load_causal_lm
+    except ImportError:
+        load_causal_lm = None
+    if load_causal_lm is not None:
+        return load_causal_lm(model_path, dtype=dtype, backend=backend)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True)
+    return model.to(backend.device() if backend is not None else "cpu")
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with a Hugging Face causal LM and a KV cache.
+
+    Args:
+        model: the trainer's module to wrap (colocated, no copy); or None to load ``model_path``.
+        model_path: local HF checkpoint directory, used when ``model`` is None.
+        tokenizer: supplies ``eos_token_id`` and ``pad_token_id`` (may be None if the model's
+            generation config has an EOS id).
+        backend: the portrl Backend (device placement, ``empty_cache`` on sleep).
+        dtype: dtype for a model loaded from ``model_path``.
+        max_batch_rows: at most this many rows (prompts x n) decode together; None = all.
+        compact_fraction: drop finished rows from the batch once they are this share of it.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        model_path: str | None = None,
+        tokenizer: Any = None,
+        backend: Any = None,
+        dtype: str = "float32",
+        max_batch_rows: int | None = None,
+        compact_fraction: float = 0.125,
+    ) -> None:
+        if model is None and model_path is None:
+            raise ValueError("the hf engine needs model= (the trainer's module) or model_path= (a local HF checkpoint)")
+        if max_batch_rows is not None and max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1 or None, got {max_batch_rows!r}")
+        if not 0.0 <= compact_fraction <= 1.0:
+            raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction!r}")
+        self.colocated = model is not None
+        self.model = model if model is not None else _load_model(str(model_path), backend, dtype)
+        self.backend = backend
+        self.max_batch_rows = max_batch_rows
+        self.compact_fraction = compact_fraction
+        self.eos_token_ids = _eos_ids(self.model, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0))
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # peft wraps
+        params = inspect.signature(base.forward).parameters
+        self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); use what this model takes
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._offloaded_from: torch.device | None = None
+
+    # --- contract -----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        prompts = check_prompts(prompts)
+        if self._offloaded_from is not None:
+            raise RuntimeError("the hf engine is asleep; call wake() before generate()")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        stop = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        per_chunk = len(prompts) if self.max_batch_rows is None else max(1, self.max_batch_rows // params.n)
+        out = RolloutOutput()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(prompts), per_chunk):
+                    ids, lps, reasons = self._generate_chunk(prompts[start:start + per_chunk], params, stop, generator)
+                    out.response_ids += ids
+                    out.logprobs += lps
+                    out.finish_reasons += reasons
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        counts = load_named_tensors(self.model, named_tensors)
+        log.debug("hf engine update_weights: %(copied)d copied, %(shared)d already shared", counts)
+
+    def sleep(self) -> None:
+        """An engine that owns its model moves it to host memory; a colocated one has nothing of its own to free."""
+        if self.colocated or self._offloaded_from is not None or self.device.type == "cpu":
+            return
+        self._offloaded_from = self.device
+        self.model.to("cpu")
+        if self.backend is not None:
+            self.backend.empty_cache()
+
+    def wake(self) -> None:
+        if self._offloaded_from is not None:
+            self.model.to(self._offloaded_from)
+            self._offloaded_from = None
+
+    # --- decode loop -------------------------------------------------------------------------
+    def _forward(self, cache: Any, **kw: Any):
+        if self._logits_kw is not None:
+            kw[self._logits_kw] = 1
+        kw[self._cache_kw] = cache
+        return self.model(use_cache=True, return_dict=True, **kw)
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, stop: torch.Tensor, generator: torch.Generator
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        from transformers import DynamicCache
+
+        dev, n, max_new = self.device, params.n, params.max_new_tokens
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        plen = int(lengths.max())
+        ids = torch.full((len(prompts), plen), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(dev)
+        mask = (torch.arange(plen, device=dev)[None, :] >= (plen - lengths)[:, None]).long()
+        padded = bool((lengths != plen).any())
+        cache = DynamicCache(config=self.model.config)
+        out = self._forward(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_(min=0), cache=cache
+        )
+        logits = out.logits[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask, lengths = mask.repeat_interleave(n, dim=0), lengths.repeat_interleave(n)
+        rows = logits.shape[0]
+        full_mask = torch.ones(rows, plen + max_new, dtype=torch.long, device=dev)
+        full_mask[:, :plen] = mask
+        position = lengths.clone()  # position id of the next token of each row
+        tokens = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
+        resp_len = torch.full((rows,), max_new, dtype=torch.long, device=dev)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
+        active = torch.arange(rows, device=dev)  # batch row -> output row
+        alive = torch.ones(rows, dtype=torch.bool, device=dev)  # batch rows still generating
+        n_alive = rows
+        for t in range(max_new):
+            tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
+            live_rows = active[alive] if n_alive < len(active) else active
+            if n_alive < len(active):
+                tok_live, lp_live = tok[alive], lp[alive]
+            else:
+                tok_live, lp_live = tok, lp
+            tokens[live_rows, t] = tok_live
+            logps[live_rows, t] = lp_live
+            hit = torch.isin(tok, stop) & alive
+            n_hit = int(hit.sum())
+            if n_hit:
+                done_rows = active[hit]
+                resp_len[done_rows] = t + 1
+                stopped[done_rows] = True
+                alive &= ~hit
+                n_alive -= n_hit
+            if n_alive == 0 or t == max_new - 1:
+                break
+            if n_alive < len(active) and len(active) - n_alive >= max(1, self.compact_fraction * len(active)):
+                keep = alive.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, tok, position, full_mask = active[keep], tok[keep], position[keep], full_mask[keep]
+                alive = torch.ones(n_alive, dtype=torch.bool, device=dev)
+            step_mask = full_mask[:, : plen + t + 1] if padded else None
+            out = self._forward(
+                input_ids=tok[:, None], attention_mask=step_mask, position_ids=position[:, None], cache=cache
+            )
+            logits = out.logits[:, -1]
+            position += 1
+        resp_len_l, stopped_l = resp_len.tolist(), stopped.tolist()
+        tokens_l, logps_l = tokens.tolist(), logps.tolist()
+        ids_out = [tokens_l[r][: resp_len_l[r]] for r in range(rows)]
+        lps_out = [logps_l[r][: resp_len_l[r]] for r in range(rows)]
+        reasons = [FINISH_STOP if s else FINISH_LENGTH for s in stopped_l]
+        return ids_out, lps_out, reasons

@@ -1,0 +1,62 @@
+"""Next-token sampling in torch: temperature, top-k, top-p, and the sampled token's log-prob.
+
+For logits ``z`` (rows, vocab) and temperature ``T > 0``:
+
+* ``logp = z/T - logsumexp(z/T)`` at the sampled token (the convention of :mod:`portrl.rollout.types`:
+  temperature applied, truncation not);
+* top-k keeps the ``k`` largest ``z/T`` per row; top-p then keeps the smallest prefix of the sorted
+  distribution whose mass reaches ``p`` (the most likely token is always kept);
+* the token is drawn by inverse CDF: ``u ~ U(0, 1]`` from ``generator`` (one number per row), and
+  the first token whose cumulative kept mass reaches ``u * total``. One uniform per row is far
+  cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race).
+
+``T == 0`` is greedy: ``argmax(z)``, with ``logp = log_softmax(z)`` at that token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _truncate_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Return ``scaled`` with the tokens outside top-k / top-p set to -inf (a new tensor)."""
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # mass strictly before each token; a token is dropped once that mass already reaches top_p
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` (rows, vocab). Returns ``(tokens (rows,) long, logp (rows,) float32)``."""
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return tokens, logp
+    scaled = logits / temperature if temperature != 1.0 else logits
+    lse = torch.logsumexp(scaled, dim=-1)
+    kept = _truncate_top_k_top_p(scaled, top_k, top_p)
+    cdf = (kept - lse[:, None]).exp_().cumsum_(dim=-1)
+    # u in (0, total]: the first index with cdf >= u never lands on a zero-mass token (its cdf equals
+    # the previous entry's) and never runs past the end.
+    u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u).squeeze(-1)
+    logp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    return tokens, logp
