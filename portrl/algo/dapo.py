@@ -32,7 +32,7 @@ def filter_groups(index: Sequence[Hashable], metric) -> torch.Tensor:
     std > 0; compared exactly, so float round-off in a std cannot keep an all-equal group) or the group
     has one row. ``metric`` is one number per row (e.g. acc or the sequence reward). Returns a bool
     ``(B,)`` keep mask; the caller accumulates kept groups across generation batches. NaN is an error."""
-    values = torch.as_tensor(metric).to(torch.float64).reshape(-1)
+    values = torch.as_tensor(metric, dtype=torch.float64).reshape(-1)
     if torch.isnan(values).any():
         raise ValueError("filter_groups: metric contains NaN")
     keep = torch.zeros(values.shape[0], dtype=torch.bool)
