@@ -1,22 +1,18 @@
-"""A real, local Hugging Face tokenizer for tiny test/demo models: one token per character.
+"""A real, local Hugging Face tokenizer for tiny test/demo models: Qwen2's byte-level BPE with no merges.
 
-Vocabulary ("arith"): the special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``,
-``<|im_end|>`` (eos), ``<unk>``, then newline, tab and the 95 printable ASCII characters, so
-every digit, operator (``+ - * / =``), letter and space is exactly one token and
-``decode(encode(s)) == s`` for ASCII text. It is a ``tokenizers`` WordLevel model behind a
-per-character split, wrapped in ``PreTrainedTokenizerFast`` (Rust, fast on the hot path) with a
-ChatML chat template (the one Qwen2 uses).
+Vocabulary ("arith"): the 256 byte-level symbols (id = byte value, so every digit, operator
+``+ - * / =``, letter, space and newline is exactly one token), then ``<|endoftext|>`` (256, pad),
+``<|im_start|>`` (257) and ``<|im_end|>`` (258, eos): 259 tokens. It is a ``Qwen2Tokenizer`` (the
+class transformers picks for a Qwen2 model directory, so it loads back identically with
+``AutoTokenizer``), Rust-backed, with the ChatML chat template Qwen2 uses.
+``decode(encode(s)) == s`` for any text.
 """
 
 from __future__ import annotations
 
-import string
-
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-UNK = "<unk>"
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, UNK)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -28,28 +24,33 @@ CHAT_TEMPLATE = (
 VOCABS = ("arith",)
 
 
-def _characters() -> list[str]:
-    printable = [chr(c) for c in range(32, 127)]  # space .. ~
-    return ["\n", "\t", *printable]
+def byte_symbols() -> list[str]:
+    """GPT-2 / Qwen2 byte-level alphabet: the printable symbol standing for each byte 0..255, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
 
 
 def build_char_tokenizer(model_max_length: int = 2048):
-    """A PreTrainedTokenizerFast with the "arith" vocabulary above (not saved; call save_pretrained)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A Qwen2Tokenizer over single bytes (the "arith" vocabulary above); call save_pretrained to store it."""
+    from transformers import Qwen2Tokenizer
 
-    tokens = [*SPECIAL_TOKENS, *_characters()]
-    assert len(set(tokens)) == len(tokens) and set(string.digits) <= set(tokens)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        unk_token=UNK,
-        pad_token=PAD,
+    vocab = {sym: i for i, sym in enumerate(byte_symbols())}
+    for tok in (PAD, IM_START, IM_END):
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=PAD,
         eos_token=IM_END,
-        additional_special_tokens=[IM_START],
+        pad_token=PAD,
+        extra_special_tokens=[IM_START],
         model_max_length=model_max_length,
         padding_side="left",
         clean_up_tokenization_spaces=False,
