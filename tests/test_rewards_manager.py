@@ -5,7 +5,6 @@ import torch
 
 from portrl.rewards import (RewardFunctionError, RewardManager, load_custom_reward, per_source_metrics,
                             place_on_last_token)
-from portrl.rewards.shaping import overlong_rewards
 
 SOURCES = ["openai/gsm8k", "lighteval/MATH", "arith", "math_dapo"]
 RESPONSES = ["... #### 72", "\\boxed{\\frac12}", "20", "Answer: 5"]
@@ -97,12 +96,6 @@ def test_custom_reward_errors(reward_file, tmp_path):
         RewardManager(str(syntax), "f")
     with pytest.raises(ValueError, match="custom.name is set but reward.custom.path is not"):
         RewardManager(custom_name="f")
-
-
-def test_overlong_formula():
-    # Lmax=20, Lbuf=4: no penalty up to 16 tokens, then -(L-16)/4 * factor, capped at 0 from above
-    assert overlong_rewards([10, 16, 17, 18, 20], 20, 4, 1.0) == [0.0, 0.0, -0.25, -0.5, -1.0]
-    assert overlong_rewards([20], 20, 4, 0.5) == [-0.5]
 
 
 def test_overlong_shaping_in_manager():

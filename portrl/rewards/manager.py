@@ -4,7 +4,7 @@
 spawned processes when the batch has at least ``parallel_threshold`` rows and ``num_workers > 1``.
 A result is a float (acc = score > 0) or a dict with "score" (and optionally "acc"; other keys are
 returned in ``RewardResult.extra`` as lists with None where a row lacks them). With
-``overlong_buffer.enable`` the DAPO overlong reward (portrl.rewards.shaping) is added to the score.
+``overlong_buffer.enable`` the DAPO overlong reward (portrl.algo.overlong_penalty) is added to the score.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from portrl.rewards.custom import RewardFunctionError, load_custom_reward
 from portrl.rewards.registry import compute_score
-from portrl.rewards.shaping import overlong_buffer_settings, overlong_rewards
+from portrl.algo import overlong_penalty
+from portrl.rewards.shaping import overlong_buffer_settings
 
 
 @dataclass
@@ -120,7 +121,7 @@ class RewardManager:
         if self.overlong is not None:
             if response_lengths is None or len(response_lengths) != n:
                 raise ValueError("overlong shaping needs response_lengths (one per response)")
-            penalties = overlong_rewards(response_lengths, self.max_response_length, *self.overlong)
+            penalties = overlong_penalty(list(response_lengths), self.max_response_length, *self.overlong).tolist()
             extra["raw_score"] = scores
             extra["overlong_reward"] = penalties
             extra["overlong"] = [int(L) >= self.max_response_length for L in response_lengths]

@@ -1,13 +1,12 @@
-"""DAPO's overlong reward shaping (Yu et al. 2025, "DAPO", soft overlong punishment).
+"""Settings of DAPO's overlong reward shaping (Yu et al. 2025, soft overlong punishment).
 
-With L the response length, Lmax the max response length and Lbuf the buffer length:
-``r_over = min(-(L - (Lmax - Lbuf)) / Lbuf * penalty_factor, 0)``, added to the task reward.
-It is 0 up to Lmax - Lbuf tokens and falls linearly to -penalty_factor at Lmax.
+The formula, ``r_over = min(-(L - (Lmax - Lbuf)) / Lbuf * penalty_factor, 0)``, is
+portrl.algo.overlong_penalty; this module checks the ``overlong_buffer`` config for it.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 
 def overlong_buffer_settings(overlong_buffer: Mapping | None, max_response_length: int | None) -> tuple[int, float] | None:
@@ -26,10 +25,3 @@ def overlong_buffer_settings(overlong_buffer: Mapping | None, max_response_lengt
     if factor < 0:
         raise ValueError(f"overlong_buffer.penalty_factor must be >= 0, got {factor}")
     return buffer_len, factor
-
-
-def overlong_rewards(response_lengths: Sequence[int], max_response_length: int, buffer_len: int,
-                     penalty_factor: float) -> list[float]:
-    """r_over for each length (see the module docstring)."""
-    expected = max_response_length - buffer_len
-    return [min(-(int(n) - expected) / buffer_len * penalty_factor, 0.0) for n in response_lengths]
