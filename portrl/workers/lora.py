@@ -1,0 +1,82 @@
+"""LoRA adapters through peft (``actor.lora_rank > 0``) and the merged weights the rollout engine needs.
+
+Merged weight of a LoRA linear layer (Hu et al. 2021): ``W' = W + (alpha / r) * B @ A`` (transposed when the
+layer stores ``fan_in_fan_out``), summed over the active adapters; peft's ``scaling[adapter]`` holds
+``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA). :func:`merged_weights` computes ``W'`` on the fly, so the
+training model keeps its separate adapters; the names are the base model's (``model.layers.0.self_attn.
+q_proj.weight``), which is what a rollout engine built from the base checkpoint expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Tuple
+
+import torch
+from torch import nn
+
+from portrl.device import import_optional
+
+PEFT_INSTALL = "pip install 'peft>=0.13'"
+
+
+def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
+    """``model`` with LoRA adapters of ``actor.lora_rank`` / ``lora_alpha`` on ``actor.lora_target_modules``
+    (a peft ``PeftModel``; only the adapters train). ``cfg`` is the run config (or its ``actor`` group)."""
+    actor = cfg.actor if hasattr(cfg, "actor") else cfg
+    rank, alpha, targets = int(actor.lora_rank), int(actor.lora_alpha), list(actor.lora_target_modules)
+    if rank <= 0:
+        raise ValueError(f"apply_lora: actor.lora_rank must be > 0, got {rank}")
+    if not targets:
+        raise ValueError("apply_lora: actor.lora_target_modules is empty; name the linear layers to adapt, "
+                         "e.g. [q_proj, k_proj, v_proj, o_proj]")
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"actor.lora_target_modules {missing} are not modules of {type(model).__name__}; "
+                         f"linear layers it has: {sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}")
+    peft = import_optional("peft", PEFT_INSTALL)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
+                             task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _delta(layer: nn.Module) -> torch.Tensor | None:
+    """Sum over active adapters of ``scaling * B @ A`` (None when adapters are disabled or already merged)."""
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return None
+    delta = None
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if getattr(layer, "use_dora", {}).get(name, False):
+            raise NotImplementedError("merged_weights: DoRA adapters are not supported (use plain LoRA)")
+        a = _full(layer.lora_A[name].weight).float()
+        b = _full(layer.lora_B[name].weight).float()
+        d = (b @ a) * float(layer.scaling[name])
+        if getattr(layer, "fan_in_fan_out", False):
+            d = d.T
+        delta = d if delta is None else delta + d
+    return delta
+
+
+def merged_weights(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the full model with every LoRA delta merged in, named as in the base model, in
+    the base model's dtype. The training model is not changed. Sharded (DTensor) parameters are gathered, so
+    under FSDP every rank must iterate it. A model without adapters yields its own state."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+    for name, t in base.state_dict().items():
+        if ".lora_" in name or "lora_magnitude" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        t = _full(t).detach()
+        if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
+            owner = owner[: -len(".base_layer")]
+            delta = _delta(layers[owner]) if leaf == "weight" else None
+            if delta is not None:
+                t = (t.float() + delta.to(t.device)).to(t.dtype)
+        yield f"{owner}.{leaf}" if owner else leaf, t

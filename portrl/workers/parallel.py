@@ -1,0 +1,170 @@
+"""Data parallelism inside a worker: process-group setup, model wrapping, gradient clipping.
+
+Strategies (``actor.strategy``):
+
+* ``fsdp`` -- FSDP2 (``torch.distributed.fsdp.fully_shard``): every transformer block (the classes the
+  model names in ``_no_split_modules``) is sharded, then the root. Parameters become DTensors.
+* ``ddp``  -- ``DistributedDataParallel``: full replicas, gradients averaged by all-reduce.
+* ``auto`` -- ``fsdp`` where it runs, ``ddp`` otherwise (:func:`fsdp_supported`). Measured with torch
+  2.13 (tests/test_distributed_ray.py): FSDP2 runs on the CPU with gloo (all-gather and
+  reduce-scatter of CPU tensors), and two ranks give the single-rank update to float32 tolerance.
+* ``none`` -- the model as it is.
+
+With one rank (no process group, or ``world_size == 1``) every strategy returns the model unchanged.
+Both wrappers *average* gradients over ranks, so a loss normalised by global counts must be
+multiplied by the data-parallel size (see ``portrl.workers.training.global_counts``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+STRATEGIES = ("auto", "fsdp", "ddp", "none")
+log = logging.getLogger(__name__)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(backend, rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout_s: float = 600.0) -> None:
+    """``torch.distributed.init_process_group`` with ``backend.dist_backend`` over TCP ``master_addr:master_port``.
+
+    Also exports RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK=0 unless already set: a Ray
+    worker sees only its own devices) for libraries that read them. A no-op when a group already exists with the same size.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"init_distributed: need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(f"a process group already exists (rank {dist.get_rank()} of {dist.get_world_size()}); "
+                               f"cannot join as rank {rank} of {world_size}")
+        return
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                      MASTER_PORT=str(master_port))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def dp_world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def fsdp_supported(backend) -> tuple[bool, str]:
+    """Whether FSDP2 can run with this backend here, and why not. Needs ``fully_shard`` in torch and a
+    collective backend with all-gather-into-tensor and reduce-scatter-tensor (gloo has both in torch >= 2.6;
+    the accelerator collectives always had them)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        return False, f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard ({exc})"
+    if backend.dist_backend == "gloo":
+        major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        if (major, minor) < (2, 6):
+            return False, f"gloo reduce_scatter_tensor needs torch >= 2.6, found {torch.__version__}"
+    return True, ""
+
+
+def resolve_strategy(strategy: str, backend) -> str:
+    """``auto`` -> ``fsdp`` or ``ddp`` (logged with the reason); an unknown name is an error listing the valid ones."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"actor.strategy {strategy!r} is unknown; valid: {list(STRATEGIES)}")
+    if strategy != "auto":
+        return strategy
+    ok, why = fsdp_supported(backend)
+    if not ok:
+        log.info("strategy auto -> ddp (%s)", why)
+    return "fsdp" if ok else "ddp"
+
+
+def _block_classes(model: nn.Module) -> set:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    inner = getattr(model, "get_base_model", None)  # a peft wrapper keeps the HF attribute on the base model
+    if not names and inner is not None:
+        names = set(getattr(inner(), "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[torch.device] = None) -> nn.Module:
+    """The model wrapped for data parallelism over the default process group (see the module docstring).
+
+    ``device``: where the model lives (default ``backend.device()``); the model is moved there first.
+    FSDP2 shards in place and returns the same module object (now holding DTensors); DDP returns a wrapper
+    whose ``.module`` is the model.
+    """
+    strategy = resolve_strategy(strategy, backend)
+    device = device if device is not None else backend.device()
+    model = model.to(device)
+    if dp_world_size() == 1 or strategy == "none":
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = None if device.type == "cpu" else [device]
+        return DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dp_world_size(),))
+    blocks = _block_classes(model)
+    for m in model.modules():
+        if type(m) in blocks:
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module under a DDP wrapper (FSDP2 and plain models are returned as they are)."""
+    return model.module if hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) else model
+
+
+def clip_grad_norm(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_norm: float) -> float:
+    """Clip gradients to total L2 norm ``max_norm`` and return the norm before clipping, as a float.
+
+    Works for plain, DDP and FSDP2 (DTensor) gradients: with FSDP2 the norm of the local shards is reduced
+    over the mesh (``full_tensor()``), so every rank gets the global norm. A non-finite norm leaves the
+    gradients untouched; the caller must then skip ``optimizer.step()``. ``max_norm <= 0`` only measures.
+    """
+    params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    norm = float(total)
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
+        for g in grads:  # a python float scales plain tensors and DTensor shards alike
+            g.mul_(coef)
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """Full (unsharded) tensors keyed by the unwrapped model's names, on the CPU. Every rank must call it
+    under FSDP2 (each DTensor is all-gathered)."""
+    out = {}
+    for name, t in unwrap_model(model).state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name] = t.detach().to("cpu")
+    return out

@@ -1,0 +1,168 @@
+"""Ray setup: starting or joining a cluster, worker environments, resource pools, device visibility.
+
+Nothing here runs on import; Ray itself is imported lazily.
+
+Visible devices -- what each worker sees:
+
+* ``backend.ray_resource is None`` (the CPU): workers ask Ray for CPUs only; no device variable is set.
+* Default: a worker asks for ``devices_per_worker`` of ``backend.ray_resource`` and Ray sets
+  ``backend.visible_devices_env`` in that worker to exactly the ids it was given (e.g. ``"1"``), so the
+  worker sees only its own device(s) and uses local index 0 (:func:`local_device_index`).
+* ``share_devices=True`` (needed when one process drives several devices, or an engine wants to see them
+  all): the ``backend.ray_noset_env`` opt-outs are set to ``"1"`` in the worker's environment, Ray leaves
+  the visible-devices variable as the node had it, and the worker picks its device by the id Ray gave it,
+  mapped through that variable (:func:`local_device_index`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        node = node.get(part, None) if isinstance(node, Mapping) or hasattr(node, "get") else getattr(node, part, None)
+    return default if node is None else node
+
+
+def worker_env(cfg: Any, backend, *, share_devices: bool = False) -> Dict[str, str]:
+    """Environment variables of every worker: ``backend.env_presets(trainer.deterministic)``, then
+    ``device.env`` (the user's, wins), then the Ray no-set opt-outs when ``share_devices``."""
+    env = dict(backend.env_presets(deterministic=bool(_cfg_get(cfg, "trainer.deterministic", False))))
+    env.update({str(k): str(v) for k, v in dict(_cfg_get(cfg, "device.env", {}) or {}).items()})
+    if share_devices:
+        env.update({name: "1" for name in backend.ray_noset_env})
+    return env
+
+
+def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
+             resources: Optional[Dict[str, float]] = None) -> None:
+    """Start a local Ray on 127.0.0.1, or join ``trainer.ray_address`` (a cluster built with ``ray start`` on
+    each node). No dashboard unless ``trainer.ray_dashboard`` (then bound to 127.0.0.1). Every worker of the
+    job gets :func:`worker_env` through the job's runtime_env. A no-op when Ray is already initialised.
+
+    ``num_cpus`` / ``num_gpus`` / ``resources`` size a *local* Ray only (tests; ignored when joining).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = _cfg_get(cfg, "trainer.ray_address")
+    dashboard = bool(_cfg_get(cfg, "trainer.ray_dashboard", False))
+    common = dict(include_dashboard=dashboard, runtime_env={"env_vars": worker_env(cfg, backend)},
+                  log_to_driver=True, configure_logging=False)
+    if dashboard:
+        common["dashboard_host"] = "127.0.0.1"
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        ray.init(address=str(address), **common)
+        return
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
+             resources=resources, **common)
+    log.info("started a local Ray on 127.0.0.1 (dashboard %s)", "on" if dashboard else "off")
+
+
+def local_device_index(backend, accelerator_ids: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The device index this worker should use (None on a backend without a Ray resource).
+
+    ``accelerator_ids``: what Ray gave the worker (``ray.get_runtime_context().get_accelerator_ids()
+    [backend.ray_resource]``). When Ray set the visible-devices variable to exactly these ids, the worker's
+    own first device is index 0. Under the no-set opt-outs the variable lists the node's devices; the index is
+    the position of the worker's first id in that list (or the id itself when the variable is unset).
+    """
+    if backend.ray_resource is None:
+        return None
+    environ = os.environ if environ is None else environ
+    if not accelerator_ids:
+        raise RuntimeError(f"this worker was given no {backend.ray_resource} by Ray; ask for devices_per_worker > 0")
+    first = str(accelerator_ids[0])
+    visible = environ.get(backend.visible_devices_env or "", None)
+    noset = any(environ.get(v) for v in backend.ray_noset_env)
+    if not noset:
+        return 0
+    if visible is None or visible == "":
+        return int(first)
+    listed = [v.strip() for v in visible.split(",")]
+    if first not in listed:
+        raise RuntimeError(f"device id {first} given by Ray is not in {backend.visible_devices_env}={visible!r}")
+    return listed.index(first)
+
+
+@dataclass
+class ResourcePool:
+    """A Ray placement group of ``num_workers`` bundles, each ``{"CPU": cpus_per_worker, resource: devices}``.
+
+    ``strategy``: Ray's placement strategy -- ``PACK`` fills a node before using the next (a pool larger
+    than one node spans several), ``SPREAD`` puts bundles on different nodes where it can, ``STRICT_*`` as
+    Ray defines them. Several worker groups may share one pool (colocation) by asking for a fraction of each
+    bundle (``WorkerGroup(..., pool=pool, share=k)``).
+    """
+
+    name: str
+    num_workers: int
+    backend: Any
+    cpus_per_worker: float = 1.0
+    devices_per_worker: float = 1.0
+    strategy: str = "PACK"
+    timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            raise ValueError(f"resource pool {self.name!r}: num_workers must be >= 1, got {self.num_workers}")
+        self.placement_group = None
+
+    def bundle(self) -> Dict[str, float]:
+        b = {"CPU": float(self.cpus_per_worker)}
+        if self.backend.ray_resource is not None and self.devices_per_worker > 0:
+            b[self.backend.ray_resource] = float(self.devices_per_worker)
+        return b
+
+    def create(self):
+        """Reserve the bundles (waits up to ``timeout_s``; a pool that cannot fit is an error naming what it
+        asked for and what the cluster has)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if self.placement_group is not None:
+            return self.placement_group
+        bundles = [self.bundle() for _ in range(self.num_workers)]
+        pg = placement_group(bundles, strategy=self.strategy, name=f"portrl_{self.name}_{os.getpid()}")
+        ready, _ = ray.wait([pg.ready()], timeout=self.timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise RuntimeError(
+                f"resource pool {self.name!r} could not reserve {self.num_workers} x {self.bundle()} "
+                f"(strategy {self.strategy}) within {self.timeout_s:.0f}s; the cluster has {ray.cluster_resources()}")
+        self.placement_group = pg
+        return pg
+
+    def scheduling(self, rank: int):
+        """The scheduling strategy that puts worker ``rank`` into bundle ``rank``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.create(), placement_group_bundle_index=rank,
+                                                placement_group_capture_child_tasks=True)
+
+    def remove(self) -> None:
+        import ray
+
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def node_bundles(pool: ResourcePool) -> List[str]:
+    """Node id of each bundle (in rank order), from Ray's placement-group table."""
+    import ray
+
+    table = ray.util.placement_group_table(pool.create())
+    by_index = table.get("bundles_to_node_id", {})
+    return [by_index.get(i, "") for i in range(pool.num_workers)]
