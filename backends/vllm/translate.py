@@ -1,0 +1,97 @@
+"""Translation between portrl's rollout types and vLLM's (``vllm.SamplingParams``, ``TokensPrompt``,
+``RequestOutput``). Pure functions of the ``vllm`` module passed in, so that they are tested on a
+machine without vLLM against its documented signatures.
+
+vLLM facts relied on (vLLM 0.11 - 0.32):
+
+* ``SamplingParams(n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed, logprobs,
+  detokenize)``; ``top_k=-1`` disables top-k in every version (newer ones also take 0);
+  ``logprobs=0`` returns the sampled token's log-prob only.
+* With the engine argument ``logprobs_mode="processed_logprobs"`` the log-prob is taken after
+  temperature *and* top-k / top-p truncation (``raw_logprobs``, the default, is before temperature).
+  With top-k / top-p disabled that is exactly portrl's convention ``log_softmax(logits / T)``; with
+  truncation on, vLLM's value is the truncated, renormalised one (higher by ``-log(kept mass)``).
+* ``RequestOutput.outputs`` holds ``n`` ``CompletionOutput`` (``index``, ``token_ids``,
+  ``logprobs``: one ``{token_id: Logprob(logprob=...)}`` per position, ``finish_reason``:
+  "stop" | "length" | "abort"). ``token_ids`` include the EOS / stop token that ended the row.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def to_vllm_sampling_params(vllm: ModuleType, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> Any:
+    """``vllm.SamplingParams`` for ``params``. EOS ids of portrl's tokenizer are added to the stop ids
+    so that both engines stop on the same tokens whatever vLLM reads from the checkpoint."""
+    stop_ids = sorted(set(params.stop_token_ids) | {int(t) for t in eos_token_ids})
+    return vllm.SamplingParams(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        max_tokens=params.max_new_tokens,
+        stop_token_ids=stop_ids,
+        seed=params.seed,
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def to_vllm_prompts(vllm: ModuleType, prompts: Sequence[Sequence[int]]) -> list[Any]:
+    """Token-id prompts as ``vllm.inputs.TokensPrompt`` (a TypedDict: ``{"prompt_token_ids": [...]}``)."""
+    tokens_prompt = getattr(getattr(vllm, "inputs", None), "TokensPrompt", None)
+    if tokens_prompt is None:
+        return [{"prompt_token_ids": list(p)} for p in prompts]
+    return [tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+
+
+def _sampled_logprob(position: Any, token: int) -> float:
+    """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``."""
+    entry = position[token]
+    return float(getattr(entry, "logprob", entry))
+
+
+def from_request_outputs(outputs: Sequence[Any], n: int, num_prompts: int) -> RolloutOutput:
+    """Flatten vLLM ``RequestOutput``s (prompt order) into a prompt-major :class:`RolloutOutput`."""
+    if len(outputs) != num_prompts:
+        raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {num_prompts} prompts")
+    result = RolloutOutput()
+    for i, request in enumerate(outputs):
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if len(completions) != n:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected n={n}")
+        for comp in completions:
+            ids = [int(t) for t in comp.token_ids]
+            if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                raise RuntimeError(
+                    f"vLLM returned no per-token logprobs for prompt {i} (got {comp.logprobs!r:.60}); "
+                    "SamplingParams(logprobs=0) must be set"
+                )
+            reason = comp.finish_reason
+            if reason not in (FINISH_STOP, FINISH_LENGTH):
+                raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
+            result.response_ids.append(ids)
+            result.logprobs.append([_sampled_logprob(pos, tok) for pos, tok in zip(comp.logprobs, ids)])
+            result.finish_reasons.append(reason)
+    return result
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterable[list[tuple[str, Any]]]:
+    """Group ``(name, cpu tensor)`` pairs into lists of at most ``bucket_bytes`` (one oversized tensor is its own bucket)."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
