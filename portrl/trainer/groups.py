@@ -1,0 +1,46 @@
+"""Worker placement for the trainer: plain in-process objects for one worker, Ray groups otherwise.
+
+Both expose ``call(method, *args)``. In-process it is a direct method call (no Ray, no copies: the
+hot path of small runs). With ``trainer.num_workers > 1``, ``trainer.use_ray`` or a
+``trainer.ray_address``, ``portrl.workers.group.WorkerGroup`` runs the same worker classes as
+Ray actors and splits Batch arguments across data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LocalGroup:
+    """One worker in this process; ``call`` is ``getattr(worker, method)(*args)``."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.num_workers = 1
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        return None
+
+
+def use_ray(cfg: Any) -> bool:
+    t = cfg.trainer
+    if t.use_ray is not None:
+        return bool(t.use_ray)
+    return int(t.num_workers) > 1 or bool(t.ray_address)
+
+
+def make_group(worker_cls: Any, cfg: Any, backend: Any):
+    """The worker group for ``worker_cls`` under ``cfg`` (see the module docstring)."""
+    if not use_ray(cfg):
+        return LocalGroup(worker_cls(cfg, rank=0, world_size=1))
+    from portrl.workers.group import WorkerGroup
+
+    return WorkerGroup(worker_cls, cfg, int(cfg.trainer.num_workers), backend)
+
+
+def first(result: Any) -> Any:
+    """A group call's result from rank 0 when the group returns one value per rank."""
+    return result[0] if isinstance(result, list) else result

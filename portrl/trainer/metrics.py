@@ -1,0 +1,76 @@
+"""Per-step metrics from a trained batch (verl's names) and timing.
+
+Data metrics: ``critic/score/{mean,max,min}`` (sequence score from the reward), ``critic/rewards/*``
+(after KL in the reward), ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (when a
+critic runs), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``critic/acc/<src>``,
+``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max,min}``. Throughput:
+``perf/tokens_per_s`` (prompt + response tokens of the step / step time),
+``perf/gen_tokens_per_s`` (response tokens / generation time).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator
+
+import torch
+
+from portrl.workers.batch import Batch
+
+
+def _stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/max": float(v.max()), f"{prefix}/min": float(v.min())}
+
+
+def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
+    t = batch.tensors
+    mask = t["response_mask"].bool()
+    resp_len = mask.sum(-1).float()
+    P = t["prompts"].shape[1]
+    prompt_len = t["attention_mask"][:, :P].sum(-1).float()
+    out: Dict[str, float] = {}
+    out.update(_stats("critic/score", t["token_level_scores"].sum(-1)))
+    rewards = t.get("token_level_rewards", t["token_level_scores"])
+    out.update(_stats("critic/rewards", rewards.sum(-1)))
+    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
+        if key in t:
+            out.update(_stats(name, t[key][mask]))
+    if "acc" in t:
+        out["critic/acc/mean"] = float(t["acc"].float().mean())
+    sources = batch.meta.get("data_source")
+    if sources is not None and len(set(sources)) > 0:
+        score = t["token_level_scores"].sum(-1)
+        groups: Dict[str, list] = {}
+        for i, s in enumerate(sources):
+            groups.setdefault(str(s), []).append(i)
+        for s, idx in groups.items():
+            ix = torch.tensor(idx)
+            out[f"critic/score/{s}"] = float(score[ix].mean())
+            if "acc" in t:
+                out[f"critic/acc/{s}"] = float(t["acc"][ix].float().mean())
+    out.update(_stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    out.update(_stats("prompt_length", prompt_len))
+    return out
+
+
+class Timer:
+    """Collects ``timing_s/<name>`` durations: ``with timer("gen"): ...``."""
+
+    def __init__(self) -> None:
+        self.times: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> Dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}

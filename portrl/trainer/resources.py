@@ -1,0 +1,73 @@
+"""What a run needs on disk before workers start: the model directory and the train / validation parquet.
+
+* ``model.path`` empty -> the built-in tiny Qwen2 model (``model.tiny`` sizes), written once and
+  reused from ``$PORTRL_CACHE`` (default ``~/.cache/portrl``) under a name derived from its sizes.
+* ``data.name == "arith"`` with no files -> generated arith rows (``data.arith``) written once to
+  the same cache. Other datasets need ``data.train_files`` (and ``val_files`` for validation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, List, Tuple
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PORTRL_CACHE") or Path.home() / ".cache" / "portrl")
+
+
+def _key(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def resolve_model_path(cfg: Any) -> str:
+    """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
+    if cfg.model.path:
+        p = Path(str(cfg.model.path)).expanduser()
+        if not p.is_dir():
+            raise FileNotFoundError(f"model.path {str(p)!r} is not a directory (portrl loads local models only)")
+        return str(p)
+    from omegaconf import OmegaConf
+
+    from portrl.models import write_tiny_model
+
+    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    out = cache_dir() / "models" / f"tiny-arith-{_key(t)}"
+    if not (out / "config.json").is_file():
+        write_tiny_model(out, vocab="arith", hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
+                         num_heads=int(t["num_heads"]), num_kv_heads=int(t["num_kv_heads"]),
+                         intermediate_size=int(t["intermediate_size"]), seed=int(t["seed"]), overwrite=True)
+    return str(out)
+
+
+def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
+    """(train files, validation files); generated for the arith task when none are given."""
+    train = [str(f) for f in (cfg.data.train_files or [])]
+    val = [str(f) for f in (cfg.data.val_files or [])]
+    if train:
+        return train, val
+    if str(cfg.data.name) != "arith":
+        raise ValueError(f"data.train_files is empty; data.name={cfg.data.name!r} needs parquet files "
+                         f"(make them with `portrl preprocess {cfg.data.name} ...`); only arith is generated")
+    from portrl.data import make_arith_rows, write_split
+
+    a = cfg.data.arith
+    spec = {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty), "seed": int(a.seed)}
+    out = cache_dir() / "data" / f"arith-{_key(spec)}"
+    tr, te = out / "train.parquet", out / "test.parquet"
+    if not tr.is_file():
+        write_split(make_arith_rows(spec["n_train"], spec["seed"], spec["difficulty"], "train"), tr)
+    if not te.is_file():
+        write_split(make_arith_rows(spec["n_test"], spec["seed"], spec["difficulty"], "test"), te)
+    return [str(tr)], (val or [str(te)])
+
+
+def arith_sft_rows(cfg: Any, n: int) -> list:
+    """Rows (prompt messages + response) of the arith train split for the SFT warm start."""
+    from portrl.data import make_arith_sft_rows
+
+    a = cfg.data.arith
+    return make_arith_sft_rows(n, int(a.seed), int(a.difficulty), "train")

@@ -1,0 +1,338 @@
+"""RLTrainer: the single-controller RL loop (DESIGN.md "Trainer").
+
+One step::
+
+    prompts -> generate n responses each (uid per prompt) -> reward (score on the last token)
+      [-> more generation batches, keeping informative groups (DAPO dynamic sampling)]
+      -> old log-probs (skipped when provably equal to the current policy, see
+         portrl.workers.actor.old_log_probs_needed) -> reference log-probs (when a KL term needs them)
+      -> critic values -> KL in the reward -> advantages -> critic update -> actor update
+      -> weight sync to the rollout engine -> metrics
+
+Validation (greedy by default, mean@k accuracy per data source) runs before training and every
+``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL
+controller) every ``trainer.save_freq`` steps through CheckpointManager; ``trainer.resume`` =
+auto | off | PATH. Generation seeds derive from (trainer.seed, step), so a resumed run samples
+what an uninterrupted run samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from portrl.trainer.advantage import (apply_reward_kl, compute_batch_advantages, needs_reference, needs_values,
+                                      seq_metric)
+from portrl.trainer.groups import first, make_group
+from portrl.trainer.metrics import Timer, data_metrics
+from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve_model_path
+from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
+from portrl.workers.batch import Batch, concat_rollouts
+from portrl.workers.setup import setup_process, worker_backend
+from portrl.workers.training import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class RLTrainer:
+    """Builds workers, data, reward, tracker and checkpoints from ``cfg``; :meth:`fit` runs the loop."""
+
+    def __init__(self, cfg: Any):
+        from omegaconf import OmegaConf
+
+        from portrl.data import RLDataset
+        from portrl.models import load_tokenizer
+        from portrl.workers.reward import RewardWorker
+
+        cfg = copy.deepcopy(cfg)
+        OmegaConf.set_readonly(cfg, False)
+        self.backend = worker_backend(cfg)
+        setup_process(cfg, self.backend)
+        _seed_all(int(cfg.trainer.seed))
+        cfg.model.path = resolve_model_path(cfg)
+        self.cfg = cfg
+        self.out_dir = Path(str(cfg.trainer.output_dir))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        train_files, val_files = resolve_data_files(cfg)
+        d = cfg.data
+        self.train_ds = RLDataset(train_files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
+                                  filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
+                                  shuffle=bool(d.shuffle), seed=int(d.seed))
+        self.val_prompts = self._val_prompts(val_files)
+        self.actor = make_group(ActorRolloutWorker, cfg, self.backend)
+        self.critic = None
+        if needs_values(cfg):
+            from portrl.workers.critic import CriticWorker
+
+            self.critic = make_group(CriticWorker, cfg, self.backend)
+        self.reward = RewardWorker(cfg, self.tokenizer)
+        self.use_ref = needs_reference(cfg)
+        self.kl_ctrl = None
+        if cfg.algorithm.use_kl_in_reward:
+            from portrl.algo import get_kl_controller
+
+            k = cfg.algorithm.kl_ctrl
+            self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
+        self.global_step = 0
+        self._train_iter = None
+        self.history: List[Dict[str, float]] = []
+
+    # ------------------------------------------------------------------------------------- data
+    def _val_prompts(self, files: List[str]) -> Optional[Batch]:
+        if not files or int(self.cfg.trainer.test_freq) <= 0 and not self.cfg.trainer.val_before_train:
+            return None
+        from portrl.data import RLDataset
+
+        d = self.cfg.data
+        ds = RLDataset(files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
+                       filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
+                       shuffle=False, seed=0)
+        n = ds.num_rows if d.max_val_samples is None else min(ds.num_rows, int(d.max_val_samples))
+        return _prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
+
+    def _next_prompts(self) -> Batch:
+        if self._train_iter is None:
+            self._train_iter = self.train_ds.batches(int(self.cfg.data.train_batch_size))
+        return _prompt_batch(next(self._train_iter))
+
+    def _sampling(self, seed: int, greedy: bool = False) -> Dict[str, Any]:
+        r = self.cfg.rollout
+        if greedy:
+            v = r.val_kwargs
+            return {"n": int(v.n), "temperature": float(v.temperature), "top_p": float(v.top_p), "top_k": int(v.top_k),
+                    "max_new_tokens": int(self.cfg.data.max_response_length), "seed": seed}
+        return {"n": int(r.n), "temperature": float(r.temperature), "top_p": float(r.top_p), "top_k": int(r.top_k),
+                "max_new_tokens": int(self.cfg.data.max_response_length), "seed": seed}
+
+    def _gen_seed(self, step: int, k: int) -> int:
+        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
+
+    # ------------------------------------------------------------------------------------ phases
+    def _rollout(self, step: int, timer: Timer) -> tuple:
+        """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups."""
+        cfg = self.cfg
+        fg = cfg.algorithm.filter_groups
+        want = int(cfg.data.train_batch_size)
+        kept: List[Batch] = []
+        n_prompts, gen_batches, metrics = 0, 0, {}
+        first_batch = None
+        while True:
+            prompts = self._next_prompts()
+            with timer("gen"):
+                batch = self.actor.call("generate_from", prompts, self._sampling(self._gen_seed(step, gen_batches)))
+            gen_batches += 1
+            with timer("reward"):
+                batch.union(self.reward.compute_reward(batch))
+                if str(cfg.algorithm.adv_estimator) == "remax" and str(cfg.algorithm.objective) == "policy_gradient":
+                    batch["reward_baselines"] = self._greedy_baselines(prompts, step, gen_batches)
+            if first_batch is None:
+                first_batch = batch
+            if not fg.enable:
+                return batch, metrics
+            from portrl.algo import filter_groups
+
+            keep = filter_groups(batch.meta["uid"], seq_metric(cfg, batch))
+            if bool(keep.any()):
+                kept.append(batch.select(keep))
+                n_prompts += len(set(kept[-1].meta["uid"]))
+            if n_prompts >= want:
+                break
+            if int(fg.max_num_gen_batches) > 0 and gen_batches >= int(fg.max_num_gen_batches):
+                log.warning("dynamic sampling: %d informative groups after %d generation batches (max_num_gen_batches);"
+                            " training on those", n_prompts, gen_batches)
+                break
+        metrics["train/num_gen_batches"] = float(gen_batches)
+        metrics["train/num_kept_groups"] = float(min(n_prompts, want))
+        if not kept:
+            return None, metrics
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = concat_rollouts(kept, pad)
+        return batch.slice(0, min(len(batch), want * int(cfg.rollout.n))), metrics
+
+    def _greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
+        """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
+        greedy = dict(self._sampling(self._gen_seed(step, 500 + k)), n=1, temperature=0.0)
+        g = self.actor.call("generate_from", prompts, greedy)
+        scores = self.reward.compute_reward(g).tensors["seq_scores"]
+        return scores.repeat_interleave(int(self.cfg.rollout.n))
+
+    def train_step(self, step: int) -> Dict[str, float]:
+        cfg = self.cfg
+        timer = Timer()
+        m: Dict[str, float] = {}
+        t0 = time.perf_counter()
+        with timer("step"):
+            batch, gm = self._rollout(step, timer)
+            m.update(gm)
+            if batch is None:
+                m["train/skipped"] = 1.0
+                return {**m, **timer.metrics()}
+            if cfg.algorithm.use_kl_in_reward or old_log_probs_needed(cfg, len(batch)):
+                with timer("old_log_prob"):
+                    old = self.actor.call("compute_log_probs", batch)
+                    ent = old.pop("entropys")
+                    batch.union(old)
+                    m["actor/entropy_old"] = float((ent * batch.tensors["response_mask"]).sum()
+                                                   / batch.tensors["response_mask"].sum().clamp(min=1))
+            if self.use_ref:
+                with timer("ref"):
+                    batch.union(self.actor.call("compute_ref_log_probs", batch))
+            if self.critic is not None:
+                with timer("values"):
+                    batch.union(self.critic.call("compute_values", batch))
+            with timer("adv"):
+                m.update(apply_reward_kl(cfg, batch, self.kl_ctrl))
+                m.update(compute_batch_advantages(cfg, batch))
+            if self.critic is not None:
+                with timer("update_critic"):
+                    m.update(self.critic.call("update_critic", batch))
+            if step > int(cfg.critic.warmup_steps) or self.critic is None:
+                with timer("update_actor"):
+                    m.update(self.actor.call("update_actor", batch))
+                with timer("sync"):
+                    self.actor.call("sync_weights")
+        elapsed = time.perf_counter() - t0
+        m.update(data_metrics(batch, int(cfg.data.max_response_length)))
+        m.update(timer.metrics())
+        tokens = float(batch.tensors["attention_mask"].sum())
+        m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        m["perf/gen_tokens_per_s"] = float(batch.tensors["response_mask"].sum()) / max(timer.times.get("gen", 0), 1e-9)
+        m["perf/num_tokens"] = tokens
+        return m
+
+    def validate(self, step: int) -> Dict[str, float]:
+        """Accuracy and score per data source on the validation prompts (mean over val_kwargs.n samples)."""
+        if self.val_prompts is None:
+            return {}
+        t0 = time.perf_counter()
+        size = self.cfg.data.val_batch_size or len(self.val_prompts)
+        sources: List[str] = []
+        acc, score, lens = [], [], []
+        for i, chunk in enumerate(self.val_prompts.split(int(size))):
+            b = self.actor.call("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
+            r = self.reward.compute_reward(b)
+            sources += [str(s) for s in b.meta["data_source"]]
+            acc.append(r.tensors["acc"].float())
+            score.append(r.tensors["seq_scores"].float())
+            lens.append(b.tensors["response_mask"].sum(-1).float())
+        from portrl.rewards import per_source_metrics
+
+        a, s = torch.cat(acc), torch.cat(score)
+        out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
+        out["val/acc/mean"] = float(a.mean())
+        out["val/score/mean"] = float(s.mean())
+        out["val/response_length/mean"] = float(torch.cat(lens).mean())
+        out["timing_s/val"] = time.perf_counter() - t0
+        return out
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _write_checkpoint(self, path: Path) -> None:
+        torch.save(first(self.actor.call("state_dict")), path / "actor.pt")
+        if self.critic is not None:
+            torch.save(first(self.critic.call("state_dict")), path / "critic.pt")
+        state = {"step": self.global_step, "data": self.train_ds.state_dict(), "rng": rng_state(),
+                 "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value)}
+        torch.save(state, path / "trainer.pt")
+
+    def save_checkpoint(self) -> Path:
+        return self.ckpt.save(self.global_step, self._write_checkpoint, {"step": self.global_step})
+
+    def load_checkpoint(self, path: Path) -> None:
+        path = Path(path)
+        self.actor.call("load_state_dict", torch.load(path / "actor.pt", weights_only=False))
+        if self.critic is not None:
+            self.critic.call("load_state_dict", torch.load(path / "critic.pt", weights_only=False))
+        state = torch.load(path / "trainer.pt", weights_only=False)
+        self.global_step = int(state["step"])
+        self.train_ds.load_state_dict(state["data"])
+        self._train_iter = None
+        set_rng_state(state["rng"])
+        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl.value = float(state["kl_coef"])
+
+    # -------------------------------------------------------------------------------------- fit
+    def fit(self) -> Dict[str, Any]:
+        """Run to ``trainer.total_steps``; returns the summary dict (see :func:`run_training`)."""
+        from portrl.trainer.checkpoint import CheckpointManager
+        from portrl.trainer.tracking import Tracker
+
+        cfg, t = self.cfg, self.cfg.trainer
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", max_to_keep=int(t.max_ckpt_to_keep))
+        resume = self.ckpt.resolve_resume(str(t.resume))
+        started = time.perf_counter()
+        summary: Dict[str, Any] = {"run_dir": str(self.out_dir)}
+        if resume is not None:
+            self.load_checkpoint(resume)
+            summary["resumed_from"] = str(resume)
+        elif cfg.model.sft_warm_start:
+            from portrl.trainer.sft import run_sft
+
+            rows = arith_sft_rows(cfg, min(int(cfg.data.arith.num_train), 4000)) if str(cfg.data.name) == "arith" else None
+            if rows is None:
+                raise ValueError("model.sft_warm_start is built in for data.name=arith only; run `portrl sft` first")
+            sft = first(self.actor.call("run_sft", rows, int(cfg.model.sft_steps), 1e-3, 32))
+            summary.update(sft)
+        if self.use_ref and resume is None:
+            self.actor.call("init_reference")
+        tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
+                          progress_bar=bool(t.progress_bar), resume_step=self.global_step)
+        try:
+            if resume is None and t.val_before_train and self.val_prompts is not None:
+                v = self.validate(0)
+                summary["val_before"] = v.get("val/acc/mean")
+                tracker.log(v, step=0)
+            for step in range(self.global_step + 1, int(t.total_steps) + 1):
+                m = self.train_step(step)
+                self.global_step = step
+                last = step == int(t.total_steps)
+                if int(t.test_freq) > 0 and (step % int(t.test_freq) == 0 or last):
+                    m.update(self.validate(step))
+                if (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final):
+                    with_time = time.perf_counter()
+                    self.save_checkpoint()
+                    m["timing_s/save"] = time.perf_counter() - with_time
+                tracker.log(m, step=step)
+                self.history.append(m)
+        finally:
+            tracker.close()
+        if t.export_hf:
+            summary["export_dir"] = first(self.actor.call("export_hf", str(self.out_dir / "hf_model")))
+        if t.plot:
+            try:
+                from portrl.trainer.plot import plot_run
+
+                summary["plots"] = [str(p) for p in plot_run(str(self.out_dir))]
+            except ImportError as exc:  # matplotlib is a dependency, but a broken install must not lose the run
+                log.warning("plotting skipped: %s", exc)
+        vals = [h["val/acc/mean"] for h in self.history if "val/acc/mean" in h]
+        summary.update({"steps": self.global_step, "val_after": vals[-1] if vals else None,
+                        "time_s": time.perf_counter() - started})
+        tps = [h["perf/tokens_per_s"] for h in self.history if "perf/tokens_per_s" in h]
+        summary["tokens_per_s"] = sum(tps) / len(tps) if tps else None
+        return summary
+
+
+def _prompt_batch(pb: Any) -> Batch:
+    """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes)."""
+    return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
+                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info})
+
+
+def run_training(cfg: Any) -> Dict[str, Any]:
+    """Run RL training as configured; returns ``{"run_dir", "steps", "val_before", "val_after", "time_s",
+    "tokens_per_s", "export_dir", "plots", "resumed_from"?, "sft/*"?}``."""
+    return RLTrainer(cfg).fit()

@@ -1,0 +1,101 @@
+"""Supervised fine-tuning (the warm start of the built-in task, and ``portrl sft``), packed, on every backend.
+
+Each example is laid out like a rollout (left-padded prompt + right-padded response, EOS included)
+and scored with :func:`portrl.models.compute_logprobs` (packed rows, chunked log-probs), so SFT
+uses exactly the forward RL uses. Loss: mean negative log-likelihood over response tokens,
+``L = -Σ logp·m / Σ m`` (global over data-parallel ranks when ``world_size > 1``). AdamW, linear
+warm-up over the first 5% of steps then cosine decay to 10%, gradient clipping at 1.0.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from portrl.workers.batch import build_rollout_batch
+from portrl.workers.training import all_reduce_sum, lr_multiplier
+
+Row = Union[Mapping[str, Any], Any]
+
+
+def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
+    """(prompt_ids, response_ids + [eos]) per row. A row is a dict with ``prompt`` (chat messages) and
+    ``response`` (str), or an object with ``prompt_ids`` / ``response_ids`` (portrl.data.SFTExample)."""
+    from portrl.data.rl_dataset import encode_messages
+
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("run_sft: the tokenizer has no eos_token; responses must end with it")
+    out = []
+    for i, row in enumerate(rows):
+        if hasattr(row, "prompt_ids"):
+            out.append((list(row.prompt_ids), list(row.response_ids)))
+            continue
+        if "prompt" not in row or "response" not in row:
+            raise ValueError(f"run_sft: row {i} needs 'prompt' (chat messages) and 'response' (str); has {sorted(row)}")
+        messages = [dict(m) for m in row["prompt"]]
+        p = encode_messages(tokenizer, messages)
+        r = list(tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]) + [int(eos)]
+        out.append((p, r))
+    if not out:
+        raise ValueError("run_sft: no rows")
+    return out
+
+
+def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
+            batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, seed: int = 0,
+            log_every: int = 0, grad_clip: float = 1.0) -> Dict[str, float]:
+    """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
+
+    Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps",
+    "sft/tokens_per_s", "sft/time_s"}``. ``cfg`` supplies model.use_packing and model.logprob_chunk_size.
+    """
+    from portrl.models import compute_logprobs
+
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError(f"run_sft: steps, batch_size and lr must be positive (got {steps}, {batch_size}, {lr})")
+    data = encode_sft_rows(tokenizer, rows)
+    device = device or next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, steps, warmup, "cosine", 0.1))
+    rng = random.Random(f"sft:{seed}")
+    order: List[int] = []
+    losses: List[float] = []
+    tokens = 0
+    packed = bool(cfg.model.use_packing) if cfg is not None else True
+    chunk = cfg.model.logprob_chunk_size if cfg is not None else None
+    was_training = model.training
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        if len(order) < batch_size:
+            more = list(range(len(data)))
+            rng.shuffle(more)
+            order += more
+        pick, order = order[:batch_size], order[batch_size:]
+        b = build_rollout_batch([data[i][0] for i in pick], [data[i][1] for i in pick], pad_token_id=pad).to(device)
+        mask = b.tensors["response_mask"]
+        n_tok = all_reduce_sum([float(mask.sum())], world_size)[0]
+        logp, _ = compute_logprobs(model, b.tensors["input_ids"], b.tensors["attention_mask"],
+                                   response_length=mask.shape[1], packed=packed, chunk_size=chunk)
+        loss = -(logp * mask).sum() / n_tok * world_size
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()) / world_size)
+        tokens += int(b.tensors["attention_mask"].sum())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
+    model.train(was_training)
+    elapsed = time.perf_counter() - t0
+    tail = losses[-10:]
+    return {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(steps),
+            "sft/tokens_per_s": tokens / max(elapsed, 1e-9), "sft/time_s": elapsed}

@@ -1,0 +1,292 @@
+"""ActorRolloutWorker: the policy, its colocated rollout engine, the optimizer and the frozen reference.
+
+One instance per data-parallel rank (``rank``, ``world_size``). Every method takes and returns a
+:class:`~portrl.workers.batch.Batch` or plain Python values, so the same class runs in-process
+(one worker) or as a Ray actor (``portrl.workers.group``).
+
+Update (``update_actor``): the rows are cut into mini-batches of ``actor.ppo_mini_batch_size *
+rollout.n / world_size`` sequences (one optimizer step each), every mini-batch into micro-batches
+(gradient accumulation), repeated ``actor.ppo_epochs`` times. Every micro-batch loss is aggregated
+with the *global* token / sequence counts of its mini-batch (:func:`portrl.workers.training.global_counts`),
+so micro-batching and data parallelism do not change the update. Loss per mini-batch::
+
+    L = L_pg(old, logp, A) - entropy_coeff * H + kl_loss_coef * KL(logp, ref) + positive_lm_coef * L_lm
+
+with ``old = logp.detach()`` when no ``old_log_probs`` are given (on-policy: one epoch, one
+mini-batch), ``L_pg`` from ``algorithm.objective`` (policy_gradient | sppo | dpo).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from portrl.workers.batch import Batch, build_rollout_batch
+from portrl.workers.objectives import ADDITIVE_METRICS, actor_loss
+from portrl.workers.training import (
+    all_reduce_sum,
+    build_lr_scheduler,
+    build_optimizer,
+    combine_micro_metrics,
+    global_counts,
+    mean_metrics,
+    rng_state,
+    set_rng_state,
+    split_micro_batches,
+)
+from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+
+
+class ActorRolloutWorker:
+    """Policy + rollout engine (+ reference). ``model_path`` overrides ``cfg.model.path`` (the resolved tiny model)."""
+
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
+        from portrl.models import load_causal_lm, load_tokenizer
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.backend = worker_backend(cfg)
+        setup_process(cfg, self.backend, rank)
+        self.device = self.backend.device(_local_index(self.backend, rank))
+        path = model_path or cfg.model.path
+        if not path:
+            raise ValueError("ActorRolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
+        self.model_path = str(path)
+        self.dtype = resolve_dtype(cfg, self.backend)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
+        self.module = load_causal_lm(self.model_path, dtype=self.dtype, backend=self.backend,
+                                     attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
+                                     gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
+        self.module.to(self.device).eval()
+        self.train_module = self._wrap(self.module)
+        self.optimizer = build_optimizer(self.module.parameters(), cfg.actor.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, int(cfg.trainer.total_steps))
+        self.ref_module: Optional[torch.nn.Module] = None
+        self.engine = self._make_engine()
+        self.update_count = 0
+
+    # ---------------------------------------------------------------------------------- building
+    def _wrap(self, module):
+        if self.world_size <= 1:
+            return module
+        from portrl.workers.parallel import wrap_model  # the data-parallel wrapper (DDP / FSDP2)
+
+        return wrap_model(module, self.cfg.actor.strategy, self.backend)
+
+    def _make_engine(self):
+        from portrl.rollout import make_engine
+
+        name = str(self.cfg.rollout.engine)
+        if name == "auto":
+            name = self.backend.rollout_engines()[0] if self.cfg.rollout.placement == "colocated" else "hf"
+            name = "hf" if name != "hf" and self._tiny_run() else name
+        kwargs: Dict[str, Any] = dict(self.backend.rollout_fixups(name))
+        if name == "hf":
+            return make_engine("hf", model=self.module, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
+        return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
+                           gpu_memory_utilization=float(self.cfg.rollout.gpu_memory_utilization),
+                           tensor_parallel_size=int(self.cfg.rollout.tensor_model_parallel_size),
+                           enforce_eager=bool(self.cfg.rollout.enforce_eager), **kwargs)
+
+    def _tiny_run(self) -> bool:
+        # A separate engine process only pays off for real models; tiny ones share the trainer's module.
+        return sum(p.numel() for p in self.module.parameters()) < 50_000_000 and self.device.type == "cpu"
+
+    def init_reference(self) -> None:
+        """Freeze a copy of the current policy as the reference (call after any SFT warm start)."""
+        ref = copy.deepcopy(self.module).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.ref_module = ref
+
+    # -------------------------------------------------------------------------------- rollout
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
+                 meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
+        """Sample ``sampling["n"]`` responses per prompt -> a rollout Batch (rows prompt-major;
+        ``meta`` lists, one entry per prompt, are repeated for each sample)."""
+        from portrl.rollout import SamplingParams
+
+        params = SamplingParams(**dict(sampling))
+        stop = tuple(params.stop_token_ids)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in stop:
+            params = SamplingParams(**{**dict(sampling), "stop_token_ids": stop + (int(eos),)})
+        self.engine.wake()
+        out = self.engine.generate([list(p) for p in prompt_ids], params)
+        if self.cfg.rollout.enable_sleep_mode:
+            self.engine.sleep()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n,
+                                    meta=meta)
+        batch.meta["finish_reason"] = list(out.finish_reasons)
+        return batch
+
+    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
+        """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta such as uid,
+        data_source, ground_truth, extra_info), the form a data-parallel group splits across ranks."""
+        meta = {k: v for k, v in prompts.meta.items() if k != "prompt_ids"}
+        return self.generate(prompts.meta["prompt_ids"], sampling, meta)
+
+    # ------------------------------------------------------------------------------ log-probs
+    def _forward(self, module, batch: Batch, with_entropy: bool):
+        from portrl.models import compute_logprobs
+
+        return compute_logprobs(module, batch.tensors["input_ids"].to(self.device),
+                                batch.tensors["attention_mask"].to(self.device),
+                                response_length=batch.tensors["responses"].shape[1],
+                                temperature=float(self.cfg.rollout.temperature), with_entropy=with_entropy,
+                                packed=bool(self.cfg.model.use_packing), chunk_size=self.cfg.model.logprob_chunk_size)
+
+    @torch.no_grad()
+    def _log_probs(self, module, batch: Batch, with_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
+                                    self.cfg.actor.max_tokens_per_micro_batch)
+        parts = [self._forward(module, mb, with_entropy) for mb in micro]
+        logp = torch.cat([p[0].float() for p in parts]).cpu()
+        ent = torch.cat([p[1].float() for p in parts]).cpu() if with_entropy else None
+        return logp, ent
+
+    def needs_old_log_probs(self, num_rows: int) -> bool:
+        """See :func:`old_log_probs_needed` (``num_rows`` = rows of the whole step, all ranks)."""
+        return old_log_probs_needed(self.cfg, num_rows)
+
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        """``old_log_probs`` and ``entropys`` (B,T) under the current policy."""
+        logp, ent = self._log_probs(self.module, batch, with_entropy=True)
+        return Batch({"old_log_probs": logp, "entropys": ent})
+
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        """``ref_log_probs`` (B,T) under the frozen reference (created on first use if needed)."""
+        if self.ref_module is None:
+            self.init_reference()
+        logp, _ = self._log_probs(self.ref_module, batch, with_entropy=False)
+        return Batch({"ref_log_probs": logp})
+
+    # --------------------------------------------------------------------------------- update
+    def _mini_rows(self) -> int:
+        rows = int(self.cfg.actor.ppo_mini_batch_size) * int(self.cfg.rollout.n) // self.world_size
+        if rows < 1:
+            raise ValueError(f"actor.ppo_mini_batch_size * rollout.n ({rows * self.world_size}) is smaller than "
+                             f"the number of workers ({self.world_size})")
+        return rows
+
+    def update_actor(self, batch: Batch) -> Dict[str, float]:
+        """One RL step of policy optimisation (see the module docstring). Returns ``actor/*`` metrics."""
+        cfg = self.cfg.actor
+        self.train_module.train()
+        mini_rows = self._mini_rows()
+        use_old = "old_log_probs" in batch
+        rows: List[Dict[str, float]] = []
+        grad_norms: List[float] = []
+        for epoch in range(int(cfg.ppo_epochs)):
+            data = batch
+            if cfg.shuffle:
+                g = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 + epoch)
+                data = batch.select(torch.randperm(len(batch), generator=g))
+            for mini in data.split(mini_rows):
+                tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
+                info = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
+                        "loss_scale_factor": int(self.cfg.data.max_response_length)}
+                if "dpo_valid" in mini:
+                    info["num_pairs"] = all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]
+                self.optimizer.zero_grad(set_to_none=True)
+                micro_rows: List[Dict[str, float]] = []
+                for micro in split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device),
+                                                 cfg.max_tokens_per_micro_batch):
+                    micro = micro.to(self.device)
+                    logp, ent = self._forward(self.train_module, micro, with_entropy=True)
+                    loss, m = actor_loss(self.cfg, micro, logp, ent, info, use_old=use_old)
+                    loss.backward()
+                    micro_rows.append(m)
+                rows.append(combine_micro_metrics(micro_rows, ADDITIVE_METRICS))
+                grad_norms.append(self._step())
+        self.scheduler.step()
+        self.update_count += 1
+        self.train_module.eval()
+        out = mean_metrics(rows)
+        out["actor/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+        out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return out
+
+    def _step(self) -> float:
+        clip = float(self.cfg.actor.optim.grad_clip)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
+        """Supervised warm start of the policy on (prompt, response) rows (see portrl.trainer.sft)."""
+        from portrl.trainer.sft import run_sft
+
+        return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
+                       batch_size=batch_size, device=self.device, world_size=self.world_size)
+
+    # ---------------------------------------------------------------------------- weight sync
+    def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every parameter and buffer of the policy."""
+        return self.module.state_dict().items()
+
+    def sync_weights(self) -> bool:
+        """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module."""
+        if getattr(self.engine, "model", None) is self.module:
+            return False
+        self.engine.update_weights(self.named_weights())
+        return True
+
+    # ----------------------------------------------------------------------------- state / io
+    def state_dict(self) -> Dict[str, Any]:
+        """model, optimizer, scheduler, RNG (and the reference when one exists)."""
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "update_count": self.update_count}
+        if self.ref_module is not None:
+            state["ref"] = self.ref_module.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.update_count = int(state.get("update_count", 0))
+        if "ref" in state:
+            if self.ref_module is None:
+                self.init_reference()
+            self.ref_module.load_state_dict(state["ref"])
+        self.sync_weights()
+
+    def export_hf(self, out_dir: str) -> str:
+        """Write the policy and tokenizer with save_pretrained (to a temp dir, renamed into place)."""
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        self.module.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return str(out)
+
+
+def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
+    """False when the old policy provably equals the current one at its only use: one PPO epoch and
+    all ``num_rows`` rows of the step in one mini-batch (one optimizer step), so the update may use
+    ``old = logp.detach()`` (no extra forward) and get exactly the same loss and gradient."""
+    mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
+    return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)
+
+
+def _local_index(backend, rank: int) -> Optional[int]:
+    if backend.device_type == "cpu":
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) if local is not None else rank % max(1, backend.device_count())

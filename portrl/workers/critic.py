@@ -1,0 +1,157 @@
+"""CriticWorker: a value model (a causal LM's decoder + a linear value head) for GAE-based methods.
+
+``V[b, t]`` is the value of the state *before* response token ``t``: the head applied to the final
+hidden state of the column that precedes it (the column that also predicts token ``t``), as verl's
+``values[:, -T-1:-1]``. The decoder runs on packed rows (no padding) like the actor's forward.
+
+Update (``update_critic``): mini-batches / micro-batches / epochs as the actor's, clipped value
+loss ``½·agg(max((V−R)², (clip(V, V_old±c)−R)²))`` with the mini-batch's global counts, AdamW,
+gradient clipping, LR schedule from ``critic.optim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from portrl.workers.actor import _local_index
+from portrl.workers.batch import Batch
+from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+from portrl.workers.training import (
+    build_lr_scheduler,
+    build_optimizer,
+    combine_micro_metrics,
+    global_counts,
+    mean_metrics,
+    split_micro_batches,
+)
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's decoder (``base``) with a scalar head; ``forward`` returns values ``(B, T)``."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        prefix = getattr(lm, "base_model_prefix", "model")
+        self.base = getattr(lm, prefix)
+        hidden = int(lm.config.hidden_size)
+        self.value_head = torch.nn.Linear(hidden, 1, dtype=next(lm.parameters()).dtype)
+        torch.nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+                packed: bool = True) -> torch.Tensor:
+        from portrl.models.logprobs import pack_rows
+
+        batch, length = input_ids.shape
+        T = int(response_length)
+        if packed:
+            flat_ids, pos, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
+            out = self.base(input_ids=flat_ids[None], position_ids=pos[None], use_cache=False,
+                            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+            hidden = out.last_hidden_state[0]
+        else:
+            pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+            out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+            hidden = out.last_hidden_state.reshape(batch * length, -1)
+            flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
+        rows = flat_index[:, length - T - 1:length - 1].clamp(min=0)
+        values = self.value_head(hidden[rows.reshape(-1)]).float().reshape(batch, T)
+        return values * attention_mask[:, length - T:].to(values.dtype)
+
+
+class CriticWorker:
+    """Value model + optimizer. Built from ``critic.model_path`` or, when unset, the actor's model."""
+
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
+        from portrl.models import load_causal_lm
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.backend = worker_backend(cfg)
+        setup_process(cfg, self.backend, rank)
+        self.device = self.backend.device(_local_index(self.backend, rank))
+        path = cfg.critic.model_path or model_path or cfg.model.path
+        if not path:
+            raise ValueError("CriticWorker: no model path (critic.model_path, or the actor's model.path)")
+        with torch.random.fork_rng(devices=[]):  # the value head's init must not shift the run's RNG stream
+            torch.manual_seed(int(cfg.trainer.seed) + 1)
+            lm = load_causal_lm(str(path), dtype=resolve_dtype(cfg, self.backend), backend=self.backend,
+                                attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
+                                gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
+            self.module = ValueModel(lm).to(self.device).eval()
+        self.train_module = self._wrap(self.module)
+        self.optimizer = build_optimizer(self.module.parameters(), cfg.critic.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.critic.optim, int(cfg.trainer.total_steps))
+
+    def _wrap(self, module):
+        if self.world_size <= 1:
+            return module
+        from portrl.workers.parallel import wrap_model
+
+        return wrap_model(module, self.cfg.actor.strategy, self.backend)
+
+    def _values(self, module, batch: Batch) -> torch.Tensor:
+        return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
+                      batch.tensors["responses"].shape[1], packed=bool(self.cfg.model.use_packing))
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        """``values (B,T)`` of the current critic (0 on padding)."""
+        micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
+                                    self.cfg.actor.max_tokens_per_micro_batch)
+        return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
+
+    def update_critic(self, batch: Batch) -> Dict[str, float]:
+        """One RL step of value regression on ``returns`` (needs values, returns, response_mask)."""
+        from portrl.algo import compute_value_loss, masked_mean
+
+        cfg, a = self.cfg.critic, self.cfg.actor
+        mode = str(cfg.loss_agg_mode or a.loss_agg_mode)
+        epochs = int(cfg.ppo_epochs or a.ppo_epochs)
+        mini_rows = max(1, int(a.ppo_mini_batch_size) * int(self.cfg.rollout.n) // self.world_size)
+        rows: List[Dict[str, float]] = []
+        norms: List[float] = []
+        self.train_module.train()
+        for _ in range(epochs):
+            for mini in batch.split(mini_rows):
+                tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
+                counts = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
+                          "loss_scale_factor": int(self.cfg.data.max_response_length)}
+                self.optimizer.zero_grad(set_to_none=True)
+                micro_rows = []
+                for micro in split_micro_batches(mini, int(a.ppo_micro_batch_size_per_device), a.max_tokens_per_micro_batch):
+                    micro = micro.to(self.device)
+                    mask = micro.tensors["response_mask"]
+                    vpreds = self._values(self.train_module, micro)
+                    loss, clipfrac = compute_value_loss(vpreds, micro.tensors["returns"], micro.tensors["values"], mask,
+                                                        float(cfg.cliprange_value), mode, **counts)
+                    loss.backward()
+                    micro_rows.append({"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac),
+                                       "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))})
+                rows.append(combine_micro_metrics(micro_rows, frozenset({"critic/vf_loss"})))
+                norms.append(self._step())
+        self.scheduler.step()
+        self.train_module.eval()
+        out = mean_metrics(rows)
+        out["critic/grad_norm"] = sum(norms) / max(1, len(norms))
+        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return out
+
+    def _step(self) -> float:
+        clip = float(self.cfg.critic.optim.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """model, optimizer, scheduler (the process RNG is the actor worker's to save)."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

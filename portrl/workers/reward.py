@@ -1,0 +1,78 @@
+"""RewardWorker: scores rollouts with rule rewards (portrl.rewards.RewardManager) or a reward model.
+
+``compute_reward(batch) -> Batch(token_level_scores (B,T), seq_scores (B,), acc (B,))``: the
+sequence score sits on the last response token (verl's convention), zeros elsewhere.
+
+Reward model (``reward.model_path``): a local Hugging Face sequence-classification model scores
+the decoded (prompt, response) texts (portrl.workers.reward_model.RewardModelScorer, with its own
+tokenizer); ``acc`` is then ``score > 0``; rule rewards are not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+
+from portrl.workers.batch import Batch
+
+
+def decode_responses(tokenizer: Any, batch: Batch) -> List[str]:
+    """Text of every response (padding removed, special tokens skipped)."""
+    lens = batch.tensors["response_mask"].sum(-1).tolist()
+    ids = batch.tensors["responses"].tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+
+
+class RewardWorker:
+    """Rule rewards by ``data_source`` (plus custom function and overlong shaping), or a reward model."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.rank, self.world_size = rank, world_size
+        r = cfg.reward
+        self.rm = None
+        if r.model_path:
+            self._load_reward_model(str(r.model_path))
+            self.manager = None
+        else:
+            from portrl.rewards import RewardManager
+
+            ob = r.overlong_buffer
+            self.manager = RewardManager(
+                custom_path=r.custom.path, custom_name=r.custom.name if r.custom.path else None,
+                overlong_buffer={"enable": bool(ob.enable), "len": int(ob.len),
+                                 "penalty_factor": float(ob.penalty_factor)},
+                max_response_length=int(cfg.data.max_response_length), num_workers=int(r.num_workers))
+
+    def _load_reward_model(self, path: str) -> None:
+        from portrl.workers.reward_model import RewardModelScorer
+        from portrl.workers.setup import worker_backend
+
+        self.rm = RewardModelScorer(path, worker_backend(self.cfg))
+
+    def compute_reward(self, batch: Batch) -> Batch:
+        texts = decode_responses(self.tokenizer, batch)
+        lens = batch.tensors["response_mask"].sum(-1)
+        if self.rm is not None:
+            scores = self._model_scores(batch, texts)
+            acc = (scores > 0).float()
+            extra: dict = {}
+        else:
+            res = self.manager.score(texts, batch.meta["data_source"], batch.meta["ground_truth"],
+                                     batch.meta.get("extra_info", [None] * len(batch)), lens.tolist())
+            scores, acc, extra = res.scores.float(), res.acc.float(), dict(res.extra or {})
+        from portrl.rewards import place_on_last_token
+
+        out = Batch({"token_level_scores": place_on_last_token(scores, batch.tensors["response_mask"]).float(),
+                     "seq_scores": scores, "acc": acc})
+        for k, v in extra.items():
+            if len(v) == len(batch):
+                out.meta[f"reward_extra/{k}"] = list(v)
+        return out
+
+    def _model_scores(self, batch: Batch, texts: List[str]) -> torch.Tensor:
+        P = batch.tensors["prompts"].shape[1]
+        pmask = batch.tensors["attention_mask"][:, :P].bool()
+        prompts = [row[m].tolist() for row, m in zip(batch.tensors["prompts"], pmask)]
+        return self.rm.score(self.tokenizer.batch_decode(prompts, skip_special_tokens=True), texts).float()

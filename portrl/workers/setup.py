@@ -1,0 +1,48 @@
+"""Per-process set-up every worker (and the in-process trainer) does: backend, threads, env, determinism, dtype."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def worker_backend(cfg: Any):
+    """The Backend named by ``device.name`` (``auto`` = detection)."""
+    from portrl.device import resolve_backend
+
+    name = cfg.device.name
+    return resolve_backend(config=None if name in (None, "auto") else str(name))
+
+
+def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
+    """Apply the backend's env presets and ``device.env``, torch threads and the determinism flag.
+
+    ``trainer.deterministic``: ``torch.use_deterministic_algorithms(True)`` plus the backend's
+    deterministic env presets (set before the first kernel runs, as the libraries read them then).
+    Env variables the user already set win over presets.
+    """
+    deterministic = bool(cfg.trainer.deterministic)
+    for k, v in backend.env_presets(deterministic=deterministic).items():
+        os.environ.setdefault(k, str(v))
+    for k, v in dict(cfg.device.env or {}).items():
+        os.environ[str(k)] = str(v)
+    threads = cfg.device.num_threads
+    if threads:
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=False)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would drown the training console
+
+
+def resolve_dtype(cfg: Any, backend: Any) -> str:
+    """``device.dtype`` > ``model.dtype`` > the backend's preferred training dtype."""
+    dtype = cfg.device.dtype or cfg.model.dtype or backend.supported_dtypes()[0]
+    valid = tuple(backend.supported_dtypes())
+    if dtype not in valid:
+        raise ValueError(f"dtype {dtype!r} is not supported by backend {backend.name!r}; valid: {list(valid)}")
+    return str(dtype)

@@ -1,0 +1,129 @@
+"""Pieces shared by the actor and critic updates: optimizer, LR schedule, batch splitting, global counts, RNG.
+
+Global counts: a loss aggregated with ``agg_loss`` over micro-batches must divide by the token /
+sequence count of the *whole mini-batch on all data-parallel ranks*; :func:`global_counts` sums the
+local counts with ``torch.distributed.all_reduce`` when a process group is initialised and
+``world_size > 1`` (the wrapped model averages gradients over ranks; ``agg_loss`` multiplies by
+``dp_size`` to undo that average), so N ranks give the update of one rank on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from portrl.workers.batch import Batch
+
+SCHEDULERS = ("constant", "cosine", "linear")
+
+
+def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """AdamW with lr, betas, eps and weight_decay from ``optim_cfg`` (an OptimConfig)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    betas = tuple(float(b) for b in optim_cfg["betas"])
+    if len(betas) != 2:
+        raise ValueError(f"optim.betas must have two values, got {list(betas)}")
+    return torch.optim.AdamW(params, lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
+                             weight_decay=float(optim_cfg["weight_decay"]), foreach=True)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, scheduler: str, min_lr_ratio: float) -> float:
+    """LR factor at optimizer step ``step`` (0-based): linear warm-up ``(step+1)/warmup`` for ``step < warmup``,
+    then constant 1, cosine ``m + (1-m)(1+cos(pi p))/2`` or linear ``1 - (1-m) p`` with progress
+    ``p = (step-warmup)/(total-warmup)`` clamped to [0, 1] and ``m = min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if scheduler == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    p = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if scheduler == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    if scheduler == "linear":
+        return 1.0 - (1 - min_lr_ratio) * p
+    raise ValueError(f"optim.scheduler {scheduler!r} is unknown; valid: {list(SCHEDULERS)}")
+
+
+def build_lr_scheduler(optimizer, optim_cfg: Mapping[str, Any], total_steps: int):
+    """A LambdaLR stepped once per RL step, following :func:`lr_multiplier`."""
+    sched = str(optim_cfg["scheduler"])
+    if sched not in SCHEDULERS:
+        raise ValueError(f"optim.scheduler {sched!r} is unknown; valid: {list(SCHEDULERS)}")
+    warmup = int(optim_cfg["warmup_steps"]) or int(float(optim_cfg["warmup_ratio"]) * total_steps)
+    m = float(optim_cfg["min_lr_ratio"])
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, total_steps, warmup, sched, m))
+
+
+def dist_active(world_size: int) -> bool:
+    return world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def all_reduce_sum(values: List[float], world_size: int) -> List[float]:
+    """Sum a few numbers over the data-parallel group (identity on one rank). float64 keeps counts exact."""
+    if not dist_active(world_size):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def global_counts(response_mask: torch.Tensor, world_size: int) -> Tuple[int, int]:
+    """(tokens, sequences) of a mini-batch summed over all data-parallel ranks."""
+    tokens, seqs = all_reduce_sum([float(response_mask.sum()), float(response_mask.shape[0])], world_size)
+    return int(tokens), int(seqs)
+
+
+def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int] = None) -> List[Batch]:
+    """Micro-batches of at most ``micro_size`` rows, and, with ``max_tokens``, at most that many
+    non-pad tokens each (a single longer row still gets its own micro-batch). Order is kept."""
+    if max_tokens is None:
+        return batch.split(max(1, micro_size))
+    lens = batch.tensors["attention_mask"].sum(-1).tolist()
+    out, start, used = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (used + n > max_tokens or i - start >= micro_size):
+            out.append(batch.slice(start, i))
+            start, used = i, 0
+        used += n
+    if start < len(batch):
+        out.append(batch.slice(start, len(batch)))
+    return out
+
+
+def rng_state() -> Dict[str, Any]:
+    """torch (host), python and numpy RNG states."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def mean_metrics(rows: List[Dict[str, float]]) -> Dict[str, float]:
+    """Mean of each key over the dicts that have it."""
+    acc: Dict[str, List[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            acc.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def combine_micro_metrics(rows: List[Dict[str, float]], additive: frozenset) -> Dict[str, float]:
+    """One mini-batch's metrics from its micro-batches: keys in ``additive`` summed (partial sums of a
+    loss aggregated with global counts), the others averaged."""
+    out: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
+    for r in rows:
+        for k, v in r.items():
+            out[k] = out.get(k, 0.0) + float(v)
+            counts[k] = counts.get(k, 0) + 1
+    return {k: (v if k in additive else v / counts[k]) for k, v in out.items()}
