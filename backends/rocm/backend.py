@@ -75,8 +75,11 @@ class ROCmBackend(CUDABackend):
     ray_noset_env = ("RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",)
     detect_priority = 20
     version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn", "ray")
-    # torch / ROCm pairs of the official wheels (download.pytorch.org/whl/rocmX.Y)
+    # AMD's MI300-validated vLLM image (docker/rocm/Dockerfile is pinned to it), then the torch / ROCm
+    # pairs of the official wheels (download.pytorch.org/whl/rocmX.Y)
     compat_rows = (
+        CompatRow({"torch": "2.9.0", "ROCm": "7.0", "vllm": "0.11.2"},
+                  "AMD image rocm/vllm:rocm7.0.0_vllm_0.11.2_20251210 (ROCm 7.0.0, vLLM 0.11.2, PyTorch 2.9.0)"),
         CompatRow({"torch": "2.9.0", "ROCm": "6.4"}, "PyTorch 2.9 wheels for ROCm 6.4"),
         CompatRow({"torch": "2.8.0", "ROCm": "6.4"}, "PyTorch 2.8 wheels for ROCm 6.4"),
         CompatRow({"torch": "2.7.1", "ROCm": "6.3"}, "PyTorch 2.7 wheels for ROCm 6.3"),
