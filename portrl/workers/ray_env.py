@@ -65,9 +65,24 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
         log.info("joining the Ray cluster at %s", address)
         ray.init(address=str(address), **common)
         return
+    _loopback_only()
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
              resources=resources, **common)
     log.info("started a local Ray on 127.0.0.1 (dashboard %s)", "on" if dashboard else "off")
+
+
+def _loopback_only() -> None:
+    """Make a local Ray use 127.0.0.1 as its node address.
+
+    Ray turns ``_node_ip_address="127.0.0.1"`` into the host's routable address unless its single-machine mode
+    is on (``ray_constants.ENABLE_RAY_CLUSTER`` false, read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the
+    default on desktops). The variable reaches the processes Ray starts; the constant is set here because this
+    process imported Ray already. Only for a local Ray: joining a cluster leaves both alone.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def local_device_index(backend, accelerator_ids: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
