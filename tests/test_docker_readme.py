@@ -1,0 +1,45 @@
+"""README's vendor sections: the image commands, the device flags and the presets each vendor needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+SECTIONS = {"cuda": "## NVIDIA", "rocm": "## AMD Instinct MI300", "npu": "## Huawei Ascend", "cpu": "## CPU"}
+FLAGS = {
+    "cuda": ["--gpus all"],
+    "rocm": ["--device /dev/kfd", "--device /dev/dri", "--group-add video", "--security-opt seccomp=unconfined"],
+    "npu": ["--device /dev/davinci0", "--device /dev/davinci_manager", "--device /dev/devmm_svm",
+            "--device /dev/hisi_hdc", "-v /usr/local/dcmi", "-v /usr/local/bin/npu-smi", "-v /usr/local/Ascend/driver"],
+    "cpu": [],
+}
+PRESETS = {"cuda": ["a100", "h100", "h200"], "rocm": ["mi300x", "mi325x"], "npu": ["ascend-910b", "ascend-910c"],
+           "cpu": ["cpu"]}
+
+
+def section(vendor: str) -> str:
+    start = README.index(SECTIONS[vendor])
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end != -1 else None]
+
+
+@pytest.mark.parametrize("vendor", SECTIONS)
+def test_vendor_section_has_image_run_train_and_traps(vendor):
+    text = section(vendor)
+    assert f"docker build -f docker/{vendor}/Dockerfile -t portrl:{vendor} ." in text
+    run = next(block for block in re.findall(r"```bash\n(.*?)```", text, re.S) if "docker run" in block)
+    for flag in FLAGS[vendor]:
+        assert flag in run, f"{vendor}: docker run lacks {flag}"
+    for preset in PRESETS[vendor]:
+        assert f"`{preset}`" in text
+    assert re.search(rf"portrl train --device {vendor} --preset ({'|'.join(PRESETS[vendor])}) algorithm=grpo data=gsm8k", text)
+    assert f"portrl doctor --device {vendor}" in text and "| Fix |" in text
+
+
+def test_parity_section_has_the_three_commands():
+    for command in ("portrl parity ops --device D --dtype bfloat16 --report", "portrl parity replay --device D --golden",
+                    "portrl parity compare"):
+        assert command in README
