@@ -90,7 +90,7 @@ def test_gradient_checkpointing_same_gradients(tiny):
         model.train()
         compute_logprobs(model, ids, mask, T)[0].sum().backward()
         grads.append(model.model.layers[0].mlp.up_proj.weight.grad)
-    assert model.is_gradient_checkpointing
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 

@@ -78,7 +78,10 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
     model.portrl_kernels = {"attention_varlen": impl, "logprobs_entropy": lp_impl}
     model.portrl_logprobs_entropy = lp_fn
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if device is not None:
         model.to(device)
