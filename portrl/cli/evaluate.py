@@ -1,0 +1,66 @@
+"""``portrl eval [--model DIR | --checkpoint CKPT] [--report R.json] [run options]``: accuracy on a dataset.
+
+Generates with the validation sampling settings (``rollout.val_kwargs``: greedy by default, mean@n
+otherwise) on ``data.val_files`` (or the generated arith test split), scores with the rule rewards
+and prints accuracy and score per data source. ``--model`` is a transformers directory (for example
+the ``hf`` export of a run); ``--checkpoint`` is a ``global_step_N`` directory of a run, loaded on top
+of ``model.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
+
+PROG = "portrl eval"
+EXTRA = [
+    (("--model",), {"default": None, "help": "a local transformers model directory (sets model.path)"}),
+    (("--checkpoint",), {"default": None, "help": "a run checkpoint directory (global_step_N) to load"}),
+    (("--report",), {"default": None, "help": "also write the metrics as JSON here"}),
+]
+# Evaluation trains nothing: no reference policy, critic or checkpoint resume.
+EVAL_OVERRIDES = ["ref.enable=false", "critic.enable=false", "actor.use_kl_loss=false",
+                  "algorithm.use_kl_in_reward=false", "trainer.resume=off", "trainer.val_before_train=true",
+                  "trainer.loggers=[]", "trainer.export_hf=false", "trainer.plot=false"]
+
+
+def add_arguments(parser) -> None:
+    add_run_arguments(parser)
+
+
+def run(args) -> int:
+    from portrl.config import ConfigError
+    from portrl.device import BackendError
+    from portrl.trainer import RLTrainer
+
+    opts = parse_run_options(options_parser(PROG, "Accuracy of a model on a dataset.", EXTRA), args.rest)
+    extra = list(EVAL_OVERRIDES)
+    if opts.model:
+        extra.append(f"model.path={opts.model}")
+    try:
+        cfg = compose_from(opts, extra)
+    except (ConfigError, BackendError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    if opts.checkpoint and not Path(opts.checkpoint).is_dir():
+        print(f"{PROG}: checkpoint {opts.checkpoint!r} is not a directory", file=sys.stderr)
+        return 2
+    trainer = RLTrainer(cfg)
+    if opts.checkpoint:
+        trainer.load_checkpoint(Path(opts.checkpoint))
+    metrics = trainer.validate(trainer.global_step)
+    if not metrics:
+        print(f"{PROG}: no validation data (set data.val_files)", file=sys.stderr)
+        return 2
+    for key in sorted(k for k in metrics if k.startswith("val/")):
+        print(f"{key:<40} {metrics[key]:.4f}")
+    if opts.report:
+        tmp = f"{opts.report}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(metrics, f, indent=2)
+        os.replace(tmp, opts.report)
+    return 0
