@@ -105,6 +105,11 @@ class CUDABackend(Backend):
         return fp8_dtype_for_capability(torch.cuda.get_device_capability())
 
     # --- kernels and engines --------------------------------------------------------------------
+    def register_kernels(self, registry) -> None:
+        from portrl.backends.cuda.kernels import register
+
+        register(registry)
+
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
         return {
             "attention_varlen": ("flash_attn3", "flash_attn", "sdpa", "native"),

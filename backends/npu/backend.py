@@ -127,6 +127,11 @@ class NPUBackend(Backend):
         return None
 
     # --- kernels and engines --------------------------------------------------------------------
+    def register_kernels(self, registry) -> None:
+        from portrl.backends.npu.kernels import register
+
+        register(registry)
+
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
         return {
             "attention_varlen": ("npu_fusion", "native"),

@@ -126,6 +126,11 @@ class ROCmBackend(CUDABackend):
         return fp8_dtype_for_arch(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName)
 
     # --- kernels and engines --------------------------------------------------------------------
+    def register_kernels(self, registry) -> None:
+        from portrl.backends.rocm.kernels import register
+
+        register(registry)
+
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
         prefs = super().kernel_preferences()
         prefs["attention_varlen"] = ("aiter", "flash_attn", "sdpa", "native")
