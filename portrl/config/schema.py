@@ -100,6 +100,7 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # local HF directory; None = the built-in tiny model (see tiny)
+    size: Optional[str] = None  # parameter-count class ("0.5b", "7b", ...): key of device.tp_by_model_size
     tokenizer_path: Optional[str] = None  # None = path
     dtype: Optional[str] = None  # None = the backend's preferred training dtype
     attn_impl: Optional[str] = None  # None = the backend's preferred varlen attention
@@ -175,13 +176,14 @@ class ValidationSamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"  # auto (the backend's first available) | hf | vllm
+    engine: str = "auto"  # auto (the backend's first available) or a name the backend offers (portrl devices)
     n: int = 4  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    gpu_memory_utilization: float = 0.5  # engine memory fraction (vLLM)
-    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  # share of device memory the rollout engine may take
+    tensor_model_parallel_size: int = 1  # compose() fills it from device.tp_by_model_size[model.size] unless set
+    max_num_batched_tokens: Optional[int] = None  # engine token budget per scheduler step; None = engine default
     enforce_eager: bool = False
     enable_sleep_mode: bool = True
     placement: str = "colocated"  # colocated (actor and rollout in one process) | separated
@@ -257,7 +259,7 @@ class TrainerConfig:
 # ------------------------------------------------------------------------------------ device
 @dataclass
 class DeviceConfig:
-    name: str = "auto"  # cpu | cuda | rocm | npu | auto
+    name: str = "auto"  # a registered backend name (portrl devices) or auto
     preset: Optional[str] = None  # the device preset that was applied, for reports
     dtype: Optional[str] = None  # overrides model.dtype when set
     attn_impl: Optional[str] = None  # overrides model.attn_impl when set

@@ -1,0 +1,1 @@
+"""Config presets (YAML), installed as the package data ``portrl.configs``: device/, algorithm/, data/, model/."""

@@ -1,0 +1,49 @@
+"""``portrl config show [--device D] [--preset P] [--config FILE] [overrides...]``: the resolved config as YAML.
+
+``portrl config list`` prints the shipped presets of each group. Overrides are ``key=value``
+(dotted keys, or ``algorithm=`` / ``data=`` / ``model=`` / ``device=`` / ``preset=`` to pick presets).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _options_parser(prog: str = "portrl config show"):
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description="Print the resolved run config as YAML.")
+    p.add_argument("--device", default=None, help="backend name (cpu, cuda, rocm, npu, auto) or a device preset")
+    p.add_argument("--preset", default=None, help="device preset (configs/device), e.g. h100, mi300x, ascend-910b")
+    p.add_argument("--config", default=None, help="a YAML file merged after the presets")
+    p.add_argument("--no-check", action="store_true", help="skip validation against registries and the backend")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm=dapo actor.clip_ratio_high=0.3")
+    return p
+
+
+def add_arguments(parser) -> None:
+    import argparse
+
+    parser.add_argument("action", choices=["show", "list"], help="show: print the resolved config; list: the presets")
+    # Options and key=value overrides may be interleaved, which one argparse pass cannot parse: the rest
+    # of the line is parsed by _options_parser() (see `portrl config show --help`).
+    parser.add_argument("rest", nargs=argparse.REMAINDER,
+                        help="[--device D] [--preset P] [--config FILE] [--no-check] [key=value ...]")
+
+
+def run(args) -> int:
+    from portrl.config import ConfigError, GROUPS, compose, list_presets, to_yaml
+
+    if args.action == "list":
+        for group in GROUPS:
+            print(f"{group}: {', '.join(list_presets(group))}")
+        return 0
+    opts = _options_parser().parse_intermixed_args(args.rest)
+    try:
+        cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
+                      overrides=opts.overrides, check=not opts.no_check)
+    except ConfigError as exc:
+        print(f"portrl config: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(cfg))
+    return 0

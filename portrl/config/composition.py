@@ -1,0 +1,249 @@
+"""Composition of a run's config from defaults, presets, a user YAML and command-line overrides.
+
+Order (later wins): defaults (schema) -> device preset -> algorithm preset -> data preset ->
+model preset -> user YAML (``--config``) -> dotted overrides (``algorithm.kl_ctrl.kl_coef=0.001``).
+Shorthand overrides choose presets: ``algorithm=grpo``, ``data=gsm8k``, ``model=qwen2.5-0.5b``,
+``device=h100`` (a device preset) or ``device=cuda`` (a backend name), ``preset=h100``.
+
+The result is a structured, closed omegaconf object: unknown keys are errors that suggest the
+closest valid dotted key, wrong types name the key and the expected type. Interpolations are
+resolved and ``~`` in path fields is expanded, so the returned config is concrete.
+
+Derived defaults (applied only where neither the user YAML nor an override set the key):
+``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import Any, Iterable, Mapping
+
+from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
+from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
+
+SHORTHANDS = ("algorithm", "data", "model", "device", "preset")
+PATH_KEYS = (
+    "model.path", "model.tokenizer_path", "critic.model_path", "reward.model_path", "reward.custom.path",
+    "data.train_files", "data.val_files", "trainer.output_dir",
+)
+_RESOLVERS_DONE = False
+
+
+def _register_resolvers() -> None:
+    """``${portrl.scale:${data.max_response_length},0.2}`` = int(x * f) (used by presets for length ratios)."""
+    global _RESOLVERS_DONE
+    if _RESOLVERS_DONE:
+        return
+    from omegaconf import OmegaConf
+
+    def scale(x, f) -> int:
+        return int(float(x) * float(f))
+
+    register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver  # omegaconf < 2.4
+    register("portrl.scale", scale, replace=True)
+    _RESOLVERS_DONE = True
+
+
+def split_overrides(overrides: Iterable[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Split ``key=value`` items into preset selections (shorthands) and dotted overrides."""
+    selections: dict[str, str] = {}
+    dotted: list[tuple[str, str]] = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.kl_ctrl.kl_coef=0.001 or algorithm=grpo)")
+        key, value = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        if key in SHORTHANDS:
+            selections[key] = value.strip()
+        else:
+            dotted.append((key, value))
+    return selections, dotted
+
+
+def _wrap_scalars_for_lists(data: Any, prefix: str = "") -> Any:
+    """A bare string given for a ``List[...]`` field becomes a one-item list (``data.train_files=a.parquet``)."""
+    if not isinstance(data, Mapping):
+        return data
+    out = {}
+    for k, v in data.items():
+        path = f"{prefix}{k}"
+        tp = schema_keys().get(path)
+        if isinstance(v, Mapping):
+            out[k] = _wrap_scalars_for_lists(v, path + ".")
+        elif isinstance(v, str) and typing.get_origin(tp) in (list, typing.List) and not v.startswith("${"):
+            out[k] = [v]
+        else:
+            out[k] = v
+    return out
+
+
+def _merge(cfg, data: Mapping[str, Any], source: str):
+    """Merge a plain mapping into the structured config with readable key/type errors."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    check_keys(data, source)
+    try:
+        return OmegaConf.merge(cfg, _wrap_scalars_for_lists(data))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        expected = type_name(schema_keys()[key]) if key in schema_keys() else "a valid value"
+        value = _lookup(data, key)
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"{source}: {key} expects {expected}, got {value!r} ({first})") from None
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return "?"
+        node = node[part]
+    return node
+
+
+def _parse_override(key: str, value: str) -> dict[str, Any]:
+    """``a.b.c=v`` -> ``{"a": {"b": {"c": parsed v}}}``; values are parsed as YAML (``null``, ``[1,2]``, ``true``)."""
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={value}: the value is not valid YAML ({exc})") from None
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for i in range(1, len(parts)):  # below an open Dict field the rest is one sub-key (tp_by_model_size.0.5b)
+        if ".".join(parts[:i]) in open_dict_prefixes():
+            parts = parts[:i] + [".".join(parts[i:])]
+            break
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = parsed
+    return out
+
+
+def _resolve_device(device: str | None, preset: str | None) -> tuple[str | None, str | None]:
+    """(device preset name or None, backend name or None) from ``--device`` and ``--preset``."""
+    presets = list_presets("device")
+    backend = None
+    if device and device in presets and not preset:
+        preset = device  # --device h100 selects the preset; cpu is both a backend and a preset
+    elif device:
+        backend = device
+    if backend and backend != "auto" and not preset and backend in presets:
+        preset = backend
+    return preset, backend
+
+
+def compose(device: str | None = None, preset: str | None = None, algorithm: str | None = None,
+            data: str | None = None, model: str | None = None, config_file: str | os.PathLike | None = None,
+            overrides: Iterable[str] = (), check: bool = True):
+    """The resolved run config (an omegaconf DictConfig of :class:`PortRLConfig`, closed).
+
+    ``device`` is a backend name (cpu, cuda, rocm, npu, auto) or a device preset name; ``preset`` a
+    device preset (``configs/device``). ``check`` runs :func:`portrl.config.checks.validate`.
+    """
+    from omegaconf import OmegaConf
+
+    from portrl.config.schema import default_config
+
+    _register_resolvers()
+    selections, dotted = split_overrides(overrides)
+    device = selections.get("device", device)
+    preset = selections.get("preset", preset)
+    algorithm = selections.get("algorithm", algorithm)
+    data = selections.get("data", data)
+    model = selections.get("model", model)
+
+    cfg = default_config()
+    dev_preset, backend = _resolve_device(device, preset)
+    layers = [("device", dev_preset), ("algorithm", algorithm), ("data", data), ("model", model)]
+    for group, name in layers:
+        if not name:
+            continue
+        cfg = _merge(cfg, load_preset(group, name), preset_source(group, name))
+        if group == "device":
+            cfg.device.preset = name
+        elif group == "algorithm":
+            cfg.algorithm.name = name
+    if backend:
+        if dev_preset and backend != "auto" and cfg.device.name != backend:
+            raise ConfigError(f"device preset {dev_preset!r} is for device {cfg.device.name!r}, not {backend!r}; "
+                              f"drop --device or choose a {backend} preset")
+        if not dev_preset:
+            cfg.device.name = backend
+
+    explicit: set[str] = set()
+    if config_file:
+        path = os.path.expanduser(os.fspath(config_file))
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {config_file}: no such file")
+        import yaml
+
+        try:
+            user = yaml.safe_load(open(path).read()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{config_file} is not valid YAML: {exc}") from None
+        explicit.update(check_keys(user, str(config_file)))
+        cfg = _merge(cfg, user, str(config_file))
+    for key, value in dotted:
+        item = _parse_override(key, value)
+        explicit.update(check_keys(item, f"override {key}={value}"))
+        cfg = _merge(cfg, item, f"override {key}={value}")
+
+    _derive(cfg, explicit)
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:  # noqa: BLE001 - any interpolation failure is a config error
+        raise ConfigError(f"cannot resolve an interpolation: {exc}") from None
+    _expand_paths(cfg)
+    if check:
+        from portrl.config.checks import validate
+
+        validate(cfg)
+    return cfg
+
+
+def _derive(cfg, explicit: set[str]) -> None:
+    size = cfg.model.size
+    tp = cfg.device.tp_by_model_size
+    if "rollout.tensor_model_parallel_size" not in explicit and size and size in tp:
+        cfg.rollout.tensor_model_parallel_size = int(tp[size])
+
+
+def _expand_paths(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    for dotted in PATH_KEYS:
+        value = OmegaConf.select(cfg, dotted)
+        if isinstance(value, str):
+            OmegaConf.update(cfg, dotted, os.path.expanduser(value))
+        elif value is not None and OmegaConf.is_list(value):
+            OmegaConf.update(cfg, dotted, [os.path.expanduser(v) for v in value])
+
+
+def to_yaml(cfg) -> str:
+    """The config as YAML text (interpolations resolved)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save_yaml(cfg, path: str | os.PathLike) -> None:
+    """Write the config as YAML atomically (temp file in the same folder, then rename)."""
+    import tempfile
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(to_yaml(cfg))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
