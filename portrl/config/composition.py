@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import typing
+from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
 from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
@@ -147,8 +148,6 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     """
     from omegaconf import OmegaConf
 
-    from portrl.config.schema import default_config
-
     _register_resolvers()
     selections, dotted = split_overrides(overrides)
     device = selections.get("device", device)
@@ -157,7 +156,7 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     data = selections.get("data", data)
     model = selections.get("model", model)
 
-    cfg = default_config()
+    cfg = _defaults()
     dev_preset, backend = _resolve_device(device, preset)
     layers = [("device", dev_preset), ("algorithm", algorithm), ("data", data), ("model", model)]
     for group, name in layers:
@@ -204,6 +203,20 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
 
         validate(cfg)
     return cfg
+
+
+@lru_cache(maxsize=1)
+def _default_template():
+    from portrl.config.schema import default_config
+
+    return default_config()
+
+
+def _defaults():
+    """A fresh copy of the structured defaults (building them from the dataclasses costs ~0.1 s; a copy ~10x less)."""
+    import copy
+
+    return copy.deepcopy(_default_template())
 
 
 def _derive(cfg, explicit: set[str]) -> None:
