@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "devices": ("devices", "list every registered device backend and whether it can run here"),
     "doctor": ("doctor", "check the chosen backend's environment against its compatibility rows"),
     "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math) or the arith task into verl parquet"),
+    "config": ("config", "print the resolved run config (defaults + presets + --config + overrides) or list presets"),
+    "plot": ("plot", "write PNG curves (reward, accuracy, KL, entropy, length) from a run's metrics.jsonl"),
 }
 
 
