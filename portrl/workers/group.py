@@ -191,6 +191,11 @@ class WorkerHost:
         self._sync = (WeightSender(self.backend, addr, port, group_size, bucket_mb) if group_rank == 0
                       else WeightReceiver(self.backend, addr, port, group_rank, group_size))
 
+    def full_weights(self) -> Dict[str, Any]:
+        """``worker.named_weights()`` as full CPU tensors (sharded ones all-gathered: call it on every rank)."""
+        return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+                for n, t in self.worker.named_weights()}
+
     def push_weights(self) -> Optional[Dict[str, int]]:
         """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends."""
         from dataclasses import asdict
@@ -303,6 +308,12 @@ class WorkerGroup:
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
         """Rank 0's result of a call made on every rank (every rank must join collectives)."""
         return self.call_all(method, *args, **kwargs)[0]
+
+    def full_weights(self) -> Dict[str, Any]:
+        """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""
+        if self._local is not None:
+            return {n: t.detach().cpu() for n, t in self._local.named_weights()}
+        return self._gather([a.full_weights.remote() for a in self.actors])[0]
 
     @property
     def local_worker(self):

@@ -95,11 +95,28 @@ def resolve_strategy(strategy: str, backend) -> str:
     return "fsdp" if ok else "ddp"
 
 
+class ForwardModule(nn.Module):
+    """Runs ``fn(model, *args, **kwargs)`` as this module's forward.
+
+    Data-parallel wrappers act in forward hooks: DDP prepares its gradient all-reduce, FSDP2 gathers the
+    parameters a unit owns. A training forward that reaches into the model (calls the decoder, then uses the
+    LM head's weight in a fused log-prob op, as ``portrl.models.compute_logprobs`` does) bypasses them; wrapping
+    ``ForwardModule(model, compute_logprobs)`` and calling the wrapped result runs the whole computation
+    inside one root forward, so both wrappers see it.
+    """
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+
 def _block_classes(model: nn.Module) -> set:
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    inner = getattr(model, "get_base_model", None)  # a peft wrapper keeps the HF attribute on the base model
-    if not names and inner is not None:
-        names = set(getattr(inner(), "_no_split_modules", None) or ())
+    names: set = set()
+    for m in model.modules():  # HF models (also under peft / ForwardModule) name their blocks
+        names |= set(getattr(m, "_no_split_modules", None) or ())
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
