@@ -1,0 +1,136 @@
+"""``portrl parity ops | record | replay | e2e | compare``: the cross-hardware parity harness.
+
+Exit status: 0 when every verdict is pass or warn, 1 when any fails (2 for usage errors, from argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from portrl.parity.tolerances import TOLERANCES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="parity_command", metavar="SUBCOMMAND", required=True)
+
+    ops = sub.add_parser("ops", help="every op and algorithm function against a float64 reference, values and grads")
+    ops.add_argument("--device", default=None, help="backend name (default: --device / PORTRL_DEVICE / detection)")
+    ops.add_argument("--dtype", default="float32", choices=list(TOLERANCES))
+    ops.add_argument("--report", required=True, help="JSON report to write")
+    ops.add_argument("--size", default="standard", help="case shapes: standard (CPU-friendly) or large")
+    ops.add_argument("--group", action="append", choices=["ops", "algo"], help="only these groups (repeatable)")
+    ops.add_argument("--op", action="append", help="only these ops (repeatable)")
+    ops.add_argument("--seed", type=int, default=0)
+
+    rec = sub.add_parser("record", help="record a golden RL step of the tiny model (reference backend, float32)")
+    rec.add_argument("--output", required=True, help="golden directory to write")
+    rec.add_argument("--device", default="cpu")
+    rec.add_argument("--seed", type=int, default=0)
+
+    rep = sub.add_parser("replay", help="recompute a golden on a backend and compare")
+    rep.add_argument("--golden", required=True, help="golden directory (from `portrl parity record`)")
+    rep.add_argument("--device", default=None)
+    rep.add_argument("--dtype", default="float32", choices=list(TOLERANCES))
+    rep.add_argument("--report", default=None, help="JSON report to write")
+
+    e2e = sub.add_parser("e2e", help="short fixed-seed training run checked against the committed envelope")
+    e2e.add_argument("--device", default=None)
+    e2e.add_argument("--envelope", default=None, help="envelope JSON (default: the committed one)")
+    e2e.add_argument("--rebuild-envelope", action="store_true", help="measure the envelope over several seeds")
+    e2e.add_argument("--seeds", type=int, default=4, help="seeds for --rebuild-envelope")
+    e2e.add_argument("--report", default=None)
+    e2e.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
+
+    cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")
+    cmp_.add_argument("reports", nargs="+", help="reports from `portrl parity ops`")
+    cmp_.add_argument("--reference", default="cpu", help="backend whose errors divide the others'")
+    cmp_.add_argument("--output", default=None, help="Markdown file to write (default: stdout)")
+
+
+def _backend(name):
+    from portrl.ops.registry import _resolve_backend
+
+    return _resolve_backend(name)
+
+
+def _ops(args) -> int:
+    from portrl.parity.report import write_json
+    from portrl.parity.runner import GROUPS, run_ops_parity
+
+    report = run_ops_parity(_backend(args.device), args.dtype, size=args.size, groups=tuple(args.group or GROUPS),
+                            ops=args.op, seed=args.seed)
+    write_json(args.report, report)
+    s = report["summary"]
+    print(f"{report['backend']} ({report['device_name']}) {args.dtype}: {s['pass']} pass, {s['warn']} warn, "
+          f"{s['fail']} fail of {s['total']} cases in {s['seconds']} s -> {args.report}")
+    for c in report["cases"]:
+        if c["verdict"] != "pass":
+            print(f"  {c['verdict']:4s} {c['name']}: max_rel_err={c.get('max_rel_err')} {c.get('error', '')}")
+    return 1 if s["fail"] else 0
+
+
+def _record(args) -> int:
+    from portrl.parity.golden import record_golden
+
+    out = record_golden(args.output, _backend(args.device), seed=args.seed)
+    print(f"golden written to {out}")
+    return 0
+
+
+def _replay(args) -> int:
+    from portrl.parity.golden import replay_golden
+    from portrl.parity.report import write_json
+
+    report = replay_golden(args.golden, _backend(args.device), args.dtype)
+    if args.report:
+        write_json(args.report, report)
+    for name, m in report["checks"].items():
+        print(f"  {m['verdict']:4s} {name}: max_abs_err={m['max_abs_err']:.3g} max_rel_err={m['max_rel_err']:.3g}")
+    print(f"replay on {report['backend']} {args.dtype}: {report['verdict']}")
+    return 1 if report["verdict"] == "fail" else 0
+
+
+def _e2e(args) -> int:
+    from portrl.parity.e2e import build_envelope, check_run, default_envelope_path
+    from portrl.parity.report import write_json
+
+    backend = _backend(args.device)
+    path = Path(args.envelope) if args.envelope else default_envelope_path()
+    if args.rebuild_envelope:
+        env = build_envelope(backend, seeds=args.seeds, work_dir=args.work_dir)
+        write_json(path, env)
+        print(f"envelope over {args.seeds} seeds written to {path}")
+        return 0
+    report = check_run(backend, path, work_dir=args.work_dir)
+    if args.report:
+        write_json(args.report, report)
+    for v in report["violations"]:
+        print(f"  outside: {v}")
+    print(f"e2e on {report['backend']}: {report['verdict']} ({len(report['violations'])} points outside the envelope)")
+    return 1 if report["verdict"] == "fail" else 0
+
+
+def _compare(args) -> int:
+    from portrl.parity.compare import compare_files
+
+    md, summary = compare_files(args.reports, reference=args.reference)
+    if args.output:
+        from portrl.parity.report import write_json, write_text
+
+        write_text(args.output, md)
+        write_json(Path(args.output).with_suffix(".json"), summary)
+    else:
+        sys.stdout.write(md)
+    return 1 if summary["verdict"] == "fail" else 0
+
+
+def run(args) -> int:
+    handlers = {"ops": _ops, "record": _record, "replay": _replay, "e2e": _e2e, "compare": _compare}
+    try:
+        return handlers[args.parity_command](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"portrl parity {args.parity_command}: {exc}", file=sys.stderr)
+        return 2
+

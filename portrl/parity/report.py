@@ -1,0 +1,68 @@
+"""Parity reports: the environment header every report carries, atomic JSON writing, reading back."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+#: bumped when the report layout changes; ``compare`` refuses other versions
+REPORT_VERSION = 1
+
+
+def environment(backend) -> dict[str, Any]:
+    """Backend name, device name and the versions of its stack (no device runtime needed beyond probe)."""
+    import torch
+
+    probe = backend.probe()
+    versions = dict(probe.versions or backend.installed_versions())
+    versions.setdefault("torch", torch.__version__)
+    try:
+        from importlib.metadata import version
+
+        versions.setdefault("portrl", version("portrl"))
+    except Exception:  # running from a source tree without metadata
+        versions.setdefault("portrl", "unknown")
+    return {"backend": backend.name, "device_type": backend.device_type, "device_name": probe.device_name,
+            "versions": versions, "python": platform.python_version(), "host": platform.machine()}
+
+
+def write_text(path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readable by all, like a plain write)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_json(path, data: dict[str, Any]) -> Path:
+    """Write ``data`` as indented JSON (no NaN/Inf) to ``path`` atomically."""
+    return write_text(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def read_report(path) -> dict[str, Any]:
+    """A report written by ``portrl parity ops``; a clear error when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"parity report {str(p)!r} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"parity report {str(p)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("kind") != "ops" or "cases" not in data:
+        raise ValueError(f"{str(p)!r} is not a `portrl parity ops` report (no kind='ops' and cases)")
+    if data.get("version") != REPORT_VERSION:
+        raise ValueError(f"parity report {str(p)!r} has layout version {data.get('version')!r}; this portrl reads "
+                         f"version {REPORT_VERSION}: rerun `portrl parity ops` with this portrl")
+    return data
