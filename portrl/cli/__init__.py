@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math) or the arith task into verl parquet"),
     "config": ("config", "print the resolved run config (defaults + presets + --config + overrides) or list presets"),
     "plot": ("plot", "write PNG curves (reward, accuracy, KL, entropy, length) from a run's metrics.jsonl"),
+    "parity": ("parity", "cross-hardware parity: ops vs float64, golden record/replay, e2e envelope, compare matrix"),
 }
 
 
