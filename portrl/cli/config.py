@@ -13,8 +13,8 @@ def _options_parser(prog: str = "portrl config show"):
     import argparse
 
     p = argparse.ArgumentParser(prog=prog, description="Print the resolved run config as YAML.")
-    p.add_argument("--device", default=None, help="backend name (cpu, cuda, rocm, npu, auto) or a device preset")
-    p.add_argument("--preset", default=None, help="device preset (configs/device), e.g. h100, mi300x, ascend-910b")
+    p.add_argument("--device", default=None, help="backend name (see `portrl devices`; or auto) or a device preset")
+    p.add_argument("--preset", default=None, help="device preset (configs/device; `portrl config list`), e.g. h100")
     p.add_argument("--config", default=None, help="a YAML file merged after the presets")
     p.add_argument("--no-check", action="store_true", help="skip validation against registries and the backend")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm=dapo actor.clip_ratio_high=0.3")

@@ -1,6 +1,6 @@
 """Checks of a composed config that types alone cannot express.
 
-* choices: names that must come from a fixed set (truncation, scheduler, loggers, ...);
+* choices: names that must come from a fixed set (truncation, scheduler, loggers, registered rollout engines);
 * registries: ``algorithm.adv_estimator``, ``actor.policy_loss.loss_mode``, ``actor.loss_agg_mode``,
   ``actor.kl_loss_type`` and ``algorithm.kl_penalty`` must be registered in ``portrl.algo``;
 * consistency: batch sizes divide, group-based estimators get ``rollout.n > 1``, bounds hold;
@@ -26,7 +26,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "actor.optim.scheduler": ("constant", "cosine", "linear"),
     "critic.optim.scheduler": ("constant", "cosine", "linear"),
     "actor.strategy": ("auto", "fsdp", "ddp"),
-    "rollout.engine": ("auto", "hf", "vllm", "sglang"),
     "rollout.placement": ("colocated", "separated"),
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
@@ -57,6 +56,11 @@ def check_choices(cfg) -> list[str]:
         value = _get(cfg, key)
         if value not in allowed:
             problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    from portrl.rollout.registry import engine_names  # registered engines, installed or not
+
+    engines = ["auto", *engine_names()]
+    if cfg.rollout.engine not in engines:
+        problems.append(f"rollout.engine={cfg.rollout.engine!r} is not one of {', '.join(map(repr, engines))}")
     bad = [x for x in cfg.trainer.loggers if x not in LOGGERS]
     if bad:
         problems.append(f"trainer.loggers has {bad}; valid loggers: {', '.join(LOGGERS)}")

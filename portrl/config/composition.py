@@ -3,7 +3,7 @@
 Order (later wins): defaults (schema) -> device preset -> algorithm preset -> data preset ->
 model preset -> user YAML (``--config``) -> dotted overrides (``algorithm.kl_ctrl.kl_coef=0.001``).
 Shorthand overrides choose presets: ``algorithm=grpo``, ``data=gsm8k``, ``model=qwen2.5-0.5b``,
-``device=h100`` (a device preset) or ``device=cuda`` (a backend name), ``preset=h100``.
+``device=<device preset>`` or ``device=<backend name>`` (see ``portrl devices``), ``preset=<device preset>``.
 
 The result is a structured, closed omegaconf object: unknown keys are errors that suggest the
 closest valid dotted key, wrong types name the key and the expected type. Interpolations are
@@ -143,7 +143,7 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
             overrides: Iterable[str] = (), check: bool = True):
     """The resolved run config (an omegaconf DictConfig of :class:`PortRLConfig`, closed).
 
-    ``device`` is a backend name (cpu, cuda, rocm, npu, auto) or a device preset name; ``preset`` a
+    ``device`` is a backend name (``portrl devices``; or auto) or a device preset name; ``preset`` a
     device preset (``configs/device``). ``check`` runs :func:`portrl.config.checks.validate`.
     """
     from omegaconf import OmegaConf
