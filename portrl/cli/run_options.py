@@ -19,7 +19,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def options_parser(prog: str, description: str, extra: list[tuple[tuple, dict]] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--device", default=None, help="backend name (portrl devices) or auto; a device preset name also works")
-    p.add_argument("--preset", default=None, help="device preset (configs/device), e.g. cpu, h100, mi300x, ascend-910b")
+    p.add_argument("--preset", default=None, help="device preset (configs/device), see `portrl config list`")
     p.add_argument("--config", default=None, help="a YAML file merged after the presets")
     for args, kwargs in extra:
         p.add_argument(*args, **kwargs)
