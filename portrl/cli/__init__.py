@@ -14,6 +14,9 @@ import sys
 
 # command -> (module under portrl.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "RL post-training (with no argument: the built-in arith demo on a tiny model)"),
+    "sft": ("sft", "supervised fine-tuning on prompt / response parquet (packed)"),
+    "eval": ("evaluate", "accuracy of a model directory or checkpoint on a dataset"),
     "devices": ("devices", "list every registered device backend and whether it can run here"),
     "doctor": ("doctor", "check the chosen backend's environment against its compatibility rows"),
     "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math) or the arith task into verl parquet"),
