@@ -1,0 +1,138 @@
+"""ActorRolloutWorker / CriticWorker on a tiny model: rollout layout, exact old-log-prob skip,
+micro-batching invariance, critic values and update, state round trip, HF export."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from portrl.config.schema import default_config
+from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
+from portrl.workers.batch import Batch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from portrl.models import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
+
+
+def _cfg(path, **over):
+    cfg = default_config()
+    cfg.device.name = "cpu"
+    cfg.device.num_threads = 1
+    cfg.model.path = path
+    cfg.rollout.n = 4
+    cfg.data.max_response_length = 6
+    cfg.actor.ppo_mini_batch_size = 4
+    cfg.actor.optim.lr = 1e-2
+    cfg.actor.optim.eps = 1.0  # Adam's first step is ~lr*sign(g); a large eps makes it ~lr*g, so float noise stays small
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def _rollout(worker, n_prompts=4):
+    prompts = [worker.tokenizer(f"{i}+{i}=")["input_ids"] for i in range(n_prompts)]
+    b = worker.generate(prompts, {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 1},
+                        meta={"uid": [f"p{i}" for i in range(n_prompts)]})
+    g = torch.Generator().manual_seed(0)
+    b["advantages"] = torch.randn(b["response_mask"].shape, generator=g) * b["response_mask"]
+    return b
+
+
+def _params(w):
+    return torch.cat([p.detach().flatten() for p in w.module.parameters()])
+
+
+def test_generate_layout(tiny_model):
+    w = ActorRolloutWorker(_cfg(tiny_model))
+    b = _rollout(w)
+    assert len(b) == 16 and b["uid"][:5] == ["p0"] * 4 + ["p1"]
+    T = b["responses"].shape[1]
+    assert 1 <= T <= 6 and b["input_ids"].shape[1] == b["prompts"].shape[1] + T
+    lens = b["response_mask"].sum(-1)
+    assert torch.equal(b["attention_mask"][:, -T:], b["response_mask"])
+    # rollout log-probs of the engine equal the trainer's forward (same weights, same temperature)
+    old = w.compute_log_probs(b)["old_log_probs"]
+    assert torch.allclose(old * b["response_mask"], b["rollout_log_probs"], atol=1e-4)
+    assert (lens > 0).all()
+
+
+def test_old_log_prob_skip_is_exact(tiny_model):
+    cfg = _cfg(tiny_model)
+    assert not old_log_probs_needed(cfg, 16)
+    assert old_log_probs_needed(cfg, 17)
+    assert old_log_probs_needed(_cfg(tiny_model, **{"actor.ppo_epochs": 2}), 16)
+    a = ActorRolloutWorker(cfg)
+    b = _rollout(a)
+    other = ActorRolloutWorker(cfg)
+    other.load_state_dict(a.state_dict())
+    with_old = Batch(dict(b.tensors), b.meta).union(other.compute_log_probs(b))
+    with_old.pop("entropys")
+    ma = a.update_actor(b)
+    mb = other.update_actor(with_old)
+    assert torch.allclose(_params(a), _params(other), atol=1e-6, rtol=0)
+    assert ma["actor/pg_loss"] == pytest.approx(mb["actor/pg_loss"], abs=1e-6)
+    assert ma["actor/grad_norm"] > 0
+
+
+def test_micro_batching_does_not_change_the_update(tiny_model):
+    base = ActorRolloutWorker(_cfg(tiny_model, **{"actor.ppo_micro_batch_size_per_device": 16}))
+    b = _rollout(base)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        one = ActorRolloutWorker(_cfg(tiny_model, **{"actor.ppo_micro_batch_size_per_device": 16,
+                                                     "actor.loss_agg_mode": mode}))
+        many = ActorRolloutWorker(_cfg(tiny_model, **{"actor.ppo_micro_batch_size_per_device": 3,
+                                                      "actor.loss_agg_mode": mode}))
+        m1, m2 = one.update_actor(b), many.update_actor(b)
+        assert torch.allclose(_params(one), _params(many), atol=1e-6), mode
+        for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), (mode, k)
+
+
+def test_kl_loss_entropy_and_state_roundtrip(tiny_model, tmp_path):
+    cfg = _cfg(tiny_model, **{"actor.use_kl_loss": True, "actor.kl_loss_coef": 0.1, "actor.entropy_coeff": 0.01,
+                              "actor.ppo_epochs": 2, "actor.optim.warmup_steps": 2})
+    w = ActorRolloutWorker(cfg)
+    w.init_reference()
+    b = _rollout(w)
+    b.union(w.compute_log_probs(b)).pop("entropys")
+    b.union(w.compute_ref_log_probs(b))
+    assert torch.equal(b["ref_log_probs"], b["old_log_probs"])
+    m = w.update_actor(b)
+    assert 0.0 < m["actor/kl_loss"] < 1e-2  # 0 in epoch 1 (at the reference), small in epoch 2
+    assert m["actor/lr"] == pytest.approx(1e-2)  # warm-up step 2 of 2 after one scheduler step
+    after = w.compute_ref_log_probs(b)["ref_log_probs"]
+    assert torch.equal(after, b["ref_log_probs"])  # the reference is frozen
+    state = copy.deepcopy(w.state_dict())
+    w2 = ActorRolloutWorker(cfg)
+    w2.load_state_dict(state)
+    assert torch.equal(_params(w), _params(w2))
+    out = w.export_hf(str(tmp_path / "hf"))
+    from transformers import AutoModelForCausalLM
+
+    re = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(re.state_dict()["model.embed_tokens.weight"], w.module.state_dict()["model.embed_tokens.weight"])
+
+
+def test_critic_values_and_update(tiny_model):
+    from portrl.workers.critic import CriticWorker
+
+    cfg = _cfg(tiny_model, **{"critic.optim.lr": 1e-2})
+    actor = ActorRolloutWorker(cfg)
+    b = _rollout(actor)
+    c = CriticWorker(cfg)
+    v = c.compute_values(b)["values"]
+    assert v.shape == b["response_mask"].shape and (v[b["response_mask"] == 0] == 0).all()
+    packed_cfg = _cfg(tiny_model, **{"model.use_packing": False})
+    c2 = CriticWorker(packed_cfg)
+    c2.module.load_state_dict(c.module.state_dict())
+    assert torch.allclose(c2.compute_values(b)["values"], v, atol=1e-5)
+    b["values"] = v
+    b["returns"] = torch.ones_like(v) * b["response_mask"]
+    losses = [c.update_critic(b)["critic/vf_loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
