@@ -1,4 +1,6 @@
-"""Compare two engines' greedy generations by rank at the first differing token (vLLM's own convention).
+"""Compare two engines' greedy generations by rank at the first differing token.
+
+This is the convention of a widely used serving engine's own model tests.
 
 Two engines decoding the same prompt greedily agree until rounding makes two near-tied tokens swap;
 after that the texts diverge and comparing further says nothing. So, per sequence: find the first

@@ -1,7 +1,7 @@
 """The one table of parity thresholds, by dtype, with where each number comes from.
 
 Per-case checks (a backend's result against a float64 CPU reference computed from the same,
-dtype-rounded inputs), following the API accuracy checker of the Ascend precision tool (msprobe):
+dtype-rounded inputs), following the API accuracy checker of the msprobe precision tool:
 
 * ``cosine_min``: cosine similarity of result and reference must exceed 0.99 (msprobe).
 * ``rel_bound`` / ``share_bound``: an element whose relative error exceeds ``rel_bound`` counts as
@@ -25,7 +25,7 @@ defaults) and ``hf_sdpa`` (the tolerances transformers' eager-vs-SDPA model test
 Cross-backend (``portrl parity compare``): each backend's error divided by the reference backend's
 error on the same case: pass <= 1, warn <= 2, fail > 2 for RMSE, mean relative error and
 small-value error; pass <= 1, warn <= 10, fail > 10 for the max relative error (msprobe's
-NPU-vs-GPU benchmark convention). Errors below ``ratio_floor`` (about one rounding of the dtype) are
+device-vs-device benchmark convention). Errors below ``ratio_floor`` (about one rounding of the dtype) are
 raised to it before dividing, so two near-exact results compare as equal rather than as 0 / 0.
 """
 
@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SOURCES = {
-    "msprobe": "Ascend msprobe API accuracy checker: cosine > 0.99; share of elements with rel err > 0.1% (fp32) / "
+    "msprobe": "msprobe API accuracy checker: cosine > 0.99; share of elements with rel err > 0.1% (fp32) / "
                "1% (fp16, bf16) below 0.1% / 1%; |x| < 1e-6 (fp32) / 1e-3 (fp16, bf16) judged by abs err 1e-9 / 1e-5",
-    "msprobe_ratio": "msprobe NPU-vs-GPU benchmark: error ratio (each vs a CPU high-precision reference) of RMSE, "
+    "msprobe_ratio": "msprobe device-vs-device benchmark: error ratio (each vs a CPU high-precision reference) of RMSE, "
                      "mean rel err, small-value err: pass <= 1, warn <= 2, fail > 2; "
                      "max rel err: pass <= 1, warn <= 10",
     "torch_testing": "torch.testing.assert_close default (rtol, atol) by dtype",
