@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--envelope", default=None, help="envelope JSON (default: the committed one)")
     e2e.add_argument("--rebuild-envelope", action="store_true", help="measure the envelope over several seeds")
     e2e.add_argument("--seeds", type=int, default=4, help="seeds for --rebuild-envelope")
+    e2e.add_argument("--preset", default=None, help="device preset (configs/device; default: the backend's name)")
     e2e.add_argument("--report", default=None)
     e2e.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
 
@@ -99,11 +100,11 @@ def _e2e(args) -> int:
     backend = _backend(args.device)
     path = Path(args.envelope) if args.envelope else default_envelope_path()
     if args.rebuild_envelope:
-        env = build_envelope(backend, seeds=args.seeds, work_dir=args.work_dir)
+        env = build_envelope(backend, seeds=args.seeds, work_dir=args.work_dir, preset=args.preset)
         write_json(path, env)
         print(f"envelope over {args.seeds} seeds written to {path}")
         return 0
-    report = check_run(backend, path, work_dir=args.work_dir)
+    report = check_run(backend, path, work_dir=args.work_dir, preset=args.preset)
     if args.report:
         write_json(args.report, report)
     for v in report["violations"]:
