@@ -36,8 +36,8 @@ from dataclasses import dataclass
 SOURCES = {
     "msprobe": "msprobe API accuracy checker: cosine > 0.99; share of elements with rel err > 0.1% (fp32) / "
                "1% (fp16, bf16) below 0.1% / 1%; |x| < 1e-6 (fp32) / 1e-3 (fp16, bf16) judged by abs err 1e-9 / 1e-5",
-    "msprobe_ratio": "msprobe device-vs-device benchmark: error ratio (each vs a CPU high-precision reference) of RMSE, "
-                     "mean rel err, small-value err: pass <= 1, warn <= 2, fail > 2; "
+    "msprobe_ratio": "msprobe device-vs-device benchmark: error ratio (each vs a CPU high-precision reference) "
+                     "of RMSE, mean rel err, small-value err: pass <= 1, warn <= 2, fail > 2; "
                      "max rel err: pass <= 1, warn <= 10",
     "torch_testing": "torch.testing.assert_close default (rtol, atol) by dtype",
     "transformers": "transformers eager-vs-SDPA model tests: fp32 atol 1e-6 rtol 1e-4; fp16 5e-3; bf16 1e-2",
