@@ -37,3 +37,13 @@ def test_block_diagonal_mask():
 def test_cpu_backend_registers_its_kernels():
     assert ops.select("attention_varlen", backend="cpu") == ("sdpa", attention_varlen_sdpa)
     assert ops.select("attention_varlen", impl="eager", backend="cpu")[1] is attention_varlen_eager
+
+
+@pytest.mark.parametrize("lengths", [[40, 1, 2, 3], [0, 5, 0, 3]])
+def test_cpu_attention_uneven_and_empty_sequences(lengths):
+    q, k, v, cu, go = _case(lengths, 4, 2)
+    for causal in (True, False):
+        want = _run(ops.attention_varlen, q, k, v, cu, go, causal)
+        for fn in (attention_varlen_sdpa, attention_varlen_eager):
+            for got, ref in zip(_run(fn, q, k, v, cu, go, causal), want):
+                assert (got - ref).abs().max().item() <= 1e-5

