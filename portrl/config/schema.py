@@ -110,6 +110,8 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft_warm_start: bool = False  # run a short SFT on the task before RL (the default run sets it)
     sft_steps: int = 200
+    sft_lr: float = 1e-3  # AdamW peak LR of the warm start (5% warm-up, cosine to 10%)
+    sft_batch_size: int = 32  # examples per SFT step
 
 
 # ------------------------------------------------------------------------------------- actor

@@ -281,34 +281,52 @@ class RLTrainer:
         elif cfg.model.sft_warm_start:
             from portrl.trainer.sft import run_sft
 
-            rows = arith_sft_rows(cfg, min(int(cfg.data.arith.num_train), 4000)) if str(cfg.data.name) == "arith" else None
+            rows = arith_sft_rows(cfg, max(int(cfg.data.arith.num_train), 2000)) if str(cfg.data.name) == "arith" else None
             if rows is None:
                 raise ValueError("model.sft_warm_start is built in for data.name=arith only; run `portrl sft` first")
-            sft = first(self.actor.call("run_sft", rows, int(cfg.model.sft_steps), 1e-3, 32))
+            if t.val_before_train and self.val_prompts is not None:
+                summary["val_before"] = self.validate(-1).get("val/acc/mean")  # the untrained model
+            sft = first(self.actor.call("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),
+                                        int(cfg.model.sft_batch_size)))
             summary.update(sft)
         if self.use_ref and resume is None:
             self.actor.call("init_reference")
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
         try:
-            if resume is None and t.val_before_train and self.val_prompts is not None:
-                v = self.validate(0)
-                summary["val_before"] = v.get("val/acc/mean")
-                tracker.log(v, step=0)
-            for step in range(self.global_step + 1, int(t.total_steps) + 1):
-                m = self.train_step(step)
-                self.global_step = step
-                last = step == int(t.total_steps)
-                if int(t.test_freq) > 0 and (step % int(t.test_freq) == 0 or last):
-                    m.update(self.validate(step))
-                if (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final):
-                    with_time = time.perf_counter()
-                    self.save_checkpoint()
-                    m["timing_s/save"] = time.perf_counter() - with_time
-                tracker.log(m, step=step)
-                self.history.append(m)
+            self._loop(tracker, resume, summary)
+        except Exception as exc:
+            died = _worker_died_error()
+            if died is not None and isinstance(exc, died):
+                latest = self.ckpt.latest_valid()
+                raise exc.with_checkpoint(str(latest) if latest else None) from exc
+            raise
         finally:
             tracker.close()
+        return self._finish(summary, started)
+
+    def _loop(self, tracker: Any, resume: Optional[Path], summary: Dict[str, Any]) -> None:
+        t = self.cfg.trainer
+        if resume is None and t.val_before_train and self.val_prompts is not None:
+            v = self.validate(0)
+            summary.setdefault("val_before", v.get("val/acc/mean"))
+            summary["val_before_rl"] = v.get("val/acc/mean")
+            tracker.log(v, step=0)
+        for step in range(self.global_step + 1, int(t.total_steps) + 1):
+            m = self.train_step(step)
+            self.global_step = step
+            last = step == int(t.total_steps)
+            if int(t.test_freq) > 0 and (step % int(t.test_freq) == 0 or last):
+                m.update(self.validate(step))
+            if (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final):
+                with_time = time.perf_counter()
+                self.save_checkpoint()
+                m["timing_s/save"] = time.perf_counter() - with_time
+            tracker.log(m, step=step)
+            self.history.append(m)
+
+    def _finish(self, summary: Dict[str, Any], started: float) -> Dict[str, Any]:
+        t = self.cfg.trainer
         if t.export_hf:
             summary["export_dir"] = first(self.actor.call("export_hf", str(self.out_dir / "hf_model")))
         if t.plot:
@@ -326,6 +344,15 @@ class RLTrainer:
         return summary
 
 
+def _worker_died_error():
+    """portrl.workers.group.WorkerDiedError when the distributed layer is importable (it needs Ray)."""
+    try:
+        from portrl.workers.group import WorkerDiedError
+    except ImportError:
+        return None
+    return WorkerDiedError
+
+
 def _prompt_batch(pb: Any) -> Batch:
     """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes)."""
     return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
@@ -333,6 +360,7 @@ def _prompt_batch(pb: Any) -> Batch:
 
 
 def run_training(cfg: Any) -> Dict[str, Any]:
-    """Run RL training as configured; returns ``{"run_dir", "steps", "val_before", "val_after", "time_s",
-    "tokens_per_s", "export_dir", "plots", "resumed_from"?, "sft/*"?}``."""
+    """Run RL training as configured; returns ``{"run_dir", "steps", "val_before" (before any training,
+    SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
+    "resumed_from"?, "sft/*"?}`` (validation accuracies are val/acc/mean, None without validation)."""
     return RLTrainer(cfg).fit()
