@@ -22,15 +22,23 @@ SCHEDULERS = ("constant", "cosine", "linear")
 
 
 def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """AdamW with lr, betas, eps and weight_decay from ``optim_cfg`` (an OptimConfig)."""
+    """AdamW with lr, betas, eps and weight_decay from ``optim_cfg`` (an OptimConfig).
+
+    The fused implementation (one kernel per step instead of a dozen multi-tensor passes) where
+    torch offers it for the parameters' device and dtype, else the multi-tensor (foreach) one.
+    """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     betas = tuple(float(b) for b in optim_cfg["betas"])
     if len(betas) != 2:
         raise ValueError(f"optim.betas must have two values, got {list(betas)}")
-    return torch.optim.AdamW(params, lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
-                             weight_decay=float(optim_cfg["weight_decay"]), foreach=True)
+    kwargs = dict(lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
+                  weight_decay=float(optim_cfg["weight_decay"]))
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):  # fused kernels not available for this device / dtype / tensor type
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, scheduler: str, min_lr_ratio: float) -> float:

@@ -1,0 +1,240 @@
+"""A lean forward for decoding Llama-family causal LMs (Qwen2 / Qwen2.5, Llama, Mistral) with a static KV cache.
+
+Why: for the small models RL runs on a CPU, a Hugging Face forward spends most of each decoded
+token in Python (mask building, cache objects, output containers, hooks), not in matmuls. This
+path runs the same arithmetic from the module's own parameters (no copy: training updates are
+seen at once) with one preallocated KV cache per generate call:
+
+* q/k/v projections fused into one matmul and gate/up into another (the fused weights are built
+  once per :meth:`FastDecoder.start`, i.e. once per generate call, so they follow training);
+* rotary cos/sin computed once for every position of the call by the model's own rotary module
+  (so every rope variant the model supports is honoured);
+* attention over ``cache[:, :, :length]`` through ``scaled_dot_product_attention`` with a boolean
+  key mask (left padding + not-yet-written slots), GQA by ``enable_gqa``;
+* logits for the last position only.
+
+Layer math (pre-norm decoder): ``h = x + o(attn(rope(q), rope(k), v))`` with ``q, k, v =
+W_qkv·rms(x) (+ b)``; ``y = h + down(silu(gate) * up)`` with ``gate, up = W_gu·rms(h)``;
+``rms(x) = x / sqrt(mean(x^2) + eps) * w`` computed in float32 as transformers does.
+
+:func:`fast_decoder_for` returns None for any model this path does not reproduce exactly
+(another architecture, q/k norms, sliding windows, attention soft-capping, a PEFT wrapper, a
+scaled or non-SiLU MLP), and the caller uses the generic forward instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
+
+
+def fast_decoder_for(model: torch.nn.Module) -> Optional["FastDecoder"]:
+    """A :class:`FastDecoder` over ``model`` when its architecture is reproduced exactly, else None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if inner is None or head is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return None
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "sliding_window", None) and getattr(
+            cfg, "use_sliding_window", True) and getattr(cfg, "model_type", "") == "mistral":
+        return None
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "attn_logit_softcapping", None):
+        return None
+    if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
+        return None
+    layer = inner.layers[0]
+    attn = getattr(layer, "self_attn", None)
+    mlp = getattr(layer, "mlp", None)
+    if attn is None or mlp is None or hasattr(attn, "q_norm") or not hasattr(mlp, "gate_proj"):
+        return None
+    return FastDecoder(model)
+
+
+class FastDecoder:
+    """Prefill + one-token decode steps with a static KV cache. Use inside ``torch.inference_mode``."""
+
+    def __init__(self, model: torch.nn.Module):
+        cfg = model.config
+        self.model = model
+        self.inner = model.model
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.eps = float(cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.layers: list = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------------------ per call
+    def start(self, rows: int, max_len: int) -> None:
+        """Fuse the current weights and allocate a cache for ``rows`` sequences of up to ``max_len`` tokens."""
+        self.layers = []
+        for layer in self.inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
+            if b_qkv is None and any(b is not None for b in biases):
+                b_qkv = torch.cat([b if b is not None else p.weight.new_zeros(p.weight.shape[0])
+                                   for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
+            w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            self.layers.append((layer.input_layernorm.weight, w_qkv, b_qkv, a.o_proj.weight, a.o_proj.bias,
+                                layer.post_attention_layernorm.weight, w_gu, m.down_proj.weight,
+                                getattr(layer.input_layernorm, "variance_epsilon", self.eps),
+                                getattr(layer.post_attention_layernorm, "variance_epsilon", self.eps)))
+        w = self.inner.embed_tokens.weight
+        self.k_cache = torch.zeros(len(self.layers), rows, self.n_kv, max_len, self.head_dim, dtype=w.dtype, device=w.device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        pos = torch.arange(max_len, device=w.device)[None]
+        cos, sin = self.inner.rotary_emb(w[:1, None], pos)  # (1, max_len, head_dim)
+        half = self.head_dim // 2
+        # rope(x) = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): the sign goes into sin
+        self.cos = cos[0].to(w.dtype)
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(w.dtype)
+        self.final_norm_w = self.inner.norm.weight
+        self.final_eps = getattr(self.inner.norm, "variance_epsilon", self.eps)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only cache rows ``index`` (drop finished sequences, or repeat prompts for n samples)."""
+        self.k_cache = self.k_cache.index_select(1, index)
+        self.v_cache = self.v_cache.index_select(1, index)
+
+    def release(self) -> None:
+        self.layers, self.k_cache, self.v_cache = [], None, None
+
+    # ------------------------------------------------------------------------------- forward
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin_signed)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
+        """Run tokens ``ids`` (B, S) at cache slots ``start .. start+S-1`` with rotary positions ``positions`` (B, S).
+
+        ``key_mask`` (B, start+S) bool: which cache slots each row may attend to (its real tokens);
+        causality inside the S new tokens is added here. Returns the last position's logits (B, V).
+        """
+        B, S = ids.shape
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        end = start + S
+        x = F.embedding(ids, self.inner.embed_tokens.weight)
+        cos = self.cos[positions][:, :, None]  # (B, S, 1, D)
+        sin = self.sin[positions][:, :, None]
+        mask = key_mask[:, None, None, :]  # (B, 1, 1, end)
+        if S > 1:
+            causal = torch.ones(S, end, dtype=torch.bool, device=ids.device).tril_(start)
+            mask = mask & causal
+            # a query on left padding sees no real key; let it see itself so softmax stays finite
+            mask = mask | _diag(S, end, start, ids.device)
+        for li, (ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2) in enumerate(self.layers):
+            h = self._rms(x, ln1, eps1)
+            qkv = F.linear(h, w_qkv, b_qkv)
+            qk = self._rope(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sin)  # q and k heads together
+            q = qk[:, :, :H].transpose(1, 2)
+            self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
+            self.v_cache[li, :, :, start:end] = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end],
+                                               attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, S, H * D), w_o, b_o)
+            h = self._rms(x, ln2, eps2)
+            gate, up = F.linear(h, w_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        last = self._rms(x[:, -1], self.final_norm_w, self.final_eps)
+        head = self.model.lm_head
+        return F.linear(last, head.weight, head.bias)
+
+
+def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:
+    """(1, 1, S, end) bool, True at (i, start + i): each new token may always attend to itself."""
+    d = torch.zeros(S, end, dtype=torch.bool, device=device)
+    d[torch.arange(S, device=device), torch.arange(start, end, device=device)] = True
+    return d[None, None]
+
+
+def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.Tensor, generator: torch.Generator,
+                 pad_token_id: int, compact_fraction: float) -> tuple:
+    """The hf engine's sampling loop (same prefill-once-then-repeat-n, same :func:`sample_next` calls, same
+    stop rule) on :class:`FastDecoder`. Returns ``(response_ids, logprobs, finish_reasons)`` lists, rows
+    prompt-major. Finished rows are dropped from the batch and cache once they are ``compact_fraction``
+    of it; the loop ends when every row has finished or ``max_new_tokens`` is reached."""
+    from portrl.rollout.sampling import sample_next
+    from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP
+
+    dev, n, max_new = decoder.device, params.n, params.max_new_tokens
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    plen = int(lengths.max())
+    ids = torch.full((len(prompts), plen), pad_token_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+    ids = ids.to(dev)
+    mask = torch.arange(plen, device=dev)[None, :] >= (plen - lengths)[:, None]
+    decoder.start(len(prompts), plen + max_new)
+    try:
+        logits = decoder.forward(ids, (mask.long().cumsum(-1) - 1).clamp_(min=0), 0, mask)
+        if n > 1:
+            rep = torch.arange(len(prompts), device=dev).repeat_interleave(n)
+            decoder.select_rows(rep)
+            logits, mask, lengths = logits[rep], mask[rep], lengths[rep]
+        rows = logits.shape[0]
+        key_mask = torch.zeros(rows, plen + max_new, dtype=torch.bool, device=dev)
+        key_mask[:, :plen] = mask
+        position = lengths.clone()  # rotary position of the next token of each row
+        tokens = torch.full((rows, max_new), pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
+        resp_len = torch.full((rows,), max_new, dtype=torch.long, device=dev)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
+        active = torch.arange(rows, device=dev)  # batch row -> output row
+        alive = torch.ones(rows, dtype=torch.bool, device=dev)
+        n_alive = rows
+        for t in range(max_new):
+            tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                  generator=generator)
+            if n_alive < len(active):
+                tokens[active[alive], t] = tok[alive]
+                logps[active[alive], t] = lp[alive]
+                hit = torch.isin(tok, stop) & alive
+            else:
+                tokens[active, t] = tok
+                logps[active, t] = lp
+                hit = torch.isin(tok, stop)
+            n_hit = int(hit.sum())
+            if n_hit:
+                done = active[hit]
+                resp_len[done] = t + 1
+                stopped[done] = True
+                alive &= ~hit
+                n_alive -= n_hit
+            if n_alive == 0 or t == max_new - 1:
+                break
+            if n_alive < len(active) and len(active) - n_alive >= max(1, compact_fraction * len(active)):
+                keep = alive.nonzero().squeeze(-1)
+                decoder.select_rows(keep)
+                active, tok, position, key_mask = active[keep], tok[keep], position[keep], key_mask[keep]
+                alive = torch.ones(n_alive, dtype=torch.bool, device=dev)
+            key_mask[:, plen + t] = True
+            logits = decoder.forward(tok[:, None], position[:, None], plen + t, key_mask[:, : plen + t + 1])
+            position += 1
+    finally:
+        decoder.release()
+    resp_len_l, stopped_l = resp_len.tolist(), stopped.tolist()
+    tokens_l, logps_l = tokens.tolist(), logps.tolist()
+    ids_out = [tokens_l[r][: resp_len_l[r]] for r in range(rows)]
+    lps_out = [logps_l[r][: resp_len_l[r]] for r in range(rows)]
+    return ids_out, lps_out, [FINISH_STOP if s else FINISH_LENGTH for s in stopped_l]
