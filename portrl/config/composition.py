@@ -9,6 +9,14 @@ The result is a structured, closed omegaconf object: unknown keys are errors tha
 closest valid dotted key, wrong types name the key and the expected type. Interpolations are
 resolved and ``~`` in path fields is expanded, so the returned config is concrete.
 
+Default presets: a group for which no preset is selected gets its default preset
+(:data:`DEFAULT_PRESETS`: algorithm ``grpo``, data ``arith``, model ``tiny``), except where the
+user YAML or an override points the group elsewhere: a non-null ``model.path`` (your own model: no
+``tiny`` learning rates or SFT warm start), ``data.name`` or ``data.train_files`` (your own data).
+So ``portrl train`` with no argument is the built-in demo (tiny model, SFT warm start, GRPO on
+arith) and ``portrl train model.path=~/m data.train_files=...`` gets only the schema defaults
+for those groups. ``portrl config show`` prints what was applied (``algorithm.name``, ``model.size``).
+
 Derived defaults (applied only where neither the user YAML nor an override set the key):
 ``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``.
 """
@@ -24,6 +32,9 @@ from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
 
 SHORTHANDS = ("algorithm", "data", "model", "device", "preset")
+DEFAULT_PRESETS = {"algorithm": "grpo", "data": "arith", "model": "tiny"}
+# a group's default preset is skipped when the user YAML / overrides set one of these keys (non-null)
+_GROUP_ELSEWHERE = {"algorithm": (), "data": ("data.name", "data.train_files"), "model": ("model.path",)}
 PATH_KEYS = (
     "model.path", "model.tokenizer_path", "critic.model_path", "reward.model_path", "reward.custom.path",
     "data.train_files", "data.val_files", "trainer.output_dir",
@@ -156,9 +167,20 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     data = selections.get("data", data)
     model = selections.get("model", model)
 
+    user = _read_user_yaml(config_file) if config_file else {}
+    items = [(f"override {key}={value}", _parse_override(key, value)) for key, value in dotted]
+    explicit: set[str] = set(check_keys(user, str(config_file))) if config_file else set()
+    for source, item in items:
+        explicit.update(check_keys(item, source))
+    chosen = {"algorithm": algorithm, "data": data, "model": model}
+    for group, name in DEFAULT_PRESETS.items():
+        if not chosen[group] and not any(_given([user] + [i for _, i in items], k) for k in _GROUP_ELSEWHERE[group]):
+            chosen[group] = name
+
     cfg = _defaults()
     dev_preset, backend = _resolve_device(device, preset)
-    layers = [("device", dev_preset), ("algorithm", algorithm), ("data", data), ("model", model)]
+    layers = [("device", dev_preset), ("algorithm", chosen["algorithm"]), ("data", chosen["data"]),
+              ("model", chosen["model"])]
     for group, name in layers:
         if not name:
             continue
@@ -174,23 +196,10 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
         if not dev_preset:
             cfg.device.name = backend
 
-    explicit: set[str] = set()
     if config_file:
-        path = os.path.expanduser(os.fspath(config_file))
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {config_file}: no such file")
-        import yaml
-
-        try:
-            user = yaml.safe_load(open(path).read()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{config_file} is not valid YAML: {exc}") from None
-        explicit.update(check_keys(user, str(config_file)))
         cfg = _merge(cfg, user, str(config_file))
-    for key, value in dotted:
-        item = _parse_override(key, value)
-        explicit.update(check_keys(item, f"override {key}={value}"))
-        cfg = _merge(cfg, item, f"override {key}={value}")
+    for source, item in items:
+        cfg = _merge(cfg, item, source)
 
     _derive(cfg, explicit)
     try:
@@ -203,6 +212,29 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
 
         validate(cfg)
     return cfg
+
+
+def _read_user_yaml(config_file: str | os.PathLike) -> dict:
+    import yaml
+
+    path = os.path.expanduser(os.fspath(config_file))
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {config_file}: no such file")
+    try:
+        return yaml.safe_load(open(path).read()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{config_file} is not valid YAML: {exc}") from None
+
+
+def _given(sources: list, dotted: str) -> bool:
+    """Whether any of the nested mappings sets ``dotted`` to a non-null, non-empty value."""
+    for data in sources:
+        node: Any = data
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node not in (None, [], ""):
+            return True
+    return False
 
 
 @lru_cache(maxsize=1)
