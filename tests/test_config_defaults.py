@@ -26,3 +26,9 @@ def test_explicit_selection_wins_and_own_data_skips_arith():
     assert compose(algorithm="ppo").algorithm.adv_estimator == "gae"
     cfg = compose(overrides=["data.name=gsm8k", "data.train_files=/x/train.parquet"], check=False)
     assert cfg.data.name == "gsm8k" and cfg.data.train_files == ["/x/train.parquet"]
+
+
+def test_yaml_booleans_stay_strings_for_string_fields():
+    cfg = compose(overrides=["trainer.resume=off", "trainer.experiment_name=123", "model.path=null"], check=False)
+    assert cfg.trainer.resume == "off" and cfg.trainer.experiment_name == "123" and cfg.model.path is None
+    assert compose(overrides=["trainer.plot=off"], check=False).trainer.plot is False  # bool fields still parse

@@ -123,6 +123,8 @@ def _parse_override(key: str, value: str) -> dict[str, Any]:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {key}={value}: the value is not valid YAML ({exc})") from None
+    if not isinstance(parsed, str) and parsed is not None and _is_str_field(key):
+        parsed = value.strip()  # YAML 1.1 reads off/on/yes/no as booleans: trainer.resume=off stays "off"
     out: dict[str, Any] = {}
     node = out
     parts = key.split(".")
@@ -134,6 +136,11 @@ def _parse_override(key: str, value: str) -> dict[str, Any]:
         node = node.setdefault(part, {})
     node[parts[-1]] = parsed
     return out
+
+
+def _is_str_field(key: str) -> bool:
+    tp = schema_keys().get(key.lstrip("+"))
+    return tp is str or (typing.get_origin(tp) is typing.Union and set(typing.get_args(tp)) == {str, type(None)})
 
 
 def _resolve_device(device: str | None, preset: str | None) -> tuple[str | None, str | None]:
