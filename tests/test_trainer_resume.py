@@ -69,6 +69,7 @@ def _metrics(out):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_logs_the_same_metrics(tiny_model, tmp_path):
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     _run(tmp_path, _overrides(tiny_model, ref_out))

@@ -312,18 +312,23 @@ class RLTrainer:
             summary.setdefault("val_before", v.get("val/acc/mean"))
             summary["val_before_rl"] = v.get("val/acc/mean")
             tracker.log(v, step=0)
+        pending: Dict[str, float] = {}
         for step in range(self.global_step + 1, int(t.total_steps) + 1):
             m = self.train_step(step)
             self.global_step = step
             last = step == int(t.total_steps)
             if int(t.test_freq) > 0 and (step % int(t.test_freq) == 0 or last):
                 m.update(self.validate(step))
+            m.update(pending)
+            pending = {}
+            # the step's metrics line is written before its checkpoint: a run killed in between resumes
+            # from the previous checkpoint (its later lines are dropped), never past an unlogged step
+            tracker.log(m, step=step)
+            self.history.append(m)
             if (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final):
                 with_time = time.perf_counter()
                 self.save_checkpoint()
-                m["timing_s/save"] = time.perf_counter() - with_time
-            tracker.log(m, step=step)
-            self.history.append(m)
+                pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
 
     def _finish(self, summary: Dict[str, Any], started: float) -> Dict[str, Any]:
         t = self.cfg.trainer
