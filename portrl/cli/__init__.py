@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # command -> (module under portrl.cli, one-line help)
@@ -52,6 +53,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # OpenMP threads that spin while waiting make CPU training up to 10x slower whenever another process
+    # shares the cores (measured: one forward/backward 0.29 s vs 0.03 s); it must be set before torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
