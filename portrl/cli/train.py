@@ -28,8 +28,15 @@ def format_summary(summary: dict) -> str:
         lines.append(f"SFT warm start     loss {summary['sft/loss_first']:.3f} -> {summary['sft/loss_last']:.3f} "
                      f"in {summary.get('sft/time_s', 0):.0f}s")
     before, after = summary.get("val_before"), summary.get("val_after")
+    before_rl = summary.get("val_before_rl")
     gain = "" if before is None or after is None else f"  ({100 * (after - before):+.1f} points)"
-    lines.append(f"validation acc     {pct(before)} -> {pct(after)}{gain}")
+    if before_rl is not None and "sft/loss_first" in summary:  # the untrained model, after SFT, after RL
+        rl_gain = "" if after is None else f"  ({100 * (after - before_rl):+.1f} points from RL)"
+        lines.append(f"validation acc     {pct(before)} untrained -> {pct(before_rl)} after SFT "
+                     f"-> {pct(after)} after RL{gain}")
+        lines.append(f"RL gain            {pct(before_rl)} -> {pct(after)}{rl_gain}")
+    else:
+        lines.append(f"validation acc     {pct(before)} -> {pct(after)}{gain}")
     lines.append(f"RL steps           {summary.get('steps')}")
     lines.append(f"time               {summary.get('time_s', 0):.1f}s")
     tps = summary.get("tokens_per_s")
