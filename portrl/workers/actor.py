@@ -36,6 +36,7 @@ from portrl.workers.training import (
     global_counts,
     mean_metrics,
     rng_state,
+    same_piece_count,
     set_rng_state,
     split_micro_batches,
 )
@@ -62,22 +63,58 @@ class ActorRolloutWorker:
                                      attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
                                      gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
         self.module.to(self.device).eval()
+        self.lora = int(cfg.actor.lora_rank) > 0
+        if self.lora:  # only the adapters train; the engine and exports get merged weights
+            from portrl.workers.lora import apply_lora
+
+            self.module = apply_lora(self.module, cfg)
+        self.strategy = "none"
+        if world_size > 1:
+            from portrl.workers.parallel import resolve_strategy
+
+            self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+        self.separated = str(cfg.rollout.placement) == "separated"
+        # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
+        # sharding, refreshed by sync_weights); otherwise the hf engine shares the trainer's module.
+        engine_model = self._plain_copy() if self.strategy == "fsdp" and not self.separated else None
         self.train_module = self._wrap(self.module)
         self.optimizer = build_optimizer(self.module.parameters(), cfg.actor.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, int(cfg.trainer.total_steps))
         self.ref_module: Optional[torch.nn.Module] = None
-        self.engine = self._make_engine()
+        self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
         self.update_count = 0
 
     # ---------------------------------------------------------------------------------- building
     def _wrap(self, module):
+        """The module every policy log-prob pass runs through. With data parallelism it is
+        ``ForwardModule(module, compute_logprobs)`` under DDP / FSDP2: the whole computation (decoder, then
+        the LM head's weight in the fused log-prob op) runs inside the wrapper's root forward, so DDP
+        all-reduces the gradients and FSDP2 gathers the parameters."""
         if self.world_size <= 1:
             return module
-        from portrl.workers.parallel import wrap_model  # the data-parallel wrapper (DDP / FSDP2)
+        from portrl.models import compute_logprobs
+        from portrl.workers.parallel import ForwardModule, wrap_model
 
-        return wrap_model(module, self.cfg.actor.strategy, self.backend)
+        return wrap_model(ForwardModule(module, compute_logprobs), self.strategy, self.backend, device=self.device)
 
-    def _make_engine(self):
+    def _plain_copy(self) -> torch.nn.Module:
+        """A frozen, unwrapped, unsharded copy of the policy with any LoRA deltas merged in (a collective
+        under FSDP2: every rank must call it)."""
+        if not self.lora and self.strategy != "fsdp":
+            copy_ = copy.deepcopy(self.module)
+        else:
+            from portrl.models import load_causal_lm
+            from portrl.rollout.weights import load_named_tensors
+            from portrl.workers.lora import merged_weights
+
+            copy_ = load_causal_lm(self.model_path, dtype=self.dtype, backend=self.backend,
+                                   attn_impl=self.cfg.device.attn_impl or self.cfg.model.attn_impl).to(self.device)
+            load_named_tensors(copy_, merged_weights(self.module))
+        for p in copy_.parameters():
+            p.requires_grad_(False)
+        return copy_.eval()
+
+    def _make_engine(self, model: Optional[torch.nn.Module] = None):
         from portrl.rollout import make_engine
 
         name = str(self.cfg.rollout.engine)
@@ -86,7 +123,8 @@ class ActorRolloutWorker:
             name = "hf" if name != "hf" and self._tiny_run() else name
         kwargs: Dict[str, Any] = dict(self.backend.rollout_fixups(name))
         if name == "hf":
-            return make_engine("hf", model=self.module, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
+            model = self.module if model is None else model
+            return make_engine("hf", model=model, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
         return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
                            gpu_memory_utilization=float(self.cfg.rollout.gpu_memory_utilization),
                            tensor_parallel_size=int(self.cfg.rollout.tensor_model_parallel_size),
@@ -98,10 +136,7 @@ class ActorRolloutWorker:
 
     def init_reference(self) -> None:
         """Freeze a copy of the current policy as the reference (call after any SFT warm start)."""
-        ref = copy.deepcopy(self.module).eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        self.ref_module = ref
+        self.ref_module = self._plain_copy()
 
     # -------------------------------------------------------------------------------- rollout
     @torch.no_grad()
@@ -111,6 +146,9 @@ class ActorRolloutWorker:
         ``meta`` lists, one entry per prompt, are repeated for each sample)."""
         from portrl.rollout import SamplingParams
 
+        if self.engine is None:
+            raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
+                               "RolloutWorker group (portrl.workers.rollout_worker)")
         params = SamplingParams(**dict(sampling))
         stop = tuple(params.stop_token_ids)
         eos = self.tokenizer.eos_token_id
@@ -124,6 +162,7 @@ class ActorRolloutWorker:
         batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n,
                                     meta=meta)
         batch.meta["finish_reason"] = list(out.finish_reasons)
+        batch.info["pad_token_id"] = pad  # lets a group merge ranks' rollouts of different widths
         return batch
 
     def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
@@ -134,9 +173,13 @@ class ActorRolloutWorker:
 
     # ------------------------------------------------------------------------------ log-probs
     def _forward(self, module, batch: Batch, with_entropy: bool):
+        """Log-probs through ``module``: the data-parallel wrapper (already bound to compute_logprobs, see
+        :meth:`_wrap`) or a plain causal LM."""
         from portrl.models import compute_logprobs
 
-        return compute_logprobs(module, batch.tensors["input_ids"].to(self.device),
+        fn = module if module is self.train_module and module is not self.module else (
+            lambda *a, **k: compute_logprobs(module, *a, **k))
+        return fn(batch.tensors["input_ids"].to(self.device),
                                 batch.tensors["attention_mask"].to(self.device),
                                 response_length=batch.tensors["responses"].shape[1],
                                 temperature=float(self.cfg.rollout.temperature), with_entropy=with_entropy,
@@ -146,6 +189,8 @@ class ActorRolloutWorker:
     def _log_probs(self, module, batch: Batch, with_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
                                     self.cfg.actor.max_tokens_per_micro_batch)
+        if module is self.train_module:
+            micro = same_piece_count(batch, micro, self.world_size)
         parts = [self._forward(module, mb, with_entropy) for mb in micro]
         logp = torch.cat([p[0].float() for p in parts]).cpu()
         ent = torch.cat([p[1].float() for p in parts]).cpu() if with_entropy else None
@@ -157,7 +202,7 @@ class ActorRolloutWorker:
 
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` and ``entropys`` (B,T) under the current policy."""
-        logp, ent = self._log_probs(self.module, batch, with_entropy=True)
+        logp, ent = self._log_probs(self.train_module, batch, with_entropy=True)
         return Batch({"old_log_probs": logp, "entropys": ent})
 
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
@@ -188,7 +233,7 @@ class ActorRolloutWorker:
             if cfg.shuffle:
                 g = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 + epoch)
                 data = batch.select(torch.randperm(len(batch), generator=g))
-            for mini in data.split(mini_rows):
+            for mini in same_piece_count(data, data.split(mini_rows), self.world_size):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
                 info = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
                         "loss_scale_factor": int(self.cfg.data.max_response_length)}
@@ -196,8 +241,8 @@ class ActorRolloutWorker:
                     info["num_pairs"] = all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_rows: List[Dict[str, float]] = []
-                for micro in split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device),
-                                                 cfg.max_tokens_per_micro_batch):
+                micros = split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device), cfg.max_tokens_per_micro_batch)
+                for micro in same_piece_count(mini, micros, self.world_size):
                     micro = micro.to(self.device)
                     logp, ent = self._forward(self.train_module, micro, with_entropy=True)
                     loss, m = actor_loss(self.cfg, micro, logp, ent, info, use_old=use_old)
@@ -216,7 +261,12 @@ class ActorRolloutWorker:
     def _step(self) -> float:
         clip = float(self.cfg.actor.optim.grad_clip)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if self.world_size > 1:  # DTensor gradients under FSDP2: the norm is reduced over the mesh
+            from portrl.workers.parallel import clip_grad_norm
+
+            norm = torch.tensor(clip_grad_norm(params, clip))
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if torch.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -231,11 +281,18 @@ class ActorRolloutWorker:
 
     # ---------------------------------------------------------------------------- weight sync
     def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every parameter and buffer of the policy."""
-        return self.module.state_dict().items()
+        """(HF name, full tensor) of every parameter and buffer of the policy, named as in the base
+        checkpoint, LoRA deltas merged in (:func:`portrl.workers.lora.merged_weights`). Under FSDP2 the
+        shards are gathered as it is iterated: every rank must iterate it."""
+        from portrl.workers.lora import merged_weights
+
+        return merged_weights(self.module)
 
     def sync_weights(self) -> bool:
-        """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module."""
+        """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module
+        (a peft-wrapped module included: its forward applies the adapters) or there is no engine here."""
+        if self.engine is None:
+            return False
         if getattr(self.engine, "model", None) is self.module:
             return False
         self.engine.update_weights(self.named_weights())
@@ -243,16 +300,23 @@ class ActorRolloutWorker:
 
     # ----------------------------------------------------------------------------- state / io
     def state_dict(self) -> Dict[str, Any]:
-        """model, optimizer, scheduler, RNG (and the reference when one exists)."""
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """model, optimizer, scheduler, RNG (and the reference when one exists). Under FSDP2 the model and
+        optimizer states are gathered to full tensors keyed by parameter name, so a checkpoint loads into any
+        number of workers (a collective under FSDP2: every rank calls it; each gets it all)."""
+        from portrl.workers.parallel import full_train_state
+
+        model_sd, optim_sd = full_train_state(self.module, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd,
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "update_count": self.update_count}
         if self.ref_module is not None:
             state["ref"] = self.ref_module.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """The inverse of :meth:`state_dict` (every rank gets the same full state)."""
+        from portrl.workers.parallel import load_full_train_state
+
+        load_full_train_state(self.module, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.update_count = int(state.get("update_count", 0))
@@ -263,11 +327,16 @@ class ActorRolloutWorker:
         self.sync_weights()
 
     def export_hf(self, out_dir: str) -> str:
-        """Write the policy and tokenizer with save_pretrained (to a temp dir, renamed into place)."""
+        """Write the policy and tokenizer with save_pretrained (to a temp dir, renamed into place): a plain
+        model of the base architecture, LoRA deltas merged in. Rank 0 writes; under FSDP2 every rank joins
+        the gather."""
         out = Path(out_dir)
+        model = self._plain_copy() if self.lora or self.strategy == "fsdp" else self.module
+        if self.rank != 0:
+            return str(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        self.module.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)
         self.tokenizer.save_pretrained(tmp)
         if out.exists():
             import shutil

@@ -24,6 +24,7 @@ from portrl.workers.training import (
     combine_micro_metrics,
     global_counts,
     mean_metrics,
+    same_piece_count,
     split_micro_batches,
 )
 
@@ -85,11 +86,15 @@ class CriticWorker:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.critic.optim, int(cfg.trainer.total_steps))
 
     def _wrap(self, module):
+        """DDP / FSDP2 over the ValueModel itself: its forward is the whole value computation, so the
+        wrapper's root forward sees it (no ForwardModule needed)."""
+        self.strategy = "none"
         if self.world_size <= 1:
             return module
-        from portrl.workers.parallel import wrap_model
+        from portrl.workers.parallel import resolve_strategy, wrap_model
 
-        return wrap_model(module, self.cfg.actor.strategy, self.backend)
+        self.strategy = resolve_strategy(str(self.cfg.actor.strategy), self.backend)
+        return wrap_model(module, self.strategy, self.backend, device=self.device)
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
@@ -100,6 +105,7 @@ class CriticWorker:
         """``values (B,T)`` of the current critic (0 on padding)."""
         micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
                                     self.cfg.actor.max_tokens_per_micro_batch)
+        micro = same_piece_count(batch, micro, self.world_size)  # FSDP2 forwards are collectives
         return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
 
     def update_critic(self, batch: Batch) -> Dict[str, float]:
@@ -114,13 +120,14 @@ class CriticWorker:
         norms: List[float] = []
         self.train_module.train()
         for _ in range(epochs):
-            for mini in batch.split(mini_rows):
+            for mini in same_piece_count(batch, batch.split(mini_rows), self.world_size):
                 tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
                 counts = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
                           "loss_scale_factor": int(self.cfg.data.max_response_length)}
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_rows = []
-                for micro in split_micro_batches(mini, int(a.ppo_micro_batch_size_per_device), a.max_tokens_per_micro_batch):
+                micros = split_micro_batches(mini, int(a.ppo_micro_batch_size_per_device), a.max_tokens_per_micro_batch)
+                for micro in same_piece_count(mini, micros, self.world_size):
                     micro = micro.to(self.device)
                     mask = micro.tensors["response_mask"]
                     vpreds = self._values(self.train_module, micro)
@@ -140,18 +147,27 @@ class CriticWorker:
 
     def _step(self) -> float:
         clip = float(self.cfg.critic.optim.grad_clip)
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
+        if self.world_size > 1:  # DTensor gradients under FSDP2: the norm is reduced over the mesh
+            from portrl.workers.parallel import clip_grad_norm
+
+            norm = torch.tensor(clip_grad_norm(self.module, clip))
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
         if torch.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def state_dict(self) -> Dict[str, Any]:
-        """model, optimizer, scheduler (the process RNG is the actor worker's to save)."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        """model, optimizer, scheduler (the process RNG is the actor worker's to save); full tensors keyed by
+        parameter name, whatever the number of workers (a collective under FSDP2: every rank calls it)."""
+        from portrl.workers.parallel import full_train_state
+
+        model_sd, optim_sd = full_train_state(self.module, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        from portrl.workers.parallel import load_full_train_state
+
+        load_full_train_state(self.module, self.optimizer, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -93,10 +93,16 @@ def reduce_metrics(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 def combine_results(results: List[Any]) -> Any:
-    """Concatenate Batches, reduce metric dicts, keep ``None``; else the list of per-rank results."""
+    """Concatenate Batches (rollouts padded to the widest prompt / response with ``info["pad_token_id"]``,
+    see :func:`portrl.workers.batch.concat_rollouts`), reduce metric dicts, keep ``None``; else the list of
+    per-rank results."""
     if all(r is None for r in results):
         return None
     if all(isinstance(r, Batch) for r in results):
+        if all("prompts" in r and "responses" in r for r in results):  # rollouts: ranks' widths may differ
+            from portrl.workers.batch import concat_rollouts
+
+            return concat_rollouts(results, int(results[0].info.get("pad_token_id", 0)))
         return Batch.concat(results)
     if all(isinstance(r, Mapping) for r in results):
         return reduce_metrics(results)

@@ -185,3 +185,34 @@ def full_state_dict(model: nn.Module) -> dict:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu")
     return out
+
+
+def full_train_state(model: nn.Module, optimizer) -> tuple:
+    """``(model state, optimizer state)`` with every sharded tensor gathered to a full one, keyed by parameter
+    names (``torch.distributed.checkpoint.state_dict``). A collective under FSDP2: every rank must call it,
+    and every rank gets the full state. An optimizer that has not stepped yet is saved as its hyperparameters
+    only (torch's getter would initialise its state with a zero-gradient step, changing the next update)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    if not optimizer.state:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load what :func:`full_train_state` returned (each rank keeps its shard of every full tensor).
+
+    An optimizer that has not stepped yet has no state to load; torch's loader would then initialise it with
+    a zero-gradient step (Adam's step count 1, changing the next update), so only the hyperparameters of its
+    param groups are copied."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    if optim_state.get("state"):
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
+        return
+    set_model_state_dict(model, model_state, options=options)
+    for group, saved in zip(optimizer.param_groups, optim_state.get("param_groups", [])):
+        group.update({k: v for k, v in saved.items() if k != "params"})

@@ -88,6 +88,27 @@ def global_counts(response_mask: torch.Tensor, world_size: int) -> Tuple[int, in
     return int(tokens), int(seqs)
 
 
+def same_piece_count(batch: Batch, pieces: List[Batch], world_size: int) -> List[Batch]:
+    """``pieces`` (a split of ``batch``), re-cut so every data-parallel rank holds the same number of them.
+
+    Each forward of a wrapped model is a collective (FSDP2 gathers parameters, DDP syncs buffers and
+    all-reduces gradients on backward), as is each mini-batch's :func:`global_counts`, so the ranks must run
+    the same number of passes. When their counts differ (uneven rows, a token budget), every rank re-cuts its
+    rows into the largest count with ``Batch.chunk`` (pieces may then exceed the micro-batch size a little).
+    """
+    if not dist_active(world_size):
+        return pieces
+    t = torch.tensor([len(pieces)], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    count = int(t.item())
+    if count == len(pieces):
+        return pieces
+    if len(batch) < count:
+        raise ValueError(f"data-parallel rank holds {len(batch)} rows but another rank runs {count} passes; give "
+                         f"every worker the same number of rows (batch rows divisible by the number of workers)")
+    return batch.chunk(count)
+
+
 def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int] = None) -> List[Batch]:
     """Micro-batches of at most ``micro_size`` rows, and, with ``max_tokens``, at most that many
     non-pad tokens each (a single longer row still gets its own micro-batch). Order is kept."""

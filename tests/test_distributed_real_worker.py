@@ -1,0 +1,176 @@
+"""The real ActorRolloutWorker (and the trainer) over 2 Ray workers and gloo, FSDP2 (strategy auto): the same
+update as 1 worker on the whole batch, rollouts of several ranks merged, the engine's copy synced after an
+update, checkpoints portable between 1 and 2 workers, run_training with trainer.num_workers=2, and a killed
+worker stopping the trainer with the last good checkpoint named. One module-scoped local Ray."""
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+ray = pytest.importorskip("ray")
+
+from portrl.config.schema import default_config  # noqa: E402
+from portrl.device import get_backend  # noqa: E402
+from portrl.workers.actor import ActorRolloutWorker  # noqa: E402
+from portrl.workers.batch import Batch, build_rollout_batch  # noqa: E402
+from portrl.workers.group import WorkerDiedError, WorkerGroup  # noqa: E402
+from portrl.workers.ray_env import init_ray  # noqa: E402
+
+SAMPLING = {"n": 4, "temperature": 1.0, "max_new_tokens": 5, "seed": 3}
+
+
+def _cfg(path, **over):
+    cfg = default_config()
+    base = {"device.name": "cpu", "device.num_threads": 1, "model.path": path, "rollout.n": 4,
+            "data.max_response_length": 6, "actor.ppo_mini_batch_size": 4, "actor.ppo_micro_batch_size_per_device": 3,
+            "actor.ppo_epochs": 2, "actor.optim.lr": 1e-2, "actor.optim.grad_clip": 0.5,
+            # Adam's first step is ~lr*sign(g); a large eps makes it ~lr*g, so float noise stays small
+            "actor.optim.eps": 1.0}
+    base.update(over)
+    for k, v in base.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from portrl.models import write_tiny_model
+
+    p = str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=2, num_heads=2,
+                             num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
+    init_ray(_cfg(p), get_backend("cpu"), num_cpus=4)
+    yield p
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(path):
+    g = WorkerGroup(ActorRolloutWorker, _cfg(path), 2, get_backend("cpu"), role="actor")
+    yield g
+    g.shutdown()
+
+
+def _batch(seed, n_prompts=4, n=4):
+    """A rollout batch of random tokens (prompt and response lengths vary) with random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 30, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n_prompts)]
+    resp = [torch.randint(3, 30, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n_prompts * n)]
+    b = build_rollout_batch(prompts, resp, n=n)
+    b["advantages"] = torch.randn(len(b), 1, generator=g) * b["response_mask"]
+    return b
+
+
+def _assert_same_weights(got, want, atol=1e-5):
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=atol, msg=k)
+
+
+def test_rollouts_of_two_ranks_merge(group):
+    # rank 0 gets the short prompts, rank 1 the long ones: the ranks' batches have different widths
+    ids = [[5, 6], [7, 8], [9, 10, 11, 12, 13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23]]
+    prompts = Batch(meta={"prompt_ids": ids, "uid": ["a", "b", "c", "d"]})
+    out = group.call("generate_from", prompts, SAMPLING)
+    assert len(out) == 16 and out["uid"] == [u for u in "abcd" for _ in range(4)]
+    P = out["prompts"].shape[1]
+    assert P == 8 and out["input_ids"].shape[1] == P + out["responses"].shape[1]
+    for r in range(16):
+        mask = out["attention_mask"][r].bool()
+        assert out["input_ids"][r][mask][:len(ids[r // 4])].tolist() == ids[r // 4]
+        assert out["attention_mask"][r, :P].sum() == len(ids[r // 4])
+    assert torch.equal(out["attention_mask"][:, P:], out["response_mask"])
+    # each rank's engine (a full copy under FSDP2) generated with the policy's weights
+    lp = group.call("compute_log_probs", out)["old_log_probs"]
+    torch.testing.assert_close(lp * out["response_mask"], out["rollout_log_probs"], atol=1e-4, rtol=0)
+
+
+def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
+    cfg = _cfg(path)
+    assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+    ref = ActorRolloutWorker(cfg)  # one rank, the whole batch
+    b = _batch(1)
+    old = ref.compute_log_probs(b)
+    torch.testing.assert_close(group.call("compute_log_probs", b)["old_log_probs"], old["old_log_probs"],
+                               atol=1e-5, rtol=0)
+    b.union(Batch({"old_log_probs": old["old_log_probs"]}))
+    m1 = ref.update_actor(b)
+    m2 = group.call("update_actor", b)
+    assert m1["actor/grad_norm"] > 0.5  # clipping was active on both sides
+    assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4)
+    assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    want = {k: v.detach().clone() for k, v in ref.named_weights()}
+    _assert_same_weights(group.full_weights(), want)
+
+    # after the sync, each rank's engine copy samples with the updated policy
+    group.call("sync_weights")
+    prompts = Batch(meta={"prompt_ids": [[5, 6, 7], [8, 9]], "uid": ["a", "b"]})
+    out = group.call("generate_from", prompts, SAMPLING)
+    lp = group.call("compute_log_probs", out)["old_log_probs"]
+    torch.testing.assert_close(lp * out["response_mask"], out["rollout_log_probs"], atol=1e-4, rtol=0)
+
+    # a 2-rank checkpoint (full tensors, optimizer state included) resumes in 1 worker ...
+    b2 = _batch(2)
+    b2.union(Batch({"old_log_probs": ref.compute_log_probs(b2)["old_log_probs"]}))
+    ref_state = copy.deepcopy(ref.state_dict())  # the live tensors change with the next update
+    one = ActorRolloutWorker(cfg)
+    one.load_state_dict(group.call("state_dict"))
+    _assert_same_weights(dict(one.named_weights()), want)
+    ref.update_actor(b2)
+    one.update_actor(b2)
+    after = {k: v.detach().clone() for k, v in ref.named_weights()}
+    _assert_same_weights(dict(one.named_weights()), after)
+    # ... and a 1-worker checkpoint resumes in 2 ranks (the group first moves away from it)
+    group.call("update_actor", _batch(3))
+    group.call("load_state_dict", ref_state)
+    group.call("update_actor", b2)
+    _assert_same_weights(group.full_weights(), after)
+
+
+def _run_cfg(path, out, **over):
+    base = {"trainer.num_workers": 2, "trainer.output_dir": str(out), "data.arith.num_train": 64,
+            "data.arith.num_test": 8, "data.train_batch_size": 4, "data.max_response_length": 5,
+            "actor.ppo_micro_batch_size_per_device": 4, "actor.ppo_epochs": 1, "actor.optim.eps": 1e-8,
+            "trainer.total_steps": 2, "trainer.save_freq": 1, "trainer.test_freq": 2, "trainer.progress_bar": False,
+            "trainer.loggers": ["jsonl"], "trainer.plot": False, "trainer.export_hf": True}
+    base.update(over)
+    return _cfg(path, **base)
+
+
+def test_run_training_with_two_workers_then_a_killed_worker(path, tmp_path, monkeypatch):
+    from portrl.trainer.rl_trainer import RLTrainer
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    trainer = RLTrainer(_run_cfg(path, out))
+    try:
+        assert trainer.actor.num_workers == 2 and isinstance(trainer.actor, WorkerGroup)
+        summary = trainer.fit()
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert summary["steps"] == 2 and [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
+        assert all(math.isfinite(r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r)
+        assert "val/acc/mean" in rows[-1]
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(summary["export_dir"]).state_dict()
+        _assert_same_weights({k: exported[k] for k in trainer.actor.full_weights()}, trainer.actor.full_weights(),
+                             atol=0)
+
+        pid = trainer.actor.info[1]["pid"]
+        os.kill(pid, 9)
+        trainer.cfg.trainer.total_steps = 3
+        trainer.cfg.trainer.resume = "off"
+        with pytest.raises(WorkerDiedError) as err:
+            trainer.fit()
+        msg = str(err.value)
+        assert "actor" in msg and "rank 1" in msg and f"pid {pid}" in msg
+        assert str(out / "checkpoints" / "global_step_2") in msg
+    finally:
+        trainer.actor.shutdown()
