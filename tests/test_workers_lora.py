@@ -1,0 +1,114 @@
+"""LoRA in the actor (actor.lora_rank > 0): only adapters train, the colocated engine samples with the
+adapters, an engine with its own copy gets merged weights, the HF export is the merged model, and a GRPO run
+with LoRA trains."""
+
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+pytest.importorskip("peft")
+
+from portrl.config.schema import default_config  # noqa: E402
+from portrl.workers.actor import ActorRolloutWorker  # noqa: E402
+
+SAMPLING = {"n": 4, "temperature": 1.0, "max_new_tokens": 5, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from portrl.models import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
+
+
+def _cfg(path, out=None, **over):
+    cfg = default_config()
+    base = {"device.name": "cpu", "device.num_threads": 1, "model.path": path, "rollout.n": 4,
+            "data.max_response_length": 5, "actor.ppo_mini_batch_size": 4, "actor.optim.lr": 5e-2,
+            "actor.lora_rank": 4, "actor.lora_alpha": 8}
+    if out is not None:
+        base.update({"trainer.output_dir": str(out), "data.arith.num_train": 64, "data.arith.num_test": 8,
+                     "data.train_batch_size": 4, "trainer.total_steps": 2, "trainer.test_freq": 0,
+                     "trainer.val_before_train": False, "trainer.progress_bar": False, "trainer.loggers": ["jsonl"],
+                     "trainer.plot": False, "trainer.save_final": False})
+    base.update(over)
+    for k, v in base.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def _split(worker):
+    """(adapter params, base params) of the worker's policy by name, detached copies."""
+    named = {n: p.detach().clone() for n, p in worker.module.named_parameters()}
+    return ({n: t for n, t in named.items() if "lora_" in n}, {n: t for n, t in named.items() if "lora_" not in n})
+
+
+def _updated_worker(path):
+    w = ActorRolloutWorker(_cfg(path))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    b = w.generate(prompts, SAMPLING, meta={"uid": list("abcd")})
+    b["advantages"] = torch.randn(b["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    b["advantages"] *= b["response_mask"]
+    lora0, base0 = _split(w)
+    w.update_actor(b)
+    w.sync_weights()
+    return w, prompts, lora0, base0
+
+
+def test_only_adapters_train_and_engines_sample_the_adapted_policy(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from portrl.models import compute_logprobs
+    from portrl.rollout import SamplingParams, make_engine
+
+    w, prompts, lora0, base0 = _updated_worker(tiny_model)
+    trained = {id(p) for g in w.optimizer.param_groups for p in g["params"]}
+    assert trained == {id(p) for n, p in w.module.named_parameters() if "lora_" in n} and lora0
+    lora1, base1 = _split(w)
+    assert all(torch.equal(base0[n], base1[n]) for n in base0)  # the base model is frozen
+    assert any(not torch.equal(lora0[n], lora1[n]) for n in lora0 if "lora_B" in n)  # B left its zero init
+
+    # the colocated engine shares the peft module: its forward already applies the adapters
+    assert w.engine.model is w.module and w.sync_weights() is False
+    b = w.generate(prompts, SAMPLING)
+    lp = w.compute_log_probs(b)["old_log_probs"]
+    torch.testing.assert_close(lp * b["response_mask"], b["rollout_log_probs"], atol=1e-4, rtol=0)
+
+    # an engine with a model of its own gets merged weights (base names, W + (alpha/r) B A)
+    own = make_engine("hf", model_path=tiny_model, tokenizer=w.tokenizer, backend=w.backend)
+    names = dict(w.named_weights())
+    assert not any("lora_" in n or "base_layer" in n for n in names) and set(names) == set(own.model.state_dict())
+    own.update_weights(w.named_weights())
+    out = own.generate(prompts, SamplingParams(**SAMPLING))
+    b2 = w.generate(prompts, SAMPLING)  # same seed, same policy: the two engines sample the same tokens
+    resp = [b2["responses"][i][b2["response_mask"][i].bool()].tolist() for i in range(len(b2))]
+    assert resp == [list(x) for x in out.response_ids]
+    for i, row in enumerate(out.logprobs):
+        torch.testing.assert_close(torch.tensor(row), b2["rollout_log_probs"][i, :len(row)], atol=1e-4, rtol=0)
+
+    # the HF export is the merged model: plain transformers reproduces the policy's log-probs
+    exported = AutoModelForCausalLM.from_pretrained(w.export_hf(str(tmp_path / "hf")))
+    assert not any("lora_" in n for n in exported.state_dict())
+    with torch.no_grad():
+        ex, _ = compute_logprobs(exported, b["input_ids"], b["attention_mask"], b["responses"].shape[1])
+    torch.testing.assert_close(ex * b["response_mask"], lp * b["response_mask"], atol=1e-5, rtol=0)
+
+
+def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
+    from portrl.trainer.rl_trainer import RLTrainer
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    trainer = RLTrainer(_cfg(tiny_model, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"}))
+    worker = trainer.actor.worker
+    lora0, base0 = _split(worker)
+    summary = trainer.fit()
+    assert summary["steps"] == 2
+    lora1, base1 = _split(worker)
+    assert all(torch.equal(base0[n], base1[n]) for n in base0)
+    assert set(lora1) == set(lora0)
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and all('"actor/pg_loss"' in r for r in rows)
