@@ -1,6 +1,7 @@
 """portrl's GRPO step against TRL's GRPOTrainer, side by side in one invocation (issue 10).
 
-    python benchmarks/vs_trl.py [--configs small,medium,real-vocab] [--steps 6] [--warmup 1] [--sides trl,portrl]
+    python benchmarks/vs_trl.py [--configs small,medium,real-vocab] [--steps 6] [--warmup 1] [--rounds 1]
+                                [--sides trl,portrl]
 
 One tiny Qwen2 model + tokenizer per configuration is written once (portrl.models.write_tiny_model)
 and both sides load it. Same workload on both: the same arith prompts, 8 prompts x 4 samples per
@@ -9,7 +10,10 @@ advantages (group mean/std), no KL (beta = 0, so no reference model), one optimi
 generation (on-policy), AdamW lr 1e-6, grad clip 1.0, reward = portrl.rewards.compute_score (arith).
 
 Each side runs in its own Python process (so peak RSS is per side) for warmup + steps steps; the
-first ``warmup`` steps are not timed. Reported per side: median seconds per step, generated tokens/s
+first ``warmup`` steps are not timed. With ``--rounds R`` the sides alternate R times (trl, portrl,
+trl, portrl, ...) and the timed steps are pooled, so that a change in machine load hits both. Wall
+time is the headline; CPU time of the process (all threads) is shown beside it as a check on a
+shared machine. Reported per side: median seconds per step, generated tokens/s
 (response tokens up to and including EOS, per second of step time), generation tokens/s (the same
 tokens over the time spent generating only) and peak RSS. Then the ratios portrl/TRL. The last line
 is ``step_time_ratio=<portrl/trl>`` (the largest over the configurations run).
@@ -168,6 +172,13 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
 SIDES = {"trl": trl_side, "portrl": portrl_side}
 
 
+def merge_rounds(results: list) -> dict:
+    """Pool the timed steps of several rounds of one side; peak RSS is the largest of them."""
+    out = {k: [x for r in results for x in r[k]] for k in ("step_times", "step_cpu", "gen_times", "gen_tokens")}
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
+    return out
+
+
 def summarize(res: dict) -> dict:
     st, gt, tok = res["step_times"], res["gen_times"], res["gen_tokens"]
     med = _common.median(st)
@@ -210,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=PROMPTS_PER_STEP)
     ap.add_argument("--samples", type=int, default=SAMPLES)
     ap.add_argument("--max-new", type=int, default=MAX_NEW_TOKENS)
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times (steps pooled)")
     ap.add_argument("--verbose", action="store_true", help="show each side's own output")
     ap.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -229,19 +241,21 @@ def main(argv=None) -> int:
         if s not in SIDES:
             ap.error(f"unknown side {s!r}; valid: {', '.join(SIDES)}")
     print(f"workload: {a.prompts} prompts x {a.samples} samples, <= {a.max_new} new tokens, float32, "
-          f"{THREADS} threads, no KL; {a.warmup} warmup + {a.steps} timed steps per side")
+          f"{THREADS} threads, no KL; {a.warmup} warmup + {a.steps} timed steps per side and round, "
+          f"{a.rounds} round(s)")
     ratios = {}
     with tempfile.TemporaryDirectory(prefix="portrl-vs-trl-") as tmp:
         for name in configs:
             model_dir = _common.build_model(name, Path(tmp) / name)
-            summary = {}
-            for side in sides:
-                res = _common.run_side(Path(__file__).resolve(), ["--worker", side, "--model-dir", str(model_dir),
-                                                                  "--steps", str(a.steps), "--warmup", str(a.warmup),
-                                                                  "--prompts", str(a.prompts), "--samples",
-                                                                  str(a.samples), "--max-new", str(a.max_new)],
-                                       verbose=a.verbose)
-                summary[side] = summarize(res)
+            runs = {side: [] for side in sides}
+            for _ in range(a.rounds):  # sides alternate, so that a change in machine load hits both
+                for side in sides:
+                    runs[side].append(_common.run_side(
+                        Path(__file__).resolve(),
+                        ["--worker", side, "--model-dir", str(model_dir), "--steps", str(a.steps), "--warmup",
+                         str(a.warmup), "--prompts", str(a.prompts), "--samples", str(a.samples), "--max-new",
+                         str(a.max_new)], verbose=a.verbose))
+            summary = {side: summarize(merge_rounds(r)) for side, r in runs.items()}
             r = print_config(name, summary)
             if r is not None:
                 ratios[name] = r
