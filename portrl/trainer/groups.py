@@ -26,10 +26,16 @@ class LocalGroup:
 
 
 def use_ray(cfg: Any) -> bool:
+    """``trainer.use_ray`` when set, else Ray for several workers, a named cluster or separated rollout
+    workers (the weight broadcast joins Ray actors)."""
     t = cfg.trainer
+    separated = str(cfg.rollout.placement) == "separated"
     if t.use_ray is not None:
+        if separated and not t.use_ray:
+            raise ValueError("rollout.placement=separated runs rollout workers as Ray actors; "
+                             "trainer.use_ray must not be false")
         return bool(t.use_ray)
-    return int(t.num_workers) > 1 or bool(t.ray_address)
+    return int(t.num_workers) > 1 or bool(t.ray_address) or separated
 
 
 def make_group(worker_cls: Any, cfg: Any, backend: Any):
@@ -38,7 +44,7 @@ def make_group(worker_cls: Any, cfg: Any, backend: Any):
         return LocalGroup(worker_cls(cfg, rank=0, world_size=1))
     from portrl.workers.group import WorkerGroup
 
-    return WorkerGroup(worker_cls, cfg, int(cfg.trainer.num_workers), backend)
+    return WorkerGroup(worker_cls, cfg, int(cfg.trainer.num_workers), backend, use_ray=True)
 
 
 def first(result: Any) -> Any:

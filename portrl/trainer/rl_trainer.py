@@ -74,6 +74,12 @@ class RLTrainer:
                                   shuffle=bool(d.shuffle), seed=int(d.seed))
         self.val_prompts = self._val_prompts(val_files)
         self.actor = make_group(ActorRolloutWorker, cfg, self.backend)
+        self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
+        if str(cfg.rollout.placement) == "separated":
+            from portrl.workers.rollout_worker import separated_rollout
+
+            self.rollout, self.weight_link = separated_rollout(cfg, self.backend, self.actor)
+        self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
         if needs_values(cfg):
             from portrl.workers.critic import CriticWorker
@@ -133,7 +139,7 @@ class RLTrainer:
         while True:
             prompts = self._next_prompts()
             with timer("gen"):
-                batch = self.actor.call("generate_from", prompts, self._sampling(self._gen_seed(step, gen_batches)))
+                batch = self.gen.call("generate_from", prompts, self._sampling(self._gen_seed(step, gen_batches)))
             gen_batches += 1
             with timer("reward"):
                 batch.union(self.reward.compute_reward(batch))
@@ -166,7 +172,7 @@ class RLTrainer:
     def _greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
         """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
         greedy = dict(self._sampling(self._gen_seed(step, 500 + k)), n=1, temperature=0.0)
-        g = self.actor.call("generate_from", prompts, greedy)
+        g = self.gen.call("generate_from", prompts, greedy)
         scores = self.reward.compute_reward(g).tensors["seq_scores"]
         return scores.repeat_interleave(int(self.cfg.rollout.n))
 
@@ -204,7 +210,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     m.update(self.actor.call("update_actor", batch))
                 with timer("sync"):
-                    self.actor.call("sync_weights")
+                    self.sync_weights()
         elapsed = time.perf_counter() - t0
         m.update(data_metrics(batch, int(cfg.data.max_response_length)))
         m.update(timer.metrics())
@@ -223,7 +229,7 @@ class RLTrainer:
         sources: List[str] = []
         acc, score, lens = [], [], []
         for i, chunk in enumerate(self.val_prompts.split(int(size))):
-            b = self.actor.call("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
+            b = self.gen.call("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
             r = self.reward.compute_reward(b)
             sources += [str(s) for s in b.meta["data_source"]]
             acc.append(r.tensors["acc"].float())
@@ -238,6 +244,14 @@ class RLTrainer:
         out["val/response_length/mean"] = float(torch.cat(lens).mean())
         out["timing_s/val"] = time.perf_counter() - t0
         return out
+
+    def sync_weights(self) -> None:
+        """The policy to the engines: colocated ones (``sync_weights`` on the actors) or the separated
+        rollout workers (bucketed broadcast over ``weight_link``)."""
+        if self.weight_link is not None:
+            self.weight_link.sync()
+        else:
+            self.actor.call("sync_weights")
 
     # ------------------------------------------------------------------------------ checkpoints
     def _write_checkpoint(self, path: Path) -> None:
@@ -291,6 +305,8 @@ class RLTrainer:
             summary.update(sft)
         if self.use_ref and resume is None:
             self.actor.call("init_reference")
+        if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
+            self.weight_link.sync()
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
         try:

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from portrl.workers.batch import Batch, build_rollout_batch
+from portrl.workers.batch import Batch
 from portrl.workers.objectives import ADDITIVE_METRICS, actor_loss
 from portrl.workers.training import (
     all_reduce_sum,
@@ -143,27 +143,15 @@ class ActorRolloutWorker:
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
                  meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
         """Sample ``sampling["n"]`` responses per prompt -> a rollout Batch (rows prompt-major;
-        ``meta`` lists, one entry per prompt, are repeated for each sample)."""
-        from portrl.rollout import SamplingParams
+        ``meta`` lists, one entry per prompt, are repeated for each sample; see
+        :func:`portrl.workers.rollout_worker.generate_batch`)."""
+        from portrl.workers.rollout_worker import generate_batch
 
         if self.engine is None:
             raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
                                "RolloutWorker group (portrl.workers.rollout_worker)")
-        params = SamplingParams(**dict(sampling))
-        stop = tuple(params.stop_token_ids)
-        eos = self.tokenizer.eos_token_id
-        if eos is not None and eos not in stop:
-            params = SamplingParams(**{**dict(sampling), "stop_token_ids": stop + (int(eos),)})
-        self.engine.wake()
-        out = self.engine.generate([list(p) for p in prompt_ids], params)
-        if self.cfg.rollout.enable_sleep_mode:
-            self.engine.sleep()
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n,
-                                    meta=meta)
-        batch.meta["finish_reason"] = list(out.finish_reasons)
-        batch.info["pad_token_id"] = pad  # lets a group merge ranks' rollouts of different widths
-        return batch
+        return generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
+                              sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
 
     def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
         """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta such as uid,

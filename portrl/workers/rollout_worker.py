@@ -1,0 +1,124 @@
+"""RolloutWorker: a rollout engine with a model of its own, for ``rollout.placement=separated``.
+
+Separated placement: the actor workers train (no engine), ``rollout.num_rollout_workers`` RolloutWorkers in a
+resource pool of their own generate. After every actor update (and after a resume or SFT warm start) the
+policy reaches them through :class:`~portrl.workers.weight_sync.WeightSyncLink`: trainer rank 0 broadcasts
+full tensors (LoRA deltas merged, base names) in buckets of ``rollout.weight_sync_bucket_mb`` MiB over a
+process group of the backend's collective (gloo on the CPU), and each RolloutWorker loads them into its
+engine with ``update_weights``.
+
+:func:`generate_batch` (engine + tokenizer -> rollout Batch) is shared with the colocated
+:class:`~portrl.workers.actor.ActorRolloutWorker`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from portrl.workers.batch import Batch, build_rollout_batch
+from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+
+
+@torch.no_grad()
+def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
+                   meta: Optional[Mapping[str, Sequence[Any]]] = None, sleep_after: bool = False) -> Batch:
+    """Sample ``sampling["n"]`` responses per prompt with ``engine`` (the tokenizer's EOS added to the stop ids)
+    -> a rollout Batch (rows prompt-major; ``meta`` lists, one entry per prompt, repeated for each sample;
+    ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths)."""
+    from portrl.rollout import SamplingParams
+
+    params = SamplingParams(**dict(sampling))
+    stop = tuple(params.stop_token_ids)
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos not in stop:
+        params = SamplingParams(**{**dict(sampling), "stop_token_ids": stop + (int(eos),)})
+    engine.wake()
+    out = engine.generate([list(p) for p in prompt_ids], params)
+    if sleep_after:
+        engine.sleep()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n, meta=meta)
+    batch.meta["finish_reason"] = list(out.finish_reasons)
+    batch.info["pad_token_id"] = pad
+    return batch
+
+
+def engine_name(cfg: Any, backend: Any, tiny: bool) -> str:
+    """``rollout.engine``; ``auto`` = the backend's first engine, except ``hf`` for tiny models on the CPU
+    (a separate engine only pays off for real models)."""
+    name = str(cfg.rollout.engine)
+    if name == "auto":
+        name = backend.rollout_engines()[0]
+        name = "hf" if tiny else name
+    return name
+
+
+class RolloutWorker:
+    """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
+    ``model_path`` overrides ``cfg.model.path``."""
+
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
+        from portrl.models import load_tokenizer
+        from portrl.rollout import make_engine
+        from portrl.workers.actor import _local_index
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.backend = worker_backend(cfg)
+        setup_process(cfg, self.backend, rank)
+        self.device = self.backend.device(_local_index(self.backend, rank))
+        path = model_path or cfg.model.path
+        if not path:
+            raise ValueError("RolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
+        self.model_path = str(path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
+        dtype = resolve_dtype(cfg, self.backend)
+        name = engine_name(cfg, self.backend, tiny=self.device.type == "cpu")
+        kwargs = dict(self.backend.rollout_fixups(name))
+        if name == "hf":
+            self.engine = make_engine("hf", model_path=self.model_path, tokenizer=self.tokenizer,
+                                      backend=self.backend, dtype=dtype, **kwargs)
+        else:
+            r = cfg.rollout
+            self.engine = make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
+                                      gpu_memory_utilization=float(r.gpu_memory_utilization),
+                                      tensor_parallel_size=int(r.tensor_model_parallel_size),
+                                      enforce_eager=bool(r.enforce_eager), **kwargs)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
+                 meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
+        """See :func:`generate_batch`."""
+        return generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
+                              sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
+
+    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
+        """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta), the form a group
+        splits across ranks."""
+        meta = {k: v for k, v in prompts.meta.items() if k != "prompt_ids"}
+        return self.generate(prompts.meta["prompt_ids"], sampling, meta)
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's (name, full tensor) pairs into the engine (names as in the base checkpoint)."""
+        self.engine.update_weights(named_tensors)
+
+    def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
+        """The engine model's (name, tensor) pairs, for checks (an engine without a torch model has none)."""
+        model = getattr(self.engine, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise NotImplementedError(f"the {self.engine.name} engine does not expose its weights")
+        return model.state_dict().items()
+
+
+def separated_rollout(cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, Any]:
+    """``(rollout WorkerGroup, WeightSyncLink)`` for ``rollout.placement=separated``: ``rollout.num_rollout_workers``
+    RolloutWorkers as Ray actors in a resource pool of their own, linked to ``actor_group`` (a Ray group)."""
+    from portrl.workers.group import WorkerGroup
+    from portrl.workers.weight_sync import WeightSyncLink
+
+    n = int(cfg.rollout.num_rollout_workers)
+    if n < 1:
+        raise ValueError(f"rollout.num_rollout_workers must be >= 1 with rollout.placement=separated, got {n}")
+    group = WorkerGroup(RolloutWorker, cfg, n, backend, role="rollout", use_ray=True)  # a pool of its own
+    link = WeightSyncLink(actor_group, group, float(cfg.rollout.weight_sync_bucket_mb))
+    return group, link
