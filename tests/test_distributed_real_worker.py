@@ -1,4 +1,4 @@
-"""The real ActorRolloutWorker (and the trainer) over 2 Ray workers and gloo, FSDP2 (strategy auto): the same
+"""The real ActorRolloutWorker (and the trainer) over 2 Ray workers and gloo, FSDP2 (strategy auto) and DDP: the same
 update as 1 worker on the whole batch, rollouts of several ranks merged, the engine's copy synced after an
 update, checkpoints portable between 1 and 2 workers, run_training with trainer.num_workers=2, and a killed
 worker stopping the trainer with the last good checkpoint named. One module-scoped local Ray."""
@@ -132,6 +132,20 @@ def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
     group.call("load_state_dict", ref_state)
     group.call("update_actor", b2)
     _assert_same_weights(group.full_weights(), after)
+
+
+def test_ddp_real_workers_match_one(path):
+    cfg = _cfg(path, **{"actor.strategy": "ddp"})
+    group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_ddp")
+    try:
+        assert group.call_all("__getattribute__", "strategy") == ["ddp", "ddp"]
+        ref = ActorRolloutWorker(cfg)
+        b = _batch(4)
+        m1, m2 = ref.update_actor(b), group.call("update_actor", b)  # on-policy: old = logp.detach()
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4) and m1["actor/grad_norm"] > 0.5
+        _assert_same_weights(group.full_weights(), {k: v.detach().clone() for k, v in ref.named_weights()})
+    finally:
+        group.shutdown()
 
 
 def _run_cfg(path, out, **over):
