@@ -229,7 +229,8 @@ class ActorRolloutWorker:
                     info["num_pairs"] = all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_rows: List[Dict[str, float]] = []
-                micros = split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device), cfg.max_tokens_per_micro_batch)
+                micros = split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device),
+                                             cfg.max_tokens_per_micro_batch)
                 for micro in same_piece_count(mini, micros, self.world_size):
                     micro = micro.to(self.device)
                     logp, ent = self._forward(self.train_module, micro, with_entropy=True)
