@@ -155,8 +155,10 @@ def test_arith_problems_by_difficulty():
         assert text.endswith("=")
         op = "+" if "+" in text else "-"
         a, b = (int(x) for x in text[:-1].split(op))
-        assert a < 100 and b < 100 and int(r["reward_model"]["ground_truth"]) == evaluate(a, op, b) >= 0
-    hard = arith_problems(500, seed=0, difficulty=4)
+        assert a < 100 and b < 100 and min(a, b) < 10 and int(r["reward_model"]["ground_truth"]) == evaluate(a, op, b) >= 0
+    level2 = [t for t, _ in arith_problems(300, seed=0, difficulty=2)]
+    assert any(min(int(x) for x in t[:-1].replace("-", "+").split("+")) >= 10 for t in level2)
+    hard = arith_problems(500, seed=0, difficulty=5)
     ops = {t.strip("0123456789=")[0] for t, _ in hard}
     assert ops == {"+", "-", "*"} and any(ans < 0 for _, ans in hard)
     for text, ans in hard:

@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--test-fraction", type=float, default=0.1,
                         help="share held out as test when the input has no test split (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (and of arith's problems)")
-    parser.add_argument("--n", type=int, help="arith: problems to generate (default 10000); else: raw rows read per split")
+    parser.add_argument("--n", type=int, help="arith: problems to generate, train + test (default 2000); else: raw rows read per split")
     parser.add_argument("--difficulty", type=int, help="arith: level 1-10 (default 1); math: highest MATH level kept (1-5)")
     parser.add_argument("--sft", action="store_true", help="arith: also write sft_train/sft_test.parquet with a response column")
 

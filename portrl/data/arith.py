@@ -7,10 +7,13 @@ the response, so the ideal response is just ``"19"`` followed by EOS. data_sourc
 
 Difficulty (1-10):
 
-- 1: addition and subtraction of 1-2 digit numbers, results >= 0 (learnable by a tiny model
-  after a short SFT);
-- d >= 2: +/- with up to d+1 digits (negative results allowed) and multiplication of a
-  ceil(d/2)-digit by a floor(d/2)-digit number.
+- 1: a number below 100 plus or minus a single digit (either order for +), results >= 0. Every
+  pair of units digits occurs in training, so a tiny model generalises to the held-out problems
+  after a short SFT: the level of the built-in demo;
+- 2: addition and subtraction of two 1-2 digit numbers, results >= 0 (carries across both digits;
+  a 0.4M-parameter model needs thousands of SFT steps here);
+- d >= 3: +/- with up to d digits (negative results allowed) and multiplication of a
+  ceil((d-1)/2)-digit by a floor((d-1)/2)-digit number.
 
 Splits are disjoint whatever the seeds: a problem belongs to the test split when a CRC32 of its
 text falls below ``test_fraction`` of the 32-bit range, and each split samples only its own problems.
@@ -24,6 +27,8 @@ import zlib
 from portrl.data.schema import make_row
 
 DATA_SOURCE = "arith"
+#: bumped whenever the generated problems change, so caches of generated files are rebuilt
+GENERATOR_VERSION = 2
 MAX_DIFFICULTY = 10
 
 
@@ -33,16 +38,22 @@ def _operands(rng: random.Random, digits: int) -> int:
 
 def sample_problem(rng: random.Random, difficulty: int) -> tuple[int, str, int]:
     """(a, op, b) for one problem of the given difficulty."""
-    if difficulty == 1:
+    if difficulty <= 2:
         op = rng.choice("+-")
-        a, b = _operands(rng, rng.choice((1, 2))), _operands(rng, rng.choice((1, 2)))
+        if difficulty == 1:
+            a, b = _operands(rng, 2), _operands(rng, 1)
+            if op == "+" and rng.random() < 0.5:
+                a, b = b, a
+        else:
+            a, b = _operands(rng, rng.choice((1, 2))), _operands(rng, rng.choice((1, 2)))
         if op == "-" and b > a:
             a, b = b, a
         return a, op, b
+    level = difficulty - 1
     op = rng.choice("+-*")
     if op == "*":
-        return _operands(rng, (difficulty + 1) // 2), op, _operands(rng, difficulty // 2)
-    return _operands(rng, rng.randint(1, difficulty + 1)), op, _operands(rng, rng.randint(1, difficulty + 1))
+        return _operands(rng, (level + 1) // 2), op, _operands(rng, level // 2)
+    return _operands(rng, rng.randint(1, level + 1)), op, _operands(rng, rng.randint(1, level + 1))
 
 
 def evaluate(a: int, op: str, b: int) -> int:

@@ -119,7 +119,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
                n: int | None = None, difficulty: int | None = None, sft: bool = False) -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
 
-    ``n`` limits the raw records read per split (arith: the number of problems, default 10000);
+    ``n`` limits the raw records read per split (arith: the number of problems, train + test, default 2000);
     ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (arith only),
     ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too.
     """
@@ -133,7 +133,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
             raise ValueError("arith generates its problems; it takes no --input")
         from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 
-        total = n or 10000
+        total = n or 2000  # difficulty 1 has about 2,850 distinct problems
         n_test = round(total * test_fraction)
         kw = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
         splits = {"train": make_arith_rows(total - n_test, split="train", **kw),

@@ -55,7 +55,10 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
     from portrl.data import make_arith_rows, write_split
 
     a = cfg.data.arith
-    spec = {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty), "seed": int(a.seed)}
+    from portrl.data.arith import GENERATOR_VERSION
+
+    spec = {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty), "seed": int(a.seed),
+            "generator": GENERATOR_VERSION}
     out = cache_dir() / "data" / f"arith-{_key(spec)}"
     tr, te = out / "train.parquet", out / "test.parquet"
     if not tr.is_file():
