@@ -188,3 +188,14 @@ def test_run_training_with_two_workers_then_a_killed_worker(path, tmp_path, monk
         assert str(out / "checkpoints" / "global_step_2") in msg
     finally:
         trainer.actor.shutdown()
+
+
+def test_sft_warm_start_on_two_workers(path, group):
+    """The SFT warm start runs through the data-parallel wrapper (each rank its own examples)."""
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b)}
+            for a in range(6) for b in range(4)]
+    before = {k: v.detach().clone() for k, v in group.full_weights().items()}
+    metrics = group.call_all("run_sft", rows, 3, 1e-2, 4)
+    assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(m["sft/loss_last"])) for m in metrics)
+    after = group.full_weights()
+    assert any(not torch.equal(after[k], before[k]) for k in before)

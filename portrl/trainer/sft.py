@@ -9,6 +9,7 @@ warm-up over the first 5% of steps then cosine decay to 10%, gradient clipping a
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
@@ -46,15 +47,24 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
 
 
 def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
-            batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, seed: int = 0,
-            log_every: int = 0, grad_clip: float = 1.0) -> Dict[str, float]:
+            batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
+            seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None) -> Dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
+
+    ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
+    chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
+    data-parallel worker passes its wrapped model (portrl.workers.parallel.ForwardModule under DDP /
+    FSDP2), so the wrapper's gradient all-reduce runs. Each rank draws its own examples (seeded by rank).
 
     Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps",
     "sft/tokens_per_s", "sft/time_s"}``. ``cfg`` supplies model.use_packing and model.logprob_chunk_size.
     """
-    from portrl.models import compute_logprobs
+    from functools import partial
 
+    from portrl.models import compute_logprobs
+    from portrl.workers.parallel import clip_grad_norm
+
+    forward = forward or partial(compute_logprobs, model)
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"run_sft: steps, batch_size and lr must be positive (got {steps}, {batch_size}, {lr})")
     data = encode_sft_rows(tokenizer, rows)
@@ -64,7 +74,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, steps, warmup, "cosine", 0.1))
-    rng = random.Random(f"sft:{seed}")
+    rng = random.Random(f"sft:{seed}:{rank}" if world_size > 1 else f"sft:{seed}")
     order: List[int] = []
     losses: List[float] = []
     tokens = 0
@@ -82,13 +92,13 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
         b = build_rollout_batch([data[i][0] for i in pick], [data[i][1] for i in pick], pad_token_id=pad).to(device)
         mask = b.tensors["response_mask"]
         n_tok = all_reduce_sum([float(mask.sum())], world_size)[0]
-        logp, _ = compute_logprobs(model, b.tensors["input_ids"], b.tensors["attention_mask"],
-                                   response_length=mask.shape[1], packed=packed, chunk_size=chunk)
+        logp, _ = forward(b.tensors["input_ids"], b.tensors["attention_mask"],
+                          response_length=mask.shape[1], packed=packed, chunk_size=chunk)
         loss = -(logp * mask).sum() / n_tok * world_size
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
+        if math.isfinite(clip_grad_norm(params, grad_clip)):
+            opt.step()
         sched.step()
         losses.append(float(loss.detach()) / world_size)
         tokens += int(b.tensors["attention_mask"].sum())

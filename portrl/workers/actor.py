@@ -265,8 +265,10 @@ class ActorRolloutWorker:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.trainer.sft)."""
         from portrl.trainer.sft import run_sft
 
+        wrapped = self.train_module is not self.module
         return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
-                       batch_size=batch_size, device=self.device, world_size=self.world_size)
+                       batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
+                       forward=self.train_module if wrapped else None)
 
     # ---------------------------------------------------------------------------- weight sync
     def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
