@@ -268,7 +268,8 @@ class ActorRolloutWorker:
         wrapped = self.train_module is not self.module
         return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
                        batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
-                       forward=self.train_module if wrapped else None)
+                       forward=self.train_module if wrapped else None,
+                       log_every=max(1, steps // 10) if self.rank == 0 else 0)
 
     # ---------------------------------------------------------------------------- weight sync
     def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
