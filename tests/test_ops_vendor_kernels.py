@@ -154,10 +154,16 @@ def test_npu_layer_ops_translation(monkeypatch):
 
 
 def test_backend_selection_follows_preferences_and_availability(monkeypatch):
-    # cuda here: no flash-attention installed -> sdpa; triton is installed -> triton for the fused ops
+    # cuda here: no flash-attention installed -> sdpa; triton runs under its interpreter -> triton for the
+    # fused ops; without the interpreter this host has no GPU driver for triton -> native
     assert ops.select("attention_varlen", backend="cuda")[0] == "sdpa"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ops.select("logprobs_entropy", backend="cuda")[0] == "triton"
     assert ops.select("rms_norm", backend="rocm")[0] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert ops.select("logprobs_entropy", backend="cuda")[0] == "native"
+    with pytest.raises(ops.OpError, match="no GPU driver"):
+        ops.select("rms_norm", impl="triton", backend="rocm")
     with pytest.raises(ops.OpError, match=r"flash_attn is not installed \(pip install flash-attn"):
         ops.select("attention_varlen", impl="flash_attn", backend="cuda")
     _fake_module(monkeypatch, "flash_attn", flash_attn_varlen_func=flash_attn_varlen_func)

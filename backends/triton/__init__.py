@@ -37,8 +37,21 @@ def load_kernels(name: str, interpret: bool):
 
 
 def available() -> bool | str:
-    """Registry availability: triton must be importable."""
-    return True if module_available("triton") else f"triton is not installed ({INSTALL})"
+    """Registry availability: triton importable, and either a GPU driver Triton can use or the interpreter.
+
+    Asked when an op is selected (never at import); on a GPU host ``driver.active`` loads Triton's driver.
+    """
+    if not module_available("triton"):
+        return f"triton is not installed ({INSTALL})"
+    if interpreting():
+        return True
+    try:
+        from triton.runtime import driver
+
+        driver.active  # noqa: B018 - raises when Triton finds no GPU driver
+    except Exception as exc:  # Triton raises RuntimeError (no driver) or ImportError (broken install)
+        return f"Triton has no GPU driver here ({exc}); TRITON_INTERPRET=1 runs its kernels on the CPU"
+    return True
 
 
 def register(registry) -> None:
