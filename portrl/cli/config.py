@@ -20,6 +20,8 @@ def _options_parser(prog: str = "portrl config show"):
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. algorithm=dapo actor.clip_ratio_high=0.3")
     return p
 
+REST_AFTER = 1  # everything after the command and its action is parsed by this module
+
 
 def add_arguments(parser) -> None:
     import argparse

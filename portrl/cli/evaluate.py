@@ -27,6 +27,8 @@ EVAL_OVERRIDES = ["ref.enable=false", "critic.enable=false", "actor.use_kl_loss=
                   "algorithm.use_kl_in_reward=false", "trainer.resume=off", "trainer.val_before_train=true",
                   "trainer.loggers=[]", "trainer.export_hf=false", "trainer.plot=false"]
 
+REST_AFTER = 0  # everything after the command is parsed by this module
+
 
 def add_arguments(parser) -> None:
     add_run_arguments(parser)

@@ -24,6 +24,8 @@ EXTRA = [
     (("--batch-size",), {"type": int, "default": 32, "help": "examples per step"}),
 ]
 
+REST_AFTER = 0  # everything after the command is parsed by this module
+
 
 def add_arguments(parser) -> None:
     add_run_arguments(parser)

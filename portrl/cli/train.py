@@ -13,6 +13,8 @@ from portrl.cli.run_options import add_run_arguments, compose_from, options_pars
 
 PROG = "portrl train"
 
+REST_AFTER = 0  # everything after the command is parsed by this module
+
 
 def add_arguments(parser) -> None:
     add_run_arguments(parser)
