@@ -40,7 +40,7 @@ from portrl.workers.training import (
     set_rng_state,
     split_micro_batches,
 )
-from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+from portrl.workers.setup import resolve_dtype, start_worker
 
 
 class ActorRolloutWorker:
@@ -50,9 +50,7 @@ class ActorRolloutWorker:
         from portrl.models import load_causal_lm, load_tokenizer
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.backend = worker_backend(cfg)
-        setup_process(cfg, self.backend, rank)
-        self.device = self.backend.device(_local_index(self.backend, rank))
+        self.backend, self.device = start_worker(cfg, rank)
         path = model_path or cfg.model.path
         if not path:
             raise ValueError("ActorRolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
@@ -344,10 +342,3 @@ def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
     ``old = logp.detach()`` (no extra forward) and get exactly the same loss and gradient."""
     mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
     return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)
-
-
-def _local_index(backend, rank: int) -> Optional[int]:
-    if backend.device_type == "cpu":
-        return None
-    local = os.environ.get("LOCAL_RANK")
-    return int(local) if local is not None else rank % max(1, backend.device_count())

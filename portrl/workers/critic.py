@@ -15,9 +15,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from portrl.workers.actor import _local_index
 from portrl.workers.batch import Batch
-from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+from portrl.workers.setup import resolve_dtype, start_worker
 from portrl.workers.training import (
     build_lr_scheduler,
     build_optimizer,
@@ -69,9 +68,7 @@ class CriticWorker:
         from portrl.models import load_causal_lm
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.backend = worker_backend(cfg)
-        setup_process(cfg, self.backend, rank)
-        self.device = self.backend.device(_local_index(self.backend, rank))
+        self.backend, self.device = start_worker(cfg, rank)
         path = cfg.critic.model_path or model_path or cfg.model.path
         if not path:
             raise ValueError("CriticWorker: no model path (critic.model_path, or the actor's model.path)")

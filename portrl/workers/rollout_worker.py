@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from portrl.workers.batch import Batch, build_rollout_batch
-from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+from portrl.workers.setup import resolve_dtype, start_worker
 
 
 @torch.no_grad()
@@ -62,12 +62,9 @@ class RolloutWorker:
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         from portrl.models import load_tokenizer
         from portrl.rollout import make_engine
-        from portrl.workers.actor import _local_index
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.backend = worker_backend(cfg)
-        setup_process(cfg, self.backend, rank)
-        self.device = self.backend.device(_local_index(self.backend, rank))
+        self.backend, self.device = start_worker(cfg, rank)
         path = model_path or cfg.model.path
         if not path:
             raise ValueError("RolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")

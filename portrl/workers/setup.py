@@ -46,3 +46,21 @@ def resolve_dtype(cfg: Any, backend: Any) -> str:
     if dtype not in valid:
         raise ValueError(f"dtype {dtype!r} is not supported by backend {backend.name!r}; valid: {list(valid)}")
     return str(dtype)
+
+
+def local_device_index(backend: Any, rank: int):
+    """This worker's device index on its node: ``LOCAL_RANK`` (set by the Ray layer), else rank modulo the
+    node's device count; None on the CPU."""
+    if backend.device_type == "cpu":
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) if local is not None else rank % max(1, backend.device_count())
+
+
+def start_worker(cfg: Any, rank: int = 0):
+    """What every worker does first: resolve the backend, set up the process, pick its device.
+    Returns ``(backend, device)``."""
+    backend = worker_backend(cfg)
+    setup_process(cfg, backend, rank)
+    return backend, backend.device(local_device_index(backend, rank))
+
