@@ -106,6 +106,7 @@ class ModelConfig:
     attn_impl: Optional[str] = None  # None = the backend's preferred varlen attention
     gradient_checkpointing: bool = False
     use_packing: bool = True  # padding removed in training forwards
+    share_prompts: bool = True  # packed forwards run each distinct prompt of a micro-batch once
     logprob_chunk_size: Optional[int] = None  # tokens per chunk of the log-prob/entropy op
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft_warm_start: bool = False  # run a short SFT on the task before RL (the default run sets it)

@@ -13,7 +13,9 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
   the position does not increase by 1), else each row is one sequence;
 * a 2-D padding mask (``S == S_kv``): padding is removed, the rows become a packed batch, and the
   output is scattered back (padded positions get zeros);
-* ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask.
+* ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
+* a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
+  q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from portrl.models.prefix_sharing import PLAN_KWARG
 from portrl.ops.attention import cu_seqlens_from_position_ids
 
 PREFIX = "portrl"
@@ -74,6 +77,12 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
                              f"sequence length {seq} (disable use_sliding_window in the model config)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
+        plan = kwargs.get(PLAN_KWARG)
+        if plan is not None and attention_mask is None:
+            # index_select, not indexing: its backward is index_add (indexing's is a slower index_put)
+            qg, kg, vg = (t.index_select(0, plan.gather) for t in (q, k, v))
+            out = varlen_fn(qg, kg, vg, plan.cu_seqlens, plan.max_seqlen, scaling, causal).index_select(0, plan.keep)
+            return out.reshape(batch, seq, *out.shape[1:]), None
         if attention_mask is None:
             cu, max_len = _packed_bounds(batch, seq, kwargs, query.device)
             out = varlen_fn(q, k, v, cu, max_len, scaling, causal)

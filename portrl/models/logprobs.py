@@ -11,12 +11,18 @@ position_ids restarting at 0 for each sequence and ``cu_seq_lens_q/k`` passed to
 no compute is spent on padding. The LM head never produces full logits: only the hidden states that
 score response tokens go through the ``logprobs_entropy`` op (chunked, with its own backward).
 Positions where the response is padding get 0.
+
+``share_prompts`` (packed, with a portrl attention implementation): rows whose prompts are equal
+run their prompt once and skip each response's last token
+(:mod:`portrl.models.prefix_sharing`); same log-probs and gradients, fewer tokens through the
+linear layers.
 """
 
 from __future__ import annotations
 
 import torch
 
+from portrl.models.prefix_sharing import PLAN_KWARG, plan_shared_prompts
 from portrl.ops.attention import cu_seqlens_from_lengths
 
 
@@ -28,6 +34,14 @@ def _decoder_and_head(model):
     if base is None or head is None:
         raise TypeError(f"{type(inner).__name__} is not a causal LM with a base model and an output embedding")
     return inner, base, head
+
+
+def _reads_shared_plan(model) -> bool:
+    """True when the model's attention is a portrl implementation (the one that reads the shared-prompt plan)."""
+    from portrl.models.attention import PREFIX
+
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    return impl.startswith(PREFIX + "_")
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -42,10 +56,13 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                      temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
-                     chunk_size: int | None = None):
+                     chunk_size: int | None = None, share_prompts: bool = True):
     """``(logp (B, T), entropy (B, T) or None)`` of the response tokens, float32, differentiable.
 
     ``packed=False`` runs the padded batch instead (position_ids = cumsum(mask) - 1); same result.
+    ``share_prompts`` (packed only) computes each distinct prompt once when the model's attention is
+    one of portrl's (``portrl_*``, which reads the shared-prompt plan); other attention falls back to
+    plain packing.
     The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
@@ -64,7 +81,15 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if not bool(mask[:, length - T - 1:length - 1][resp_valid].all()):
         raise ValueError("every response token must follow an unmasked token (is the prompt left-padded and non-empty?)")
 
-    if packed:
+    layout = None
+    if packed and share_prompts and _reads_shared_plan(inner):
+        layout = plan_shared_prompts(input_ids, attention_mask, T)
+    if layout is not None:
+        out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
+                   **{PLAN_KWARG: layout.plan})
+        hidden = out.last_hidden_state[0]
+        rows = layout.score_rows
+    elif packed:
         flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
         out = base(input_ids=flat_ids[None], position_ids=position_ids[None], use_cache=False,
                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
@@ -74,8 +99,8 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state.reshape(batch * length, -1)
         flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
-
-    rows = flat_index[:, length - T - 1:length - 1][resp_valid]
+    if layout is None:
+        rows = flat_index[:, length - T - 1:length - 1][resp_valid]
     labels = input_ids[:, length - T:][resp_valid]
     logp_v, ent_v = fn(hidden[rows], head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
     zeros = torch.zeros(batch, T, dtype=logp_v.dtype, device=logp_v.device)

@@ -165,11 +165,11 @@ class ActorRolloutWorker:
 
         fn = module if module is self.train_module and module is not self.module else (
             lambda *a, **k: compute_logprobs(module, *a, **k))
-        return fn(batch.tensors["input_ids"].to(self.device),
-                                batch.tensors["attention_mask"].to(self.device),
-                                response_length=batch.tensors["responses"].shape[1],
-                                temperature=float(self.cfg.rollout.temperature), with_entropy=with_entropy,
-                                packed=bool(self.cfg.model.use_packing), chunk_size=self.cfg.model.logprob_chunk_size)
+        model = self.cfg.model
+        return fn(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
+                  response_length=batch.tensors["responses"].shape[1], temperature=float(self.cfg.rollout.temperature),
+                  with_entropy=with_entropy, packed=bool(model.use_packing), chunk_size=model.logprob_chunk_size,
+                  share_prompts=bool(model.share_prompts))
 
     @torch.no_grad()
     def _log_probs(self, module, batch: Batch, with_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -1,0 +1,138 @@
+"""Packed layout that computes each distinct prompt once: the responses sampled from one prompt share it.
+
+GRPO-style batches hold ``n`` responses per prompt, so a plain packed forward runs every prompt
+``n`` times. Here the rows of a micro-batch whose prompts are token-for-token equal form a group,
+laid out once as::
+
+    [prompt (P tokens), resp_1[:-1], resp_2[:-1], ..., resp_n[:-1]]     positions 0..P-1, then P.. per response
+
+A response's last token is not run at all: its hidden state scores nothing (there is no next
+token) and, being last, no query attends to it; it is only a label. Attention stays exactly that
+of separate sequences: with ``gather`` and ``cu_seqlens`` below, each response attends to its
+group's prompt and to itself, never to a sibling. The attention call runs on *virtual sequences*
+gathered from the packed q/k/v::
+
+    seq 1 = prompt + resp_1,   seq j = prompt + resp_j (j > 1)
+
+and keeps, for each packed token, the output of the one virtual position that owns it (the prompt
+tokens' outputs come from seq 1; the prompt copies in the other sequences only serve as keys and
+values, and their query outputs are dropped). The gather's backward sums the gradients of the
+shared prompt tokens over the group, so log-probs and gradients equal those of the unshared
+layout up to float summation order. Any varlen attention kernel serves it unchanged; only the
+linear layers' work shrinks (the prompts' share of the tokens, times ``(n-1)/n``).
+
+Requires each row's real tokens to be contiguous (left-padded prompt, right-padded response), as
+the rollout batches are; :func:`plan_shared_prompts` returns None otherwise (and the caller packs
+rows as before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from portrl.ops.attention import cu_seqlens_from_lengths
+
+#: the keyword the plan travels under, from the model's forward to portrl's attention function
+PLAN_KWARG = "portrl_shared_prompts"
+
+
+@dataclass(frozen=True)
+class SharedPromptPlan:
+    """How the packed tokens map to the virtual sequences of the attention call.
+
+    ``gather (M,)``: packed-token index of each virtual position; ``cu_seqlens (S+1,)`` int32 and
+    ``max_seqlen``: the virtual sequences; ``keep (N,)``: for each packed token, the virtual position
+    whose output it takes.
+    """
+
+    gather: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    keep: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SharedPromptLayout:
+    """``flat_ids (N,)`` and ``position_ids (N,)`` to run; ``score_rows``: for each valid response
+    token, in row-major order, the packed token whose final hidden state scores it; ``plan`` for the
+    attention; ``groups``: number of distinct prompts."""
+
+    flat_ids: torch.Tensor
+    position_ids: torch.Tensor
+    score_rows: torch.Tensor
+    plan: SharedPromptPlan
+    groups: int
+
+
+def _contiguous_rows(mask: torch.Tensor) -> bool:
+    """True when each row's real tokens form one run (no holes)."""
+    lengths = mask.sum(1)
+    first = torch.where(lengths > 0, mask.float().argmax(1), 0)
+    last = mask.shape[1] - 1 - mask.flip(1).float().argmax(1)
+    return bool(((last - first + 1 == lengths) | (lengths == 0)).all())
+
+
+def plan_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        response_length: int) -> SharedPromptLayout | None:
+    """The shared-prompt layout of a ``(B, P+T)`` batch (verl layout: left-padded prompt, right-padded
+    response of ``T = response_length`` columns), or None when some row's real tokens are not contiguous.
+    Rows sharing a prompt need not be adjacent; groups are laid out in order of first appearance."""
+    mask = attention_mask.bool()
+    if not _contiguous_rows(mask):
+        return None
+    batch, length = input_ids.shape
+    split = length - int(response_length)
+    ids_cpu, mask_cpu = input_ids.cpu(), mask.cpu()
+    prompt_len = mask_cpu[:, :split].sum(1).tolist()
+    resp_len = mask_cpu[:, split:].sum(1).tolist()
+    rows_of: dict[tuple, list[int]] = {}
+    for b in range(batch):
+        key = tuple(ids_cpu[b, split - prompt_len[b]:split].tolist())
+        rows_of.setdefault(key, []).append(b)
+
+    pieces, positions = [], []  # packed token ids / positions, as index ranges into input_ids
+    gather, seq_lens, keep = [], [], []
+    score_at: list[list[int]] = [[] for _ in range(batch)]
+    n = 0  # packed tokens so far
+    m = 0  # virtual positions so far
+    for members in rows_of.values():
+        first = members[0]
+        P = prompt_len[first]
+        prompt_start = n
+        pieces.append((first, split - P, split))
+        positions.append(torch.arange(P))
+        n += P
+        prompt_range = list(range(prompt_start, prompt_start + P))
+        for j, b in enumerate(members):
+            R = resp_len[b]
+            run = max(R - 1, 0)  # the last response token is only a label
+            if run:
+                pieces.append((b, split, split + run))
+                positions.append(torch.arange(P, P + run))
+            own = list(range(n, n + run))
+            if R:
+                score_at[b] = [prompt_start + P - 1] + own
+            if j == 0:  # virtual sequence 1 owns the prompt and the first response
+                gather += prompt_range + own
+                keep += list(range(m, m + P + run))
+                seq_lens.append(P + run)
+                m += P + run
+            elif run:
+                gather += prompt_range + own
+                keep += list(range(m + P, m + P + run))
+                seq_lens.append(P + run)
+                m += P + run
+            n += run
+    dev = input_ids.device
+    flat_ids = torch.cat([input_ids[b, s:e] for b, s, e in pieces]) if pieces else input_ids.new_zeros(0)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    plan = SharedPromptPlan(gather=torch.tensor(gather, dtype=torch.long, device=dev),
+                            cu_seqlens=cu_seqlens_from_lengths(seq).to(dev),
+                            max_seqlen=int(seq.max()) if seq_lens else 0,
+                            keep=torch.tensor(keep, dtype=torch.long, device=dev))
+    return SharedPromptLayout(flat_ids=flat_ids, position_ids=torch.cat(positions).to(dev),
+                              score_rows=torch.tensor([i for rows in score_at for i in rows], dtype=torch.long,
+                                                      device=dev),
+                              plan=plan, groups=len(rows_of))
