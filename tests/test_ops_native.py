@@ -99,6 +99,19 @@ def test_logprobs_entropy_chunked_matches_full_logits(chunk, temperature, dtype,
         torch.testing.assert_close(a, b, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("use", ["logp", "entropy"])
+def test_logprobs_entropy_one_output_in_the_loss(use):
+    """An output the loss does not use reaches backward as None (its terms skipped): same gradients."""
+    h, w, b, y, gl, ge = _lp_case(torch.float64)
+    grads = []
+    for fn in (ops.logprobs_entropy, logprobs_entropy_full):
+        lp, ent = fn(h, w, y, 0.7, b)
+        loss = (lp * gl).sum() if use == "logp" else (ent * ge).sum()
+        grads.append(torch.autograd.grad(loss, (h, w, b)))
+    for a, want in zip(*grads):
+        torch.testing.assert_close(a, want, atol=1e-10, rtol=0)
+
+
 def test_logprobs_entropy_gradcheck_and_frozen_head():
     g = torch.Generator().manual_seed(2)
     h = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)

@@ -39,6 +39,8 @@ def _backward_rows(z, labels, lse, entropy, g_logp, g_entropy):
     _, bwd = _kernels()
     z = z.contiguous()
     n, vocab = z.shape
+    if g_entropy is None:  # the entropy is a metric only: its gradient terms are zero
+        g_entropy = torch.zeros_like(g_logp)
     if n:
         f32 = [t.to(torch.float32).contiguous() for t in (lse, entropy, g_logp, g_entropy)]
         bwd[(n,)](z, z.stride(0), labels.contiguous(), *f32, vocab, BLOCK_V=_block(vocab))

@@ -14,6 +14,7 @@ uses, with ``p = softmax(z_n)`` and upstream gradients ``g`` (for logp) and ``e`
     dL/dz_n = g_n (onehot(y_n) - p) - e_n p (log p + H_n)
 
 then ``dL/dh = (dL/dz / T) W``, ``dL/dW = (dL/dz / T)^T h``, ``dL/db = sum_n dL/dz_n / T``.
+When the entropy does not reach the loss (a metric only), ``e`` is None and its terms are skipped.
 Logits are computed in the inputs' dtype and reduced in at least float32.
 
 The per-row math (forward: z -> logp, H, lse; backward: z -> dL/dz) is a pluggable
@@ -34,7 +35,7 @@ CHUNK_ELEMENTS = 1 << 24
 @dataclass(frozen=True)
 class RowOps:
     """forward(z (c,V) float, labels (c,)) -> (logp, entropy, lse), each (c,) float.
-    backward(z, labels, lse, entropy, g_logp, g_entropy) -> dL/dz (c,V), may overwrite z."""
+    backward(z, labels, lse, entropy, g_logp, g_entropy or None) -> dL/dz (c,V), may overwrite z."""
 
     forward: Callable
     backward: Callable
@@ -50,8 +51,11 @@ def _torch_forward(z: torch.Tensor, labels: torch.Tensor):
 
 def _torch_backward(z, labels, lse, entropy, g_logp, g_entropy):
     log_p = z.sub_(lse[:, None])
-    p = log_p.exp()
-    grad = log_p.add_(entropy[:, None]).mul_(-g_entropy[:, None]).sub_(g_logp[:, None]).mul_(p)
+    if g_entropy is None:
+        grad = log_p.exp_().mul_(-g_logp[:, None])
+    else:
+        p = log_p.exp()
+        grad = log_p.add_(entropy[:, None]).mul_(-g_entropy[:, None]).sub_(g_logp[:, None]).mul_(p)
     return grad.scatter_add_(1, labels[:, None], g_logp[:, None])
 
 
@@ -103,6 +107,7 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
             z = _chunk_logits(hidden[s:s + chunk], weight, bias, inv_temp, compute)
             logp[s:s + chunk], entropy[s:s + chunk], lse[s:s + chunk] = rows.forward(z, labels[s:s + chunk])
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.set_materialize_grads(False)  # an output unused by the loss arrives as None, not zeros
         ctx.inv_temp, ctx.chunk, ctx.rows, ctx.compute = inv_temp, chunk, rows, compute
         return logp, entropy
 
@@ -111,7 +116,10 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         inv_temp, chunk, compute = ctx.inv_temp, ctx.chunk, ctx.compute
-        g_logp, g_entropy = g_logp.to(compute), g_entropy.to(compute)
+        if g_logp is None and g_entropy is None:
+            return None, None, None, None, None, None, None
+        g_logp = g_logp.to(compute) if g_logp is not None else torch.zeros_like(lse)
+        g_entropy = g_entropy.to(compute) if g_entropy is not None else None
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=compute, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=compute, device=weight.device) if need_b else None
@@ -119,7 +127,8 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
             e = s + chunk
             h = hidden[s:e]
             z = _chunk_logits(h, weight, bias, inv_temp, compute)
-            dz = ctx.rows.backward(z, labels[s:e], lse[s:e], entropy[s:e], g_logp[s:e], g_entropy[s:e])
+            dz = ctx.rows.backward(z, labels[s:e], lse[s:e], entropy[s:e], g_logp[s:e],
+                                   g_entropy[s:e] if g_entropy is not None else None)
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
             if need_b:
