@@ -76,3 +76,23 @@ def test_shared_prompts_only_with_portrl_attention(tiny):
         shared, _ = compute_logprobs(model, ids, mask, T, share_prompts=True)
         plain, _ = compute_logprobs(model, ids, mask, T, packed=False)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_critic_values_shared_equal_padded(tiny):
+    """The critic's value model reads the same hidden states: shared, packed and padded agree (values and
+    gradients), and padding gets 0."""
+    from portrl.workers.critic import ValueModel
+
+    ids, mask, T = _grouped_batch(seed=3)
+    results = []
+    for share, packed in ((True, True), (False, True), (False, False)):
+        torch.manual_seed(0)
+        vm = ValueModel(load_causal_lm(tiny, backend="cpu"))
+        values = vm(ids, mask, T, packed=packed, share_prompts=share)
+        values.pow(2).sum().backward()
+        results.append((values.detach(), vm.value_head.weight.grad.clone(),
+                        vm.base.layers[0].self_attn.v_proj.weight.grad.clone()))
+    for got in results[:2]:
+        for a, want in zip(got, results[2]):
+            torch.testing.assert_close(a, want, atol=1e-5, rtol=1e-4)
+    assert torch.all(results[0][0][mask[:, -T:] == 0] == 0)

@@ -54,6 +54,45 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return input_ids[mask], position_ids, cu_seqlens_from_lengths(lengths), int(lengths.max()), flat_index
 
 
+def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+                           packed: bool = True, share_prompts: bool = True):
+    """``(hidden (n, H), resp_valid (B, T) bool)``: the decoder's final hidden state that scores each real
+    response token (column ``P+t-1`` for token ``P+t``), in row-major order of ``resp_valid``.
+
+    ``base`` is the decoder (returns ``last_hidden_state``). Layouts: shared prompts (packed, when
+    ``share_prompts`` and the attention is portrl's), packed rows, or the padded batch.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids and attention_mask must both be (B, P+T); got {tuple(input_ids.shape)} and "
+                         f"{tuple(attention_mask.shape)}")
+    batch, length = input_ids.shape
+    T = int(response_length)
+    if not 0 < T < length:
+        raise ValueError(f"response_length must be in [1, {length - 1}] for sequences of length {length}; got {T}")
+    mask = attention_mask.bool()
+    resp_valid = mask[:, length - T:]
+    if not bool(mask[:, length - T - 1:length - 1][resp_valid].all()):
+        raise ValueError("every response token must follow an unmasked token (is the prompt left-padded and non-empty?)")
+    layout = None
+    if packed and share_prompts and _reads_shared_plan(base):
+        layout = plan_shared_prompts(input_ids, attention_mask, T)
+    if layout is not None:
+        out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
+                   **{PLAN_KWARG: layout.plan})
+        return out.last_hidden_state[0][layout.score_rows], resp_valid
+    if packed:
+        flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
+        out = base(input_ids=flat_ids[None], position_ids=position_ids[None], use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
+        hidden = out.last_hidden_state[0]
+    else:
+        position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state.reshape(batch * length, -1)
+        flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
+    return hidden[flat_index[:, length - T - 1:length - 1][resp_valid]], resp_valid
+
+
 def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                      temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
                      chunk_size: int | None = None, share_prompts: bool = True):
@@ -65,45 +104,15 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     plain packing.
     The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
     """
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids and attention_mask must both be (B, P+T); got {tuple(input_ids.shape)} and "
-                         f"{tuple(attention_mask.shape)}")
-    batch, length = input_ids.shape
-    T = int(response_length)
-    if not 0 < T < length:
-        raise ValueError(f"response_length must be in [1, {length - 1}] for sequences of length {length}; got {T}")
     inner, base, head = _decoder_and_head(model)
     fn = getattr(inner, "portrl_logprobs_entropy", None)
     if fn is None:
         from portrl.ops.logprobs import logprobs_entropy as fn
-    mask = attention_mask.bool()
-    resp_valid = mask[:, length - T:]
-    if not bool(mask[:, length - T - 1:length - 1][resp_valid].all()):
-        raise ValueError("every response token must follow an unmasked token (is the prompt left-padded and non-empty?)")
-
-    layout = None
-    if packed and share_prompts and _reads_shared_plan(inner):
-        layout = plan_shared_prompts(input_ids, attention_mask, T)
-    if layout is not None:
-        out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
-                   **{PLAN_KWARG: layout.plan})
-        hidden = out.last_hidden_state[0]
-        rows = layout.score_rows
-    elif packed:
-        flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
-        out = base(input_ids=flat_ids[None], position_ids=position_ids[None], use_cache=False,
-                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-        hidden = out.last_hidden_state[0]
-    else:
-        position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
-        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state.reshape(batch * length, -1)
-        flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
-    if layout is None:
-        rows = flat_index[:, length - T - 1:length - 1][resp_valid]
-    labels = input_ids[:, length - T:][resp_valid]
-    logp_v, ent_v = fn(hidden[rows], head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
-    zeros = torch.zeros(batch, T, dtype=logp_v.dtype, device=logp_v.device)
+    hidden, resp_valid = response_hidden_states(base, input_ids, attention_mask, response_length, packed,
+                                                share_prompts)
+    labels = input_ids[:, input_ids.shape[1] - resp_valid.shape[1]:][resp_valid]
+    logp_v, ent_v = fn(hidden, head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
+    zeros = torch.zeros(resp_valid.shape, dtype=logp_v.dtype, device=logp_v.device)
     logp = zeros.index_put((resp_valid,), logp_v)
     entropy = zeros.index_put((resp_valid,), ent_v) if with_entropy else None
     return logp, entropy

@@ -41,24 +41,15 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
-                packed: bool = True) -> torch.Tensor:
-        from portrl.models.logprobs import pack_rows
+                packed: bool = True, share_prompts: bool = True) -> torch.Tensor:
+        """Values ``(B, T)``: the head on the hidden state before each response token (0 on padding);
+        layouts as in :func:`portrl.models.logprobs.response_hidden_states`."""
+        from portrl.models.logprobs import response_hidden_states
 
-        batch, length = input_ids.shape
-        T = int(response_length)
-        if packed:
-            flat_ids, pos, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
-            out = self.base(input_ids=flat_ids[None], position_ids=pos[None], use_cache=False,
-                            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
-            hidden = out.last_hidden_state[0]
-        else:
-            pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-            out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
-            hidden = out.last_hidden_state.reshape(batch * length, -1)
-            flat_index = torch.arange(batch * length, device=input_ids.device).reshape(batch, length)
-        rows = flat_index[:, length - T - 1:length - 1].clamp(min=0)
-        values = self.value_head(hidden[rows.reshape(-1)]).float().reshape(batch, T)
-        return values * attention_mask[:, length - T:].to(values.dtype)
+        hidden, resp_valid = response_hidden_states(self.base, input_ids, attention_mask, response_length, packed,
+                                                    share_prompts)
+        values = self.value_head(hidden).float().reshape(-1)
+        return torch.zeros(resp_valid.shape, dtype=values.dtype, device=values.device).index_put((resp_valid,), values)
 
 
 class CriticWorker:
@@ -95,7 +86,8 @@ class CriticWorker:
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
-                      batch.tensors["responses"].shape[1], packed=bool(self.cfg.model.use_packing))
+                      batch.tensors["responses"].shape[1], packed=bool(self.cfg.model.use_packing),
+                      share_prompts=bool(self.cfg.model.share_prompts))
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
