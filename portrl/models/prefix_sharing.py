@@ -92,47 +92,59 @@ def plan_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         key = tuple(ids_cpu[b, split - prompt_len[b]:split].tolist())
         rows_of.setdefault(key, []).append(b)
 
-    pieces, positions = [], []  # packed token ids / positions, as index ranges into input_ids
-    gather, seq_lens, keep = [], [], []
-    score_at: list[list[int]] = [[] for _ in range(batch)]
-    n = 0  # packed tokens so far
-    m = 0  # virtual positions so far
+    # every index list below is a concatenation of ranges (start, length): O(rows) Python, O(tokens) torch
+    src, pos, gather, keep = _Ranges(), _Ranges(), _Ranges(), _Ranges()
+    score_at: list[tuple] = [((0, 0), (0, 0))] * batch
+    seq_lens: list[int] = []
+    n = m = 0  # packed tokens so far, virtual positions so far
     for members in rows_of.values():
         first = members[0]
         P = prompt_len[first]
         prompt_start = n
-        pieces.append((first, split - P, split))
-        positions.append(torch.arange(P))
+        src.add(first * length + split - P, P)
+        pos.add(0, P)
         n += P
-        prompt_range = list(range(prompt_start, prompt_start + P))
         for j, b in enumerate(members):
             R = resp_len[b]
             run = max(R - 1, 0)  # the last response token is only a label
-            if run:
-                pieces.append((b, split, split + run))
-                positions.append(torch.arange(P, P + run))
-            own = list(range(n, n + run))
+            src.add(b * length + split, run)
+            pos.add(P, run)
             if R:
-                score_at[b] = [prompt_start + P - 1] + own
-            if j == 0:  # virtual sequence 1 owns the prompt and the first response
-                gather += prompt_range + own
-                keep += list(range(m, m + P + run))
-                seq_lens.append(P + run)
-                m += P + run
-            elif run:
-                gather += prompt_range + own
-                keep += list(range(m + P, m + P + run))
+                score_at[b] = ((prompt_start + P - 1, 1), (n, run))
+            if j == 0 or run:  # virtual sequence 1 owns the prompt and the first response
+                gather.add(prompt_start, P)
+                gather.add(n, run)
+                keep.add(m if j == 0 else m + P, P + run if j == 0 else run)
                 seq_lens.append(P + run)
                 m += P + run
             n += run
+    score = _Ranges()
+    for first_token, own in score_at:
+        score.add(*first_token)
+        score.add(*own)
     dev = input_ids.device
-    flat_ids = torch.cat([input_ids[b, s:e] for b, s, e in pieces]) if pieces else input_ids.new_zeros(0)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
-    plan = SharedPromptPlan(gather=torch.tensor(gather, dtype=torch.long, device=dev),
-                            cu_seqlens=cu_seqlens_from_lengths(seq).to(dev),
-                            max_seqlen=int(seq.max()) if seq_lens else 0,
-                            keep=torch.tensor(keep, dtype=torch.long, device=dev))
-    return SharedPromptLayout(flat_ids=flat_ids, position_ids=torch.cat(positions).to(dev),
-                              score_rows=torch.tensor([i for rows in score_at for i in rows], dtype=torch.long,
-                                                      device=dev),
-                              plan=plan, groups=len(rows_of))
+    plan = SharedPromptPlan(gather=gather.tensor(dev), cu_seqlens=cu_seqlens_from_lengths(seq).to(dev),
+                            max_seqlen=int(seq.max()) if seq_lens else 0, keep=keep.tensor(dev))
+    return SharedPromptLayout(flat_ids=input_ids.reshape(-1)[src.tensor(dev)], position_ids=pos.tensor(dev),
+                              score_rows=score.tensor(dev), plan=plan, groups=len(rows_of))
+
+
+class _Ranges:
+    """A concatenation of integer ranges ``[start, start + length)``, materialised in one vectorised step."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, start: int, length: int) -> None:
+        if length > 0:
+            self.starts.append(start)
+            self.lengths.append(length)
+
+    def tensor(self, device) -> torch.Tensor:
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        offsets = torch.cumsum(lengths, 0) - lengths  # where each range begins in the output
+        out = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets - starts, lengths)
+        return out.to(device)
