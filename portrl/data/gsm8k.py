@@ -6,8 +6,7 @@ The prompt is the question, a space and GSM8K_INSTRUCTION; the ground truth is t
 
 from __future__ import annotations
 
-from portrl.data.preprocess import field
-from portrl.data.schema import GSM8K_INSTRUCTION, DataError, make_row
+from portrl.data.schema import GSM8K_INSTRUCTION, DataError, field, make_row
 
 DATA_SOURCE = "openai/gsm8k"
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from portrl.data.preprocess import field
-from portrl.data.schema import MATH_INSTRUCTION, DataError, make_row
+from portrl.data.schema import MATH_INSTRUCTION, DataError, field, make_row
 from portrl.rewards.text import last_boxed
 
 log = logging.getLogger(__name__)

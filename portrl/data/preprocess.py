@@ -190,15 +190,3 @@ def _write_splits(splits: dict[str, list[dict]], out: Path) -> dict[str, Path]:
         else:
             log.warning("no %s rows: %s.parquet not written", name, name)
     return paths
-
-
-def field(record: dict, name: str, where: str, index: int, kind: type = str):
-    """``record[name]`` checked to be a ``kind``; DataError naming the file, row and field."""
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: row {index}: is a {type(record).__name__}, expected a record")
-    value = record.get(name)
-    if value is None:
-        raise DataError(f"{where}: row {index}: field {name!r} is missing")
-    if not isinstance(value, kind):
-        raise DataError(f"{where}: row {index}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
-    return value

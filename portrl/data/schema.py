@@ -17,6 +17,18 @@ class DataError(ValueError):
     """A dataset file or row is malformed; the message names the file, the row and the field."""
 
 
+def field(record: dict, name: str, where: str, index: int, kind: type = str):
+    """``record[name]`` checked to be a ``kind``; DataError naming the file, row and field."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: row {index}: is a {type(record).__name__}, expected a record")
+    value = record.get(name)
+    if value is None:
+        raise DataError(f"{where}: row {index}: field {name!r} is missing")
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: row {index}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def make_row(data_source: str, content: str, ground_truth: str, split: str, index: int, ability: str = "math",
              **extra_info: Any) -> dict:
     """One verl-schema row whose prompt is a single user message."""

@@ -22,28 +22,13 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from portrl.workers.batch import Batch
+from portrl.workers.ray_calls import WorkerDiedError, gather  # noqa: F401  (re-exported: the group's API)
 
 log = logging.getLogger(__name__)
 
 MAX_KEYS = ("max", "timing", "time/")
 MIN_KEYS = ("min",)
 SUM_KEYS = ("count", "num_tokens", "num_seqs", "/sum", "_sum")
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process of a group died. ``worker`` names it (role, rank, node, pid); ``cause`` is Ray's error;
-    ``checkpoint`` is the last good checkpoint, added by the controller with :meth:`with_checkpoint`."""
-
-    def __init__(self, worker: str, cause: BaseException | str, checkpoint: Optional[str] = None):
-        self.worker, self.cause, self.checkpoint = worker, cause, checkpoint
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        tail = (f"; resume from the last good checkpoint {checkpoint}" if checkpoint
-                else "; no checkpoint was written yet" if checkpoint == "" else "")
-        super().__init__(f"worker {worker} died ({type(cause).__name__}: {first}){tail}")
-
-    def with_checkpoint(self, path: Optional[str]) -> "WorkerDiedError":
-        """The same error with the last good checkpoint named (``None`` -> "no checkpoint was written yet")."""
-        return WorkerDiedError(self.worker, self.cause, str(path) if path else "")
 
 
 def _rule(key: str) -> str:
@@ -124,33 +109,6 @@ def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int) -> List[t
         kw = {k: pieces[k][r] if k in pieces else v for k, v in kwargs.items()}
         out.append((a, kw))
     return out
-
-
-def gather(items: Sequence[tuple]) -> List[Any]:
-    """Results of ``(group, rank, ObjectRef)`` items, in order. The first dead actor raises WorkerDiedError
-    naming it (its group is shut down: the others' collectives cannot complete); the first failing call
-    re-raises the worker's error with the worker named in a note."""
-    import ray
-
-    pending = {ref: i for i, (_, _, ref) in enumerate(items)}
-    results: List[Any] = [None] * len(items)
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            i = pending.pop(ref)
-            group, rank, _ = items[i]
-            try:
-                results[i] = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                err = WorkerDiedError(group.describe(rank), exc)
-                for g in {id(g): g for g, _, _ in items}.values():
-                    g.shutdown()
-                raise err from exc
-            except Exception as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"raised by worker {group.describe(rank)}")
-                raise
-    return results
 
 
 class WorkerHost:

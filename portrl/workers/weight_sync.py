@@ -22,6 +22,8 @@ from typing import Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 
+from portrl.workers.ray_calls import gather
+
 Meta = Tuple[str, Tuple[int, ...], str]  # name, shape, dtype name
 
 
@@ -154,8 +156,6 @@ class WeightSyncLink:
     workers ``update_weights(named_tensors)``. ``sync()`` runs one broadcast and returns the sender's stats."""
 
     def __init__(self, trainer, rollout, bucket_mb: float):
-        from portrl.workers.group import gather
-
         if trainer.local_worker is not None or rollout.local_worker is not None:
             raise ValueError("WeightSyncLink needs Ray worker groups on both sides (use_ray=True)")
         self.trainer, self.rollout = trainer, rollout
@@ -168,8 +168,6 @@ class WeightSyncLink:
         gather(items)
 
     def sync(self) -> dict:
-        from portrl.workers.group import gather
-
         items = [(self.trainer, r, a.push_weights.remote()) for r, a in enumerate(self.trainer.actors)]
         items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.actors)]
         return gather(items)[0]
