@@ -136,3 +136,15 @@ def test_critic_values_and_update(tiny_model):
     b["returns"] = torch.ones_like(v) * b["response_mask"]
     losses = [c.update_critic(b)["critic/vf_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+def test_update_same_with_and_without_shared_prompts(tiny_model):
+    """model.share_prompts only changes how the forward is laid out: the update moves the weights the same."""
+    params, metrics = [], []
+    for share in (True, False):
+        w = ActorRolloutWorker(_cfg(tiny_model, **{"model.share_prompts": share}))
+        b = _rollout(w)
+        metrics.append(w.update_actor(b))
+        params.append(_params(w))
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
+    assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
