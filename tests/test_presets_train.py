@@ -1,21 +1,41 @@
-"""Every algorithm preset trains the tiny setup for 20 steps: finite metrics, and a policy that holds up.
+"""Every algorithm preset trains the tiny setup for 20 steps: finite metrics, and a training reward that rises.
 
-The tiny Qwen2 model is SFT-warm-started once for the module (short, so it solves part of arith
-and RL has something to improve), then each preset in ``configs/algorithm`` runs 20 RL steps from
-that model with small batches (about 32 sequences per step; the preset's own ``rollout.n`` capped
-at 4 to bound CPU time; every other hyperparameter is the preset's).
+Setup (module fixture). The tiny Qwen2 model is SFT-warm-started on arith (the first SFT_STEPS steps
+of an SFT_SCHEDULE-step schedule: lr 3e-3, 64 examples a step, 2000 rows), which leaves it
+solving about 60% of the training prompts: room to rise, and enough right answers that most
+groups carry a signal. Each preset in ``configs/algorithm`` then runs STEPS RL steps on a fixed set of
+TRAIN_PROMPTS training prompts (about SEQS_PER_STEP sequences a step, so every prompt comes back
+about 4 times), with every hyperparameter of the preset kept except these tiny-setup overrides:
 
-The policy is measured on a fixed set of training prompts (mean sampled reward, temperature 1,
-4 samples) before step 1 and after step 20, rather than on the trained batches (DAPO's dynamic
+* ``actor.optim.lr`` LR (``critic.optim.lr`` 1e-3): the tiny preset's 2e-4 is kept; 5e-4 collapses
+  GRPO, REMAX, GPG, RLOO and SPPO from a 42% start (probe reward -0.16 to -0.25 in 20 steps);
+* ``rollout.n`` capped at MAX_N (DAPO, GSPO, SAPO and VAPO use 16) and ``data.train_batch_size`` =
+  SEQS_PER_STEP // n prompts, one optimizer step per RL step, to bound CPU time.
+
+Measurement, with common random numbers: the mean reward of PROBE_SAMPLES samples (temperature 1,
+one fixed sampling seed) on each training prompt, before step 1 and after step STEPS. The same
+prompts and the same seed before and after, so the difference is the policy's change, not sampling
+noise. The batch reward of the steps themselves is printed too, but not asserted on (DAPO's dynamic
 sampling keeps only mixed-reward groups, so its batch reward says little about the policy).
 
-What this asserts: no non-finite metric at any step, and no collapse (the probe reward may not fall
-by more than MAX_DROP; a wrong-signed objective or a runaway update drives it to ~0 within 20 steps,
-as measured with a learning rate 10x too high). What it does not assert: that 20 steps of 32
-sequences *raise* the reward on this tiny model. Measured here, GRPO from a 25%-accurate warm start
-moved the sampled training reward 0.19 -> 0.28 in 40 steps of 256 sequences, but greedy validation
-accuracy only within noise (+5.5 and -3.5 points in two runs), so a rise in 20 small steps would be a
-coin flip, not a test. The gain is reported in the failure message and the test output.
+Measured by this test (one thread, trainer.seed 0), probe reward 0.607 before: dapo +0.061, dr_grpo
++0.068, gpg +0.067, grpo +0.069, gspo +0.061, online_dpo +0.082, ppo +0.071, reinforce_pp +0.094, remax
++0.065, rloo +0.064, sapo +0.061, sppo +0.048 (VAPO -0.185, below). Run-to-run noise, measured on the
+same setup from a warm start at 0.598 with trainer.seed 0 and 1: each preset's gain differed by
+0.000-0.019 between the seeds (gains +0.055 to +0.099). MIN_GAIN (0.03) sits well above that noise and
+below the smallest gain (0.048).
+(GSPO and SAPO give the same numbers: with one optimizer step per batch the ratio is exactly 1, where
+both losses have the gradient of -A·logp, and the same n.)
+
+VAPO does not rise here, by construction: its length-adaptive actor λ = 1 - 1/(0.05·l) is clamped to
+0 for responses of l <= 20 tokens, and arith answers are 2-4 tokens, so its advantages are pure
+one-step TD errors of a value model that starts from scratch (a fresh head on the policy). That
+critic would have to judge whether the answer's digits are right; in 20 steps it cannot, and the
+actor follows its noise: probe reward 0.598 -> 0.502 (seed 0; critic warm-up 2 steps, the preset's
+10%), 0.403 (seed 1), 0.499 with 10 warm-up steps, 0.426 after 40 steps with 20 warm-up steps; in this
+test 0.607 -> 0.423. With algorithm.vapo_alpha=100 (λ ~ 1, everything else VAPO's) it rises like
+PPO: 0.598 -> 0.679. VAPO is held to the finite-metrics check and to VAPO_FLOOR, and the test fails
+if it ever starts to rise (then it belongs with the others).
 """
 
 from __future__ import annotations
@@ -29,18 +49,28 @@ from portrl.config import compose, list_presets
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-SEQS_PER_STEP = 32
-MAX_N = 4
-PROBE_PROMPTS = 64
-MAX_DROP = 0.15
-SFT_STEPS = 500
+SEQS_PER_STEP = 64
+MAX_N = 8
+TRAIN_PROMPTS = 64
+PROBE_SAMPLES = 16
+PROBE_SEED = 4242
+LR = 2e-4
+MIN_GAIN = 0.03
+VAPO_FLOOR = 0.25  # VAPO measured 0.502 (seed 0) and 0.403 (seed 1) after 20 steps: it drifts, it does not collapse
+SFT_STEPS = 900
+SFT_SCHEDULE = 1500
 SFT_LR = 3e-3
+SFT_ROWS = 2000
 TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384, "seed": 0}
+# presets that cannot raise the reward in 20 steps of this setup, and why (see the module docstring)
+CANNOT_RISE = {
+    "vapo": "length-adaptive λ is 0 for 2-4 token answers: advantages are TD errors of a 20-step-old critic",
+}
 
 
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory):
-    """(SFT model dir, train parquet, probe parquet): the tiny model after a short SFT on arith."""
+    """(SFT model dir, training-prompt parquet): the tiny model part-way through the default SFT."""
     import torch
 
     from portrl.data import make_arith_rows, make_arith_sft_rows, write_split
@@ -49,32 +79,27 @@ def sft_setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("presets_train")
     train = root / "train.parquet"
-    rows = make_arith_rows(1000, seed=0, difficulty=1, split="train")
-    write_split(rows, train)
-    probe = root / "probe.parquet"
-    write_split(rows[:PROBE_PROMPTS], probe)
+    write_split(make_arith_rows(SFT_ROWS, seed=0, difficulty=1, split="train")[:TRAIN_PROMPTS], train)
     base = write_tiny_model(root / "base", vocab="arith", **TINY)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model, tok = load_causal_lm(str(base)), load_tokenizer(str(base))
-    run_sft(None, model, tok, make_arith_sft_rows(1000, seed=0, difficulty=1, split="train"),
-            steps=SFT_STEPS, lr=SFT_LR, batch_size=64, seed=0)
+    run_sft(None, model, tok, make_arith_sft_rows(SFT_ROWS, seed=0, difficulty=1, split="train"),
+            steps=SFT_STEPS, lr=SFT_LR, batch_size=64, seed=0, schedule_steps=SFT_SCHEDULE)
     out = root / "sft"
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return out, train, probe
+    return out, train
 
 
-def _config(name: str, model_dir, train, probe, out_dir):
-    n_preset = int(compose(algorithm=name, check=False).rollout.n)
-    n = min(n_preset, MAX_N)
+def _config(name: str, model_dir, train, out_dir):
+    n = min(int(compose(algorithm=name, check=False).rollout.n), MAX_N)
     prompts = SEQS_PER_STEP // n
     overrides = [
-        f"model.path={model_dir}", "model.sft_warm_start=false", "actor.optim.lr=1e-4", "critic.optim.lr=1e-3",
-        f"data.train_files={train}", f"data.val_files={probe}", f"data.train_batch_size={prompts}",
-        f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_device={SEQS_PER_STEP}",
-        f"rollout.n={n}", "rollout.val_kwargs.temperature=1.0", f"rollout.val_kwargs.n={MAX_N}",
-        f"trainer.total_steps={STEPS}", f"trainer.test_freq={STEPS}", "trainer.val_before_train=true",
+        f"model.path={model_dir}", "model.sft_warm_start=false", f"actor.optim.lr={LR}", "critic.optim.lr=1e-3",
+        f"data.train_files={train}", f"data.val_files={train}", f"data.train_batch_size={prompts}",
+        f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_device={prompts * n}",
+        f"rollout.n={n}", f"trainer.total_steps={STEPS}", "trainer.test_freq=0", "trainer.val_before_train=true",
         "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false", "trainer.loggers=[jsonl]",
         "trainer.progress_bar=false", "trainer.resume=off", f"trainer.output_dir={out_dir}",
         "device.name=cpu", "device.num_threads=1",
@@ -82,21 +107,37 @@ def _config(name: str, model_dir, train, probe, out_dir):
     return compose(algorithm=name, overrides=overrides)
 
 
+def _probe_reward(trainer) -> float:
+    """Mean reward of PROBE_SAMPLES samples per training prompt, always drawn with PROBE_SEED."""
+    sampling = {"n": PROBE_SAMPLES, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                "max_new_tokens": int(trainer.cfg.data.max_response_length), "seed": PROBE_SEED}
+    batch = trainer.gen.call("generate_from", trainer.val_prompts, sampling)
+    return float(trainer.reward.compute_reward(batch).tensors["seq_scores"].mean())
+
+
 @pytest.mark.parametrize("name", list_presets("algorithm"))
 def test_preset_trains_tiny_setup(name, sft_setup, tmp_path):
     from portrl.trainer.rl_trainer import RLTrainer
 
-    model_dir, train, probe = sft_setup
-    trainer = RLTrainer(_config(name, model_dir, train, probe, tmp_path / name))
+    model_dir, train = sft_setup
+    trainer = RLTrainer(_config(name, model_dir, train, tmp_path / name))
+    assert len(trainer.val_prompts) == TRAIN_PROMPTS
+    before = _probe_reward(trainer)
     summary = trainer.fit()
+    after = _probe_reward(trainer)
     assert summary["steps"] == STEPS
     for step, metrics in enumerate(trainer.history, start=1):
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, f"{name}: non-finite metrics at step {step}: {bad}"
     scores = [m["critic/score/mean"] for m in trainer.history if "critic/score/mean" in m]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
-    before, after = summary["val_before"], summary["val_after"]
-    print(f"{name}: probe reward {before:.3f} -> {after:.3f}; batch reward first 5 steps {first:.3f}, last 5 {last:.3f}")
-    assert after >= before - MAX_DROP, (
-        f"{name}: the policy collapsed: sampled reward on the probe prompts {before:.3f} -> {after:.3f} "
-        f"(allowed drop {MAX_DROP}); batch reward first 5 steps {first:.3f}, last 5 {last:.3f}")
+    report = (f"{name}: training reward (probe, {PROBE_SAMPLES} samples x {TRAIN_PROMPTS} prompts, same seed) "
+              f"{before:.3f} -> {after:.3f} ({after - before:+.3f}); batch reward first 5 steps {first:.3f}, "
+              f"last 5 {last:.3f}")
+    print(report)
+    assert 0.3 < before < 0.9, f"{name}: the warm start is not the expected mid-accuracy model: {report}"
+    if name in CANNOT_RISE:
+        assert after > VAPO_FLOOR, f"{name}: the policy collapsed: {report}"
+        assert after - before < MIN_GAIN, f"{name} now rises; remove it from CANNOT_RISE: {report}"
+        pytest.xfail(f"{name} cannot rise in {STEPS} steps here ({CANNOT_RISE[name]}): {report}")
+    assert after - before >= MIN_GAIN, f"{name}: the training reward did not rise by {MIN_GAIN}: {report}"

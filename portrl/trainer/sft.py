@@ -48,8 +48,13 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
 
 def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
             batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
-            seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None) -> Dict[str, float]:
+            seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None,
+            schedule_steps: Optional[int] = None) -> Dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
+
+    ``schedule_steps``: the length the LR schedule (warm-up, cosine) is laid out for; default ``steps``.
+    A larger value stops part-way through a longer run: the first ``steps`` steps of a
+    ``schedule_steps``-step SFT, exactly (same examples, same learning rates).
 
     ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
     chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
@@ -67,13 +72,16 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     forward = forward or partial(compute_logprobs, model)
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"run_sft: steps, batch_size and lr must be positive (got {steps}, {batch_size}, {lr})")
+    schedule = steps if schedule_steps is None else int(schedule_steps)
+    if schedule < steps:
+        raise ValueError(f"run_sft: schedule_steps ({schedule}) must be at least steps ({steps})")
     data = encode_sft_rows(tokenizer, rows)
     device = device or next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, steps, warmup, "cosine", 0.1))
+    warmup = max(1, schedule // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, schedule, warmup, "cosine", 0.1))
     rng = random.Random(f"sft:{seed}:{rank}" if world_size > 1 else f"sft:{seed}")
     order: List[int] = []
     losses: List[float] = []

@@ -1,0 +1,55 @@
+"""run_sft(schedule_steps=): the first ``steps`` steps of a longer SFT, learning rates and all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from portrl.models import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("sft_schedule") / "m", vocab="arith", hidden_size=32,
+                            num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
+
+
+def _run(path, steps, schedule_steps, monkeypatch):
+    import portrl.trainer.sft as sft
+    from portrl.data import make_arith_sft_rows
+    from portrl.models import load_causal_lm, load_tokenizer
+
+    lrs = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    torch.manual_seed(0)
+    model, tok = load_causal_lm(str(path)), load_tokenizer(str(path))
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.optim.AdamW, "step", step)
+        sft.run_sft(None, model, tok, make_arith_sft_rows(32, seed=0), steps=steps, lr=1e-2, batch_size=4, seed=0,
+                    schedule_steps=schedule_steps)
+    return lrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_schedule_steps_stops_part_way(tiny, monkeypatch):
+    torch.set_num_threads(1)
+    full_lrs, _ = _run(tiny, 40, None, monkeypatch)
+    part_lrs, part = _run(tiny, 10, 40, monkeypatch)
+    short_lrs, short = _run(tiny, 10, None, monkeypatch)
+    assert part_lrs == pytest.approx(full_lrs[:10], rel=1e-12)
+    assert short_lrs != pytest.approx(part_lrs)  # a 10-step schedule warms up and decays over 10 steps
+    assert any(not torch.equal(part[k], short[k]) for k in part)
+
+
+def test_schedule_steps_below_steps_is_an_error(tiny):
+    from portrl.data import make_arith_sft_rows
+    from portrl.models import load_causal_lm, load_tokenizer
+    from portrl.trainer.sft import run_sft
+
+    model, tok = load_causal_lm(str(tiny)), load_tokenizer(str(tiny))
+    with pytest.raises(ValueError, match="schedule_steps"):
+        run_sft(None, model, tok, make_arith_sft_rows(8, seed=0), steps=5, lr=1e-2, batch_size=4, schedule_steps=4)
