@@ -96,3 +96,19 @@ def test_critic_values_shared_equal_padded(tiny):
         for a, want in zip(got, results[2]):
             torch.testing.assert_close(a, want, atol=1e-5, rtol=1e-4)
     assert torch.all(results[0][0][mask[:, -T:] == 0] == 0)
+
+
+def test_falls_back_when_the_plan_does_not_reach_the_attention(tiny, monkeypatch, caplog):
+    """A transformers version that dropped the keyword on its way to the attention would give the wrong
+    attention; compute_logprobs notices (no layer read the plan) and runs plain packing instead."""
+    import portrl.models.logprobs as lp_mod
+
+    ids, mask, T = _grouped_batch(seed=4)
+    model = load_causal_lm(tiny, backend="cpu")
+    with torch.no_grad():
+        want, _ = compute_logprobs(model, ids, mask, T, packed=False)
+        monkeypatch.setattr(lp_mod, "PLAN_KWARG", "a_keyword_no_attention_reads")
+        with caplog.at_level("WARNING"):
+            got, _ = compute_logprobs(model, ids, mask, T, share_prompts=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert "shared-prompt plan" in caplog.text

@@ -79,6 +79,7 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
         q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None and attention_mask is None:
+            plan.reads += 1
             # index_select, not indexing: its backward is index_add (indexing's is a slower index_put)
             qg, kg, vg = (t.index_select(0, plan.gather) for t in (q, k, v))
             out = varlen_fn(qg, kg, vg, plan.cu_seqlens, plan.max_seqlen, scaling, causal).index_select(0, plan.keep)

@@ -36,6 +36,23 @@ def _decoder_and_head(model):
     return inner, base, head
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import logging
+
+        logging.getLogger(__name__).warning(message)
+
+
+def _attention_layers(base) -> int:
+    """How many attention calls one forward of the decoder makes (its number of layers)."""
+    layers = getattr(base, "layers", None)
+    return len(layers) if layers is not None else int(getattr(base.config, "num_hidden_layers", 1))
+
+
 def _reads_shared_plan(model) -> bool:
     """True when the model's attention is a portrl implementation (the one that reads the shared-prompt plan)."""
     from portrl.models.attention import PREFIX
@@ -77,9 +94,19 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
     if packed and share_prompts and _reads_shared_plan(base):
         layout = plan_shared_prompts(input_ids, attention_mask, T)
     if layout is not None:
-        out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
-                   **{PLAN_KWARG: layout.plan})
-        return out.last_hidden_state[0][layout.score_rows], resp_valid
+        try:
+            out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
+                       **{PLAN_KWARG: layout.plan})
+        except TypeError as exc:  # a forward without **kwargs
+            if PLAN_KWARG not in str(exc):
+                raise
+            out = None
+        if out is not None and layout.plan.reads >= _attention_layers(base):
+            return out.last_hidden_state[0][layout.score_rows], resp_valid
+        # some layer never saw the plan (a transformers version that drops unknown keywords on the way to
+        # the attention): its output is not that of separate sequences, so run the plain packed layout
+        _warn_once("the model's attention did not receive the shared-prompt plan in every layer; using plain "
+                   "packing (set model.share_prompts=false to skip the attempt)")
     if packed:
         flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
         out = base(input_ids=flat_ids[None], position_ids=position_ids[None], use_cache=False,

@@ -38,19 +38,21 @@ from portrl.ops.attention import cu_seqlens_from_lengths
 PLAN_KWARG = "portrl_shared_prompts"
 
 
-@dataclass(frozen=True)
+@dataclass
 class SharedPromptPlan:
     """How the packed tokens map to the virtual sequences of the attention call.
 
     ``gather (M,)``: packed-token index of each virtual position; ``cu_seqlens (S+1,)`` int32 and
     ``max_seqlen``: the virtual sequences; ``keep (N,)``: for each packed token, the virtual position
-    whose output it takes.
+    whose output it takes. ``reads`` counts the attention calls that applied the plan, so the caller can
+    check that the keyword reached every layer.
     """
 
     gather: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     keep: torch.Tensor
+    reads: int = 0
 
 
 @dataclass(frozen=True)
