@@ -14,7 +14,7 @@ def tiny(tmp_path_factory):
                             num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
 
 
-def _run(path, steps, schedule_steps, monkeypatch):
+def _run(path, steps, schedule_steps, monkeypatch, stop=None):
     import portrl.trainer.sft as sft
     from portrl.data import make_arith_sft_rows
     from portrl.models import load_causal_lm, load_tokenizer
@@ -31,7 +31,7 @@ def _run(path, steps, schedule_steps, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(torch.optim.AdamW, "step", step)
         sft.run_sft(None, model, tok, make_arith_sft_rows(32, seed=0), steps=steps, lr=1e-2, batch_size=4, seed=0,
-                    schedule_steps=schedule_steps)
+                    schedule_steps=schedule_steps, stop=stop)
     return lrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -53,3 +53,17 @@ def test_schedule_steps_below_steps_is_an_error(tiny):
     model, tok = load_causal_lm(str(tiny)), load_tokenizer(str(tiny))
     with pytest.raises(ValueError, match="schedule_steps"):
         run_sft(None, model, tok, make_arith_sft_rows(8, seed=0), steps=5, lr=1e-2, batch_size=4, schedule_steps=4)
+
+
+def test_stop_ends_the_sft_where_it_says(tiny, monkeypatch):
+    torch.set_num_threads(1)
+    full_lrs, _ = _run(tiny, 20, None, monkeypatch)
+    asked = []
+
+    def stop(step):
+        asked.append(step)
+        return step == 6
+
+    lrs, _ = _run(tiny, 20, None, monkeypatch, stop=stop)
+    assert asked == [1, 2, 3, 4, 5, 6]
+    assert lrs == pytest.approx(full_lrs[:6], rel=1e-12)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -49,19 +49,21 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
 def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
             batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
             seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None,
-            schedule_steps: Optional[int] = None) -> Dict[str, float]:
+            schedule_steps: Optional[int] = None, stop: Optional[Callable[[int], bool]] = None) -> Dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
 
     ``schedule_steps``: the length the LR schedule (warm-up, cosine) is laid out for; default ``steps``.
     A larger value stops part-way through a longer run: the first ``steps`` steps of a
-    ``schedule_steps``-step SFT, exactly (same examples, same learning rates).
+    ``schedule_steps``-step SFT, exactly (same examples, same learning rates). ``stop(k)`` is called after
+    the k-th optimizer step (model in train mode); True ends the SFT there (a single-process helper: with
+    several ranks every rank must answer the same).
 
     ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
     chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
     data-parallel worker passes its wrapped model (portrl.workers.parallel.ForwardModule under DDP /
     FSDP2), so the wrapper's gradient all-reduce runs. Each rank draws its own examples (seeded by rank).
 
-    Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps",
+    Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps" (steps done),
     "sft/tokens_per_s", "sft/time_s"}``. ``cfg`` supplies model.use_packing and model.logprob_chunk_size.
     """
     from functools import partial
@@ -91,6 +93,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     was_training = model.training
     model.train()
     t0 = time.perf_counter()
+    done = 0
     for step in range(steps):
         if len(order) < batch_size:
             more = list(range(len(data)))
@@ -112,8 +115,13 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
         tokens += int(b.tensors["attention_mask"].sum())
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
+        done = step + 1
+        if stop is not None:
+            if stop(done):
+                break
+            model.train()
     model.train(was_training)
     elapsed = time.perf_counter() - t0
     tail = losses[-10:]
-    return {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(steps),
+    return {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(done),
             "sft/tokens_per_s": tokens / max(elapsed, 1e-9), "sft/time_s": elapsed}
