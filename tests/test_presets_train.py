@@ -82,7 +82,7 @@ def sft_setup(tmp_path_factory):
 
     from portrl.data import make_arith_rows, make_arith_sft_rows, write_split
     from portrl.models import load_causal_lm, load_tokenizer, write_tiny_model
-    from portrl.trainer.sft import run_sft
+    from portrl.workers.sft import run_sft
 
     root = tmp_path_factory.mktemp("presets_train")
     train = root / "train.parquet"
@@ -115,7 +115,7 @@ def _answer_probability(model, tok, rows):
     import torch
 
     from portrl.models import compute_logprobs
-    from portrl.trainer.sft import encode_sft_rows
+    from portrl.workers.sft import encode_sft_rows
     from portrl.workers.batch import build_rollout_batch
 
     data = encode_sft_rows(tok, rows)

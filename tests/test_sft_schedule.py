@@ -15,7 +15,7 @@ def tiny(tmp_path_factory):
 
 
 def _run(path, steps, schedule_steps, monkeypatch, stop=None):
-    import portrl.trainer.sft as sft
+    import portrl.workers.sft as sft
     from portrl.data import make_arith_sft_rows
     from portrl.models import load_causal_lm, load_tokenizer
 
@@ -48,7 +48,7 @@ def test_schedule_steps_stops_part_way(tiny, monkeypatch):
 def test_schedule_steps_below_steps_is_an_error(tiny):
     from portrl.data import make_arith_sft_rows
     from portrl.models import load_causal_lm, load_tokenizer
-    from portrl.trainer.sft import run_sft
+    from portrl.workers.sft import run_sft
 
     model, tok = load_causal_lm(str(tiny)), load_tokenizer(str(tiny))
     with pytest.raises(ValueError, match="schedule_steps"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 _EXPORTS = {
     "run_training": "portrl.trainer.rl_trainer",
     "RLTrainer": "portrl.trainer.rl_trainer",
-    "run_sft": "portrl.trainer.sft",
+    "run_sft": "portrl.workers.sft",
 }
 
 __all__ = sorted(_EXPORTS)

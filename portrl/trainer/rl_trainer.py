@@ -293,8 +293,6 @@ class RLTrainer:
             self.load_checkpoint(resume)
             summary["resumed_from"] = str(resume)
         elif cfg.model.sft_warm_start:
-            from portrl.trainer.sft import run_sft
-
             rows = arith_sft_rows(cfg, max(int(cfg.data.arith.num_train), 2000)) if str(cfg.data.name) == "arith" else None
             if rows is None:
                 raise ValueError("model.sft_warm_start is built in for data.name=arith only; run `portrl sft` first")

@@ -260,8 +260,8 @@ class ActorRolloutWorker:
         return float(norm)
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
-        """Supervised warm start of the policy on (prompt, response) rows (see portrl.trainer.sft)."""
-        from portrl.trainer.sft import run_sft
+        """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
+        from portrl.workers.sft import run_sft
 
         wrapped = self.train_module is not self.module
         return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
