@@ -189,17 +189,12 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
     stop rule) on :class:`FastDecoder`. Returns ``(response_ids, logprobs, finish_reasons)`` lists, rows
     prompt-major. Finished rows are dropped from the batch and cache once they are ``compact_fraction``
     of it; the loop ends when every row has finished or ``max_new_tokens`` is reached."""
+    from portrl.rollout.decode_rows import DecodeRows, left_pad
     from portrl.rollout.sampling import sample_next
-    from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP
 
     dev, n, max_new = decoder.device, params.n, params.max_new_tokens
-    lengths = torch.tensor([len(p) for p in prompts], device=dev)
-    plen = int(lengths.max())
-    ids = torch.full((len(prompts), plen), pad_token_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
-    ids = ids.to(dev)
-    mask = torch.arange(plen, device=dev)[None, :] >= (plen - lengths)[:, None]
+    ids, mask, lengths = left_pad(prompts, pad_token_id, dev)
+    plen = ids.shape[1]
     decoder.start(len(prompts), plen + max_new)
     try:
         logits = decoder.forward(ids, (mask.long().cumsum(-1) - 1).clamp_(min=0), 0, mask)
@@ -207,49 +202,22 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
             rep = torch.arange(len(prompts), device=dev).repeat_interleave(n)
             decoder.select_rows(rep)
             logits, mask, lengths = logits[rep], mask[rep], lengths[rep]
-        rows = logits.shape[0]
-        key_mask = torch.zeros(rows, plen + max_new, dtype=torch.bool, device=dev)
+        rows = DecodeRows(logits.shape[0], max_new, pad_token_id, stop, compact_fraction, dev)
+        key_mask = torch.zeros(logits.shape[0], plen + max_new, dtype=torch.bool, device=dev)
         key_mask[:, :plen] = mask
         position = lengths.clone()  # rotary position of the next token of each row
-        tokens = torch.full((rows, max_new), pad_token_id, dtype=torch.long, device=dev)
-        logps = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
-        resp_len = torch.full((rows,), max_new, dtype=torch.long, device=dev)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
-        active = torch.arange(rows, device=dev)  # batch row -> output row
-        alive = torch.ones(rows, dtype=torch.bool, device=dev)
-        n_alive = rows
         for t in range(max_new):
             tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                   generator=generator)
-            if n_alive < len(active):
-                tokens[active[alive], t] = tok[alive]
-                logps[active[alive], t] = lp[alive]
-                hit = torch.isin(tok, stop) & alive
-            else:
-                tokens[active, t] = tok
-                logps[active, t] = lp
-                hit = torch.isin(tok, stop)
-            n_hit = int(hit.sum())
-            if n_hit:
-                done = active[hit]
-                resp_len[done] = t + 1
-                stopped[done] = True
-                alive &= ~hit
-                n_alive -= n_hit
-            if n_alive == 0 or t == max_new - 1:
+            if rows.record(t, tok, lp):
                 break
-            if n_alive < len(active) and len(active) - n_alive >= max(1, compact_fraction * len(active)):
-                keep = alive.nonzero().squeeze(-1)
+            keep = rows.compact()
+            if keep is not None:
                 decoder.select_rows(keep)
-                active, tok, position, key_mask = active[keep], tok[keep], position[keep], key_mask[keep]
-                alive = torch.ones(n_alive, dtype=torch.bool, device=dev)
+                tok, position, key_mask = tok[keep], position[keep], key_mask[keep]
             key_mask[:, plen + t] = True
             logits = decoder.forward(tok[:, None], position[:, None], plen + t, key_mask[:, : plen + t + 1])
             position += 1
     finally:
         decoder.release()
-    resp_len_l, stopped_l = resp_len.tolist(), stopped.tolist()
-    tokens_l, logps_l = tokens.tolist(), logps.tolist()
-    ids_out = [tokens_l[r][: resp_len_l[r]] for r in range(rows)]
-    lps_out = [logps_l[r][: resp_len_l[r]] for r in range(rows)]
-    return ids_out, lps_out, [FINISH_STOP if s else FINISH_LENGTH for s in stopped_l]
+    return rows.outputs()

@@ -25,9 +25,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import RolloutEngine, check_prompts
 from portrl.rollout.sampling import sample_next
-from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from portrl.rollout.types import RolloutOutput, SamplingParams
 from portrl.rollout.weights import load_named_tensors
 
 log = logging.getLogger(__name__)
@@ -175,13 +176,9 @@ class HFEngine(RolloutEngine):
         from transformers import DynamicCache
 
         dev, n, max_new = self.device, params.n, params.max_new_tokens
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        plen = int(lengths.max())
-        ids = torch.full((len(prompts), plen), self.pad_token_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(dev)
-        mask = (torch.arange(plen, device=dev)[None, :] >= (plen - lengths)[:, None]).long()
+        ids, mask, lengths = left_pad(prompts, self.pad_token_id, dev)
+        plen = ids.shape[1]
+        mask = mask.long()
         padded = bool((lengths != plen).any())
         cache = DynamicCache(config=self.model.config)
         out = self._forward(
@@ -192,50 +189,22 @@ class HFEngine(RolloutEngine):
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
             mask, lengths = mask.repeat_interleave(n, dim=0), lengths.repeat_interleave(n)
-        rows = logits.shape[0]
-        full_mask = torch.ones(rows, plen + max_new, dtype=torch.long, device=dev)
+        rows = DecodeRows(logits.shape[0], max_new, self.pad_token_id, stop, self.compact_fraction, dev)
+        full_mask = torch.ones(logits.shape[0], plen + max_new, dtype=torch.long, device=dev)
         full_mask[:, :plen] = mask
         position = lengths.clone()  # position id of the next token of each row
-        tokens = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
-        logps = torch.zeros(rows, max_new, dtype=torch.float32, device=dev)
-        resp_len = torch.full((rows,), max_new, dtype=torch.long, device=dev)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=dev)
-        active = torch.arange(rows, device=dev)  # batch row -> output row
-        alive = torch.ones(rows, dtype=torch.bool, device=dev)  # batch rows still generating
-        n_alive = rows
         for t in range(max_new):
             tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
-            live_rows = active[alive] if n_alive < len(active) else active
-            if n_alive < len(active):
-                tok_live, lp_live = tok[alive], lp[alive]
-            else:
-                tok_live, lp_live = tok, lp
-            tokens[live_rows, t] = tok_live
-            logps[live_rows, t] = lp_live
-            hit = torch.isin(tok, stop) & alive
-            n_hit = int(hit.sum())
-            if n_hit:
-                done_rows = active[hit]
-                resp_len[done_rows] = t + 1
-                stopped[done_rows] = True
-                alive &= ~hit
-                n_alive -= n_hit
-            if n_alive == 0 or t == max_new - 1:
+            if rows.record(t, tok, lp):
                 break
-            if n_alive < len(active) and len(active) - n_alive >= max(1, self.compact_fraction * len(active)):
-                keep = alive.nonzero().squeeze(-1)
+            keep = rows.compact()
+            if keep is not None:
                 cache.batch_select_indices(keep)
-                active, tok, position, full_mask = active[keep], tok[keep], position[keep], full_mask[keep]
-                alive = torch.ones(n_alive, dtype=torch.bool, device=dev)
+                tok, position, full_mask = tok[keep], position[keep], full_mask[keep]
             step_mask = full_mask[:, : plen + t + 1] if padded else None
             out = self._forward(
                 input_ids=tok[:, None], attention_mask=step_mask, position_ids=position[:, None], cache=cache
             )
             logits = out.logits[:, -1]
             position += 1
-        resp_len_l, stopped_l = resp_len.tolist(), stopped.tolist()
-        tokens_l, logps_l = tokens.tolist(), logps.tolist()
-        ids_out = [tokens_l[r][: resp_len_l[r]] for r in range(rows)]
-        lps_out = [logps_l[r][: resp_len_l[r]] for r in range(rows)]
-        reasons = [FINISH_STOP if s else FINISH_LENGTH for s in stopped_l]
-        return ids_out, lps_out, reasons
+        return rows.outputs()
