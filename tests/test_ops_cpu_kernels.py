@@ -1,10 +1,17 @@
-"""CPU attention kernels (per-sequence SDPA, block-diagonal eager) against the native op, values and gradients."""
+"""CPU kernels against the native ops: attention (per-sequence SDPA, block-diagonal eager; values and gradients)
+and the MKL-packed decode linear."""
 
 import pytest
 import torch
 
 from portrl import ops
-from portrl.backends.cpu.kernels import attention_varlen_eager, attention_varlen_sdpa, block_diagonal_mask
+from portrl.backends.cpu.kernels import (
+    attention_varlen_eager,
+    attention_varlen_sdpa,
+    block_diagonal_mask,
+    linear_prepacked_mkl,
+    mkl_packing_available,
+)
 
 
 def _case(lengths, hq, hkv, d=16, seed=0):
@@ -47,3 +54,40 @@ def test_cpu_attention_uneven_and_empty_sequences(lengths):
         for fn in (attention_varlen_sdpa, attention_varlen_eager):
             for got, ref in zip(_run(fn, q, k, v, cu, go, causal), want):
                 assert (got - ref).abs().max().item() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- linear_prepacked
+needs_mkl = pytest.mark.skipif(mkl_packing_available() is not True, reason="torch build without MKL packing")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_prepacked_mkl_equals_linear_for_any_row_count(bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    fn = linear_prepacked_mkl(w, b, rows=8)
+    for shape in [(8, 64), (8, 1, 64), (5, 64), (2, 7, 64)]:  # the packed row count, then the fallback
+        x = torch.randn(*shape, generator=g)
+        out = fn(x)
+        assert out.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    x = torch.randn(8, 64, generator=g)
+    assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b))  # same sgemm kernel: bit-identical
+
+
+def test_linear_prepacked_other_dtypes_and_missing_rows_use_plain_linear():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(16, 8, generator=g), torch.randn(4, 8, generator=g)
+    for fn, inp, weight in ((linear_prepacked_mkl(w.double(), None, rows=4), x.double(), w.double()),
+                            (linear_prepacked_mkl(w, None, rows=None), x, w),
+                            (ops.linear_prepacked(w, None, rows=4), x, w)):
+        assert torch.equal(fn(inp), torch.nn.functional.linear(inp, weight))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.linear_prepacked(torch.randn(3), None, rows=1)
+
+
+def test_cpu_backend_selects_mkl_linear_when_available():
+    impl, _ = ops.select("linear_prepacked", backend="cpu")
+    assert impl == ("mkl" if mkl_packing_available() is True else "native")
+    assert ops.select("linear_prepacked", backend="cuda")[0] == "native"

@@ -106,3 +106,28 @@ def test_fast_path_sees_in_place_weight_updates():
     reference = make_engine("hf", model=model, backend="cpu", fast_decode=False).generate([[5, 6, 7]], params)
     assert after.response_ids == reference.response_ids
     assert after.logprobs != before.logprobs
+
+
+def test_prepacked_decode_linears_sample_the_same_tokens():
+    """Long enough calls (>= PREPACK_MIN_STEPS steps) run the linears through the backend's linear_prepacked op
+    (MKL-packed weights on x86); tokens and log-probs stay those of the generic loop, compaction included."""
+    from portrl.rollout import SamplingParams, make_engine
+    from portrl.rollout.fast_decode import PREPACK_MIN_STEPS
+
+    model = _qwen2(vocab=48)
+    fast = make_engine("hf", model=model, backend="cpu")
+    slow = make_engine("hf", model=model, backend="cpu", fast_decode=False)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    params = SamplingParams(n=4, max_new_tokens=PREPACK_MIN_STEPS + 8, seed=5, stop_token_ids=(1, 2))
+    used = []
+    real = fast._fast._prepack
+    fast._fast._prepack = lambda w, b, rows: used.append(rows) or real(w, b, rows)
+    a, b = fast.generate(prompts, params), slow.generate(prompts, params)
+    assert used and set(used) == {len(prompts) * params.n}
+    assert a.response_ids == b.response_ids
+    for x, y in zip(a.logprobs, b.logprobs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=1e-5)
+    short = SamplingParams(n=2, max_new_tokens=PREPACK_MIN_STEPS - 4, seed=5)
+    used.clear()
+    assert fast.generate(prompts, short).response_ids == slow.generate(prompts, short).response_ids
+    assert not used  # too few steps for the packing to pay

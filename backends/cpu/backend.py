@@ -61,7 +61,9 @@ class CPUBackend(Backend):
         register(registry)
 
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
-        return {"attention_varlen": ("sdpa", "eager", "native")}
+        from portrl.backends.cpu.kernels import PREFERENCES
+
+        return dict(PREFERENCES)
 
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}

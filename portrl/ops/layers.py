@@ -1,6 +1,9 @@
-"""Native RMSNorm, rotary embedding and SwiGLU (the formulas Hugging Face Llama/Qwen2 use)."""
+"""Native RMSNorm, rotary embedding and SwiGLU (the formulas Hugging Face Llama/Qwen2 use), and the linear
+layer of a decode loop whose weights stay fixed (``linear_prepacked``)."""
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
@@ -37,3 +40,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"swiglu gate and up must have the same shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
     return torch.nn.functional.silu(gate) * up
+
+
+def linear_prepacked(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     rows: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function ``x -> x @ weight^T + bias`` for a decode loop that applies the same weight many times.
+
+    Contract for every implementation: the returned function equals ``F.linear(x, weight, bias)`` for any
+    ``x (..., in_features)``; it may be specialised (a weight laid out once for the matmul kernel) for
+    inputs of ``rows`` rows (the product of x's leading dims) and must stay correct for any other count.
+    ``weight`` and ``bias`` must not change while the function is in use (a specialised copy would go stale).
+    The native one is ``F.linear`` itself.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"linear_prepacked weight must be 2-D (out_features, in_features); got {tuple(weight.shape)}")
+    return lambda x: torch.nn.functional.linear(x, weight, bias)

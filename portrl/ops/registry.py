@@ -21,7 +21,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 #: the ops every backend may serve; each has a native implementation in portrl.ops
-OPS = ("attention_varlen", "logprobs_entropy", "rms_norm", "rotary", "swiglu")
+OPS = ("attention_varlen", "linear_prepacked", "logprobs_entropy", "rms_norm", "rotary", "swiglu")
 NATIVE = "native"
 
 
@@ -84,11 +84,12 @@ def _ensure_native() -> None:
     if _impls["attention_varlen"].get(NATIVE) is not None:
         return
     from portrl.ops.attention import attention_varlen
-    from portrl.ops.layers import apply_rotary, rms_norm, swiglu
+    from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
     from portrl.ops.logprobs import logprobs_entropy
 
-    for op, fn in (("attention_varlen", attention_varlen), ("logprobs_entropy", logprobs_entropy),
-                   ("rms_norm", rms_norm), ("rotary", apply_rotary), ("swiglu", swiglu)):
+    for op, fn in (("attention_varlen", attention_varlen), ("linear_prepacked", linear_prepacked),
+                   ("logprobs_entropy", logprobs_entropy), ("rms_norm", rms_norm), ("rotary", apply_rotary),
+                   ("swiglu", swiglu)):
         register(op, NATIVE, fn)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from portrl.ops import registry
 from portrl.ops.attention import cu_seqlens_from_lengths
-from portrl.ops.layers import apply_rotary, rms_norm, swiglu
+from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.parity.case import Case
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -96,12 +96,24 @@ def _swiglu_inputs(s):
                       "up": torch.randn(total, s["intermediate"], generator=g)}
 
 
+def _linear_inputs(s):
+    rows = len(s["seq_lens"])  # one decode step: a token per sequence
+    return lambda g: {"x": torch.randn(rows, s["hidden"], generator=g),
+                      "weight": torch.randn(s["intermediate"], s["hidden"], generator=g) / s["hidden"] ** 0.5,
+                      "bias": torch.randn(s["intermediate"], generator=g)}
+
+
+def _linear_fn(fn):
+    return lambda x: {"out": fn(x["weight"], x["bias"], x["x"].shape[0])(x["x"])}
+
+
 def op_specs(size: str = "standard") -> dict[str, tuple]:
     """op -> (make_inputs, wrap(fn) -> case fn, grad_inputs)."""
     s = size_spec(size)
     max_len = max(s["seq_lens"])
     return {
         "attention_varlen": (_attention_inputs(s), lambda fn: _attention_fn(fn, max_len), ("q", "k", "v")),
+        "linear_prepacked": (_linear_inputs(s), _linear_fn, ()),  # inference only (decode loops)
         "logprobs_entropy": (_logprobs_inputs(s), _logprobs_fn, ("hidden", "weight")),
         "rms_norm": (_rms_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["weight"], 1e-6)}), ("x", "weight")),
         "rotary": (_rotary_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["cos"], x["sin"])}), ("x",)),
@@ -113,7 +125,8 @@ def _native(op: str):
     from portrl.ops.attention import attention_varlen
     from portrl.ops.logprobs import logprobs_entropy
 
-    return {"attention_varlen": attention_varlen, "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm,
+    return {"attention_varlen": attention_varlen, "linear_prepacked": linear_prepacked,
+            "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm,
             "rotary": apply_rotary, "swiglu": swiglu}[op]
 
 

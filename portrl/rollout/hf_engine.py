@@ -111,7 +111,7 @@ class HFEngine(RolloutEngine):
         self._offloaded_from: torch.device | None = None
         from portrl.rollout.fast_decode import fast_decoder_for
 
-        self._fast = fast_decoder_for(self.model) if fast_decode else None
+        self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
 
     # --- contract -----------------------------------------------------------------------------
     @property
