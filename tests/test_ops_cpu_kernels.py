@@ -6,6 +6,7 @@ import torch
 
 from portrl import ops
 from portrl.backends.cpu.kernels import (
+    CALL_COST,
     attention_varlen_eager,
     attention_varlen_sdpa,
     block_diagonal_mask,
@@ -91,3 +92,13 @@ def test_cpu_backend_selects_mkl_linear_when_available():
     impl, _ = ops.select("linear_prepacked", backend="cpu")
     assert impl == ("mkl" if mkl_packing_available() is True else "native")
     assert ops.select("linear_prepacked", backend="cuda")[0] == "native"
+
+
+@pytest.mark.parametrize("lengths", [[7, 0, 12, 4], [200, 9, 0, 5]], ids=["padded-call", "per-sequence-calls"])
+def test_cpu_sdpa_causal_paths_match_native(lengths):
+    """Similar lengths take one right-padded call, a wide spread one call per sequence; both exact."""
+    q, k, v, cu, go = _case(lengths, 4, 2)
+    padded = len(lengths) * max(lengths) ** 2 < sum(n * n + CALL_COST for n in lengths)
+    assert padded == (lengths[0] == 7)
+    for got, want in zip(_run(attention_varlen_sdpa, q, k, v, cu, go, True), _run(ops.attention_varlen, q, k, v, cu, go, True)):
+        assert (got - want).abs().max().item() <= 1e-5

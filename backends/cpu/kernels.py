@@ -16,15 +16,27 @@ from portrl.ops.attention import check_varlen_inputs
 PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("mkl", "native")}
 
 
-def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
-    """One ``scaled_dot_product_attention`` call per sequence (is_causal, GQA via enable_gqa).
+#: cost of one SDPA call beyond its math, in units of one query-key pair: about attention over 64 tokens
+#: (fitted to fwd+bwd timings on 2 cores, 8 query / 2 KV heads of 64: 16-128 sequences of 14-300 tokens)
+CALL_COST = 64 * 64
 
-    Measured on CPU (fwd+bwd, 4:1 length spread, 8 to 256 sequences) this beats scattering the
-    sequences into one padded batch and a single call by about 2x: padding doubles the attention work
-    and the per-call overhead is small.
+
+def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causal=True):
+    """Causal or not, GQA via enable_gqa; one ``scaled_dot_product_attention`` call per sequence, or for
+    causal attention one call on the sequences right-padded to the longest, whichever costs less.
+
+    Right padding is exact under a causal mask: a real query never sees the padding after it, and the
+    padded queries' outputs are dropped (so their gradients are zero). The padded call does
+    ``S * Lmax^2`` query-key pairs against ``sum(L_i^2)``, but saves ``S - 1`` calls; it is chosen when
+    ``S * Lmax^2 < sum(L_i^2 + CALL_COST)``. Measured (fwd+bwd, 2 threads): 32 sequences of 28-56
+    tokens, padded 0.68-0.85x the time of per-sequence calls; 16 of 142-284 tokens, per-sequence
+    calls 0.83x the padded one (which this rule picks).
     """
     scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    longest = max(lengths, default=0)
+    if causal and len(lengths) > 1 and len(lengths) * longest ** 2 < sum(n * n + CALL_COST for n in lengths):
+        return _attention_right_padded(q, k, v, cu_seqlens, lengths, longest, scale, n_rep > 1)
     outs = []
     # split (not slicing): its backward is one cat, where per-slice backward would zero-fill a full-size
     # gradient for every sequence
@@ -35,6 +47,20 @@ def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=No
         out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale, enable_gqa=n_rep > 1)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+
+def _attention_right_padded(q, k, v, cu_seqlens, lengths, longest, scale, gqa):
+    """Causal attention of the packed sequences as one (S, H, Lmax, D) SDPA call on right-padded copies."""
+    n_seq = len(lengths)
+    pos = torch.arange(longest, device=q.device)
+    valid = pos[None] < torch.tensor(lengths, device=q.device)[:, None]  # (S, Lmax)
+    gather = torch.where(valid, cu_seqlens[:-1, None].long() + pos[None], 0).reshape(-1)
+    keep = valid.reshape(-1).nonzero().squeeze(-1)  # row-major: the packed order
+    # index_select, not indexing: its backward is index_add (indexing's is a slower index_put)
+    qp, kp, vp = (t.index_select(0, gather).view(n_seq, longest, t.shape[1], t.shape[2]).transpose(1, 2)
+                  for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(n_seq * longest, q.shape[1], q.shape[2]).index_select(0, keep)
 
 
 def block_diagonal_mask(cu_seqlens: torch.Tensor, causal: bool = True) -> torch.Tensor:
