@@ -35,10 +35,10 @@ def _cfg(path, **over):
     return cfg
 
 
-def _rollout(worker, n_prompts=4):
+def _rollout(worker, n_prompts=4, for_update=False):
     prompts = [worker.tokenizer(f"{i}+{i}=")["input_ids"] for i in range(n_prompts)]
     b = worker.generate(prompts, {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 1},
-                        meta={"uid": [f"p{i}" for i in range(n_prompts)]})
+                        meta={"uid": [f"p{i}" for i in range(n_prompts)]}, for_update=for_update)
     g = torch.Generator().manual_seed(0)
     b["advantages"] = torch.randn(b["response_mask"].shape, generator=g) * b["response_mask"]
     return b
@@ -146,5 +146,27 @@ def test_update_same_with_and_without_shared_prompts(tiny_model):
         b = _rollout(w)
         metrics.append(w.update_actor(b))
         params.append(_params(w))
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
+    assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("mini", [4, 2], ids=["one-minibatch", "two-minibatches"])
+def test_update_same_with_and_without_replayed_rollout_forward(tiny_model, monkeypatch, mini):
+    """model.reuse_rollout_forward replays the rollout's matmuls in the first training forward (the weights are
+    the rollout's); later mini-batches (after an optimizer step) run the ordinary forward. Same update either way."""
+    import portrl.models.forward_tape as forward_tape
+
+    replays = []
+    real = forward_tape.replay_hidden_states
+    monkeypatch.setattr(forward_tape, "replay_hidden_states", lambda *a: replays.append(1) or real(*a))
+    params, metrics = [], []
+    for reuse in (True, False):
+        w = ActorRolloutWorker(_cfg(tiny_model, **{"model.reuse_rollout_forward": reuse, "actor.ppo_mini_batch_size": mini}))
+        b = _rollout(w, for_update=True)
+        assert (w._tape is not None) == reuse
+        metrics.append(w.update_actor(b))
+        assert w._tape is None
+        params.append(_params(w))
+    assert replays == [1]  # the first mini-batch only: its optimizer step changes the weights
     torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
     assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)

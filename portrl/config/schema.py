@@ -107,12 +107,19 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     use_packing: bool = True  # padding removed in training forwards
     share_prompts: bool = True  # packed forwards run each distinct prompt of a micro-batch once
+    # on-policy updates replay the hf engine's recorded rollout matmuls instead of recomputing them (one process,
+    # fast decode path, shared prompts; portrl.models.forward_tape)
+    reuse_rollout_forward: bool = True
     logprob_chunk_size: Optional[int] = None  # tokens per chunk of the log-prob/entropy op
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     sft_warm_start: bool = False  # run a short SFT on the task before RL (the default run sets it)
     sft_steps: int = 200
     sft_lr: float = 1e-3  # AdamW peak LR of the warm start (5% warm-up, cosine to 10%)
     sft_batch_size: int = 32  # examples per SFT step
+    # end the warm start early, once the mean probability of the right response (teacher-forced, EOS
+    # included) on 64 training rows reaches this, checked every 50 steps; sft_steps stays the schedule's
+    # length and the cap. Leaves RL room to climb from a model that is right part of the time. None = off
+    sft_target_answer_p: Optional[float] = None
 
 
 # ------------------------------------------------------------------------------------- actor

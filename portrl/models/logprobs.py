@@ -72,12 +72,14 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
 
 
 def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
-                           packed: bool = True, share_prompts: bool = True):
+                           packed: bool = True, share_prompts: bool = True, tape=None):
     """``(hidden (n, H), resp_valid (B, T) bool)``: the decoder's final hidden state that scores each real
     response token (column ``P+t-1`` for token ``P+t``), in row-major order of ``resp_valid``.
 
     ``base`` is the decoder (returns ``last_hidden_state``). Layouts: shared prompts (packed, when
-    ``share_prompts`` and the attention is portrl's), packed rows, or the padded batch.
+    ``share_prompts`` and the attention is portrl's), packed rows, or the padded batch. ``tape`` (a
+    :class:`portrl.models.forward_tape.ForwardTape`): with shared prompts, replay the rollout's recorded
+    matmuls when the tape holds every row and ``base``'s weights have not changed since; else ignored.
     """
     if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids and attention_mask must both be (B, P+T); got {tuple(input_ids.shape)} and "
@@ -93,6 +95,13 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
     layout = None
     if packed and share_prompts and _reads_shared_plan(base):
         layout = plan_shared_prompts(input_ids, attention_mask, T)
+    if layout is not None and tape is not None and tape.usable(base):
+        slots = tape.positions(input_ids, attention_mask, T)
+        if slots is not None:
+            from portrl.models.forward_tape import replay_hidden_states
+
+            hidden = replay_hidden_states(base, tape, layout, slots.reshape(-1)[layout.src])
+            return hidden[layout.score_rows], resp_valid
     if layout is not None:
         try:
             out = base(input_ids=layout.flat_ids[None], position_ids=layout.position_ids[None], use_cache=False,
@@ -122,13 +131,13 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
 
 def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                      temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
-                     chunk_size: int | None = None, share_prompts: bool = True):
+                     chunk_size: int | None = None, share_prompts: bool = True, tape=None):
     """``(logp (B, T), entropy (B, T) or None)`` of the response tokens, float32, differentiable.
 
     ``packed=False`` runs the padded batch instead (position_ids = cumsum(mask) - 1); same result.
     ``share_prompts`` (packed only) computes each distinct prompt once when the model's attention is
     one of portrl's (``portrl_*``, which reads the shared-prompt plan); other attention falls back to
-    plain packing.
+    plain packing. ``tape``: see :func:`response_hidden_states`.
     The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
     """
     inner, base, head = _decoder_and_head(model)
@@ -136,7 +145,7 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if fn is None:
         from portrl.ops.logprobs import logprobs_entropy as fn
     hidden, resp_valid = response_hidden_states(base, input_ids, attention_mask, response_length, packed,
-                                                share_prompts)
+                                                share_prompts, tape)
     labels = input_ids[:, input_ids.shape[1] - resp_valid.shape[1]:][resp_valid]
     logp_v, ent_v = fn(hidden, head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
     zeros = torch.zeros(resp_valid.shape, dtype=logp_v.dtype, device=logp_v.device)

@@ -57,10 +57,12 @@ class SharedPromptPlan:
 
 @dataclass(frozen=True)
 class SharedPromptLayout:
-    """``flat_ids (N,)`` and ``position_ids (N,)`` to run; ``score_rows``: for each valid response
-    token, in row-major order, the packed token whose final hidden state scores it; ``plan`` for the
-    attention; ``groups``: number of distinct prompts."""
+    """``flat_ids (N,)`` and ``position_ids (N,)`` to run; ``src (N,)``: each packed token's index in the
+    flattened ``(B, P+T)`` batch; ``score_rows``: for each valid response token, in row-major order, the
+    packed token whose final hidden state scores it; ``plan`` for the attention; ``groups``: number of
+    distinct prompts."""
 
+    src: torch.Tensor
     flat_ids: torch.Tensor
     position_ids: torch.Tensor
     score_rows: torch.Tensor
@@ -128,7 +130,8 @@ def plan_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     plan = SharedPromptPlan(gather=gather.tensor(dev), cu_seqlens=cu_seqlens_from_lengths(seq).to(dev),
                             max_seqlen=int(seq.max()) if seq_lens else 0, keep=keep.tensor(dev))
-    return SharedPromptLayout(flat_ids=input_ids.reshape(-1)[src.tensor(dev)], position_ids=pos.tensor(dev),
+    src_index = src.tensor(dev)
+    return SharedPromptLayout(src=src_index, flat_ids=input_ids.reshape(-1)[src_index], position_ids=pos.tensor(dev),
                               score_rows=score.tensor(dev), plan=plan, groups=len(rows_of))
 
 

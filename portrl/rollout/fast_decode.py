@@ -82,6 +82,8 @@ class FastDecoder:
         self.scale = self.head_dim ** -0.5
         self.layers: list = []
         self.head: Any = None
+        self.tape: Any = None  # a portrl.models.forward_tape.ForwardTape while recording
+        self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
 
     @property
@@ -149,12 +151,15 @@ class FastDecoder:
         half = x.shape[-1] // 2
         return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin_signed)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, key_mask: torch.Tensor,
+                record_at: Any = None) -> torch.Tensor:
         """Run tokens ``ids`` (B, S) at cache slots ``start .. start+S-1`` with rotary positions ``positions`` (B, S).
 
         ``key_mask`` (B, start+S) bool: which cache slots each row may attend to (its real tokens);
         causality inside the S new tokens is added here. Returns the last position's logits (B, V).
+        ``record_at`` (slice or (B*S,) indices): the tape slots the four matmul outputs of each layer are saved to.
         """
+        tape = self.tape if record_at is not None else None
         B, S = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         end = start + S
@@ -170,6 +175,8 @@ class FastDecoder:
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj, eps1, eps2) in enumerate(self.layers):
             h = self._rms(x, ln1, eps1)
             qkv = qkv_proj(h)
+            if tape is not None:
+                tape.save(li, 0, qkv, record_at)
             qk = self._rope(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sin)  # q and k heads together
             q = qk[:, :, :H].transpose(1, 2)
             self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
@@ -179,10 +186,15 @@ class FastDecoder:
             else:
                 o = F.scaled_dot_product_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
-            x = x + o_proj(o.transpose(1, 2).reshape(B, S, H * D))
-            h = self._rms(x, ln2, eps2)
-            gate, up = gate_up_proj(h).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
+            o = o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+            x = x + o
+            gu = gate_up_proj(self._rms(x, ln2, eps2))
+            gate, up = gu.chunk(2, dim=-1)
+            down = down_proj(F.silu(gate) * up)
+            x = x + down
+            if tape is not None:
+                for which, out in ((1, o), (2, gu), (3, down)):
+                    tape.save(li, which, out, record_at)
         return self.head(self._rms(x[:, -1], self.final_norm_w, self.final_eps))
 
 
@@ -207,11 +219,14 @@ def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:
 
 
 def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.Tensor, generator: torch.Generator,
-                 pad_token_id: int, compact_fraction: float) -> tuple:
+                 pad_token_id: int, compact_fraction: float, record: bool = False) -> tuple:
     """The hf engine's sampling loop (same prefill-once-then-repeat-n, same :func:`sample_next` calls, same
     stop rule) on :class:`FastDecoder`. Returns ``(response_ids, logprobs, finish_reasons)`` lists, rows
     prompt-major. Finished rows are dropped from the batch and cache once they are ``compact_fraction``
-    of it; the loop ends when every row has finished or ``max_new_tokens`` is reached."""
+    of it; the loop ends when every row has finished or ``max_new_tokens`` is reached.
+
+    ``record``: leave a :class:`portrl.models.forward_tape.ForwardTape` of this call in ``decoder.tape``
+    (None otherwise), for the training forward of the same weights to reuse."""
     from portrl.rollout.decode_rows import DecodeRows, left_pad
     from portrl.rollout.sampling import sample_next
 
@@ -219,8 +234,10 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
     ids, mask, lengths = left_pad(prompts, pad_token_id, dev)
     plen = ids.shape[1]
     decoder.start(len(prompts), plen + max_new, decode_rows=len(prompts) * n, steps=max_new - 1)
+    tape = decoder.tape = _new_tape(decoder, prompts, n, plen, max_new - 1) if record and max_new > 1 else None
     try:
-        logits = decoder.forward(ids, (mask.long().cumsum(-1) - 1).clamp_(min=0), 0, mask)
+        logits = decoder.forward(ids, (mask.long().cumsum(-1) - 1).clamp_(min=0), 0, mask,
+                                 tape.prefill_slots() if tape is not None else None)
         if n > 1:
             rep = torch.arange(len(prompts), device=dev).repeat_interleave(n)
             decoder.select_rows(rep)
@@ -239,8 +256,21 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
                 decoder.select_rows(keep)
                 tok, position, key_mask = tok[keep], position[keep], key_mask[keep]
             key_mask[:, plen + t] = True
-            logits = decoder.forward(tok[:, None], position[:, None], plen + t, key_mask[:, : plen + t + 1])
+            logits = decoder.forward(tok[:, None], position[:, None], plen + t, key_mask[:, : plen + t + 1],
+                                     tape.step_slots(rows.active, t) if tape is not None else None)
             position += 1
     finally:
         decoder.release()
-    return rows.outputs()
+    out = rows.outputs()
+    if tape is not None:
+        tape.finish(out[0])
+    return out
+
+
+def _new_tape(decoder: FastDecoder, prompts: list, n: int, prompt_slots: int, steps: int):
+    from portrl.models.forward_tape import ForwardTape, tape_widths
+
+    w = decoder.inner.embed_tokens.weight
+    decoder._last_tape = ForwardTape(decoder.model, prompts, n, prompt_slots, steps, tape_widths(decoder.model),
+                                     len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape)
+    return decoder._last_tape

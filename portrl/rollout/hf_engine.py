@@ -73,6 +73,10 @@ class HFEngine(RolloutEngine):
         fast_decode: decode Llama-family models (Qwen2, Llama, Mistral) with the lean static-cache
             forward of :mod:`portrl.rollout.fast_decode` (same math, far less Python per token);
             other models always take the generic loop below.
+
+    ``record_forward`` (attribute, default False): generate calls on the fast path in one chunk leave a
+    :class:`portrl.models.forward_tape.ForwardTape` in ``last_tape`` (else None), which the trainer's
+    forward on the same weights can replay instead of recomputing the matmuls.
     """
 
     name = "hf"
@@ -112,6 +116,9 @@ class HFEngine(RolloutEngine):
         from portrl.rollout.fast_decode import fast_decoder_for
 
         self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
+        # record_forward: the next generate calls leave their ForwardTape in last_tape (fast path, one chunk)
+        self.record_forward = False
+        self.last_tape = None
 
     # --- contract -----------------------------------------------------------------------------
     @property
@@ -128,12 +135,15 @@ class HFEngine(RolloutEngine):
         stop = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         per_chunk = len(prompts) if self.max_batch_rows is None else max(1, self.max_batch_rows // params.n)
         out = RolloutOutput()
+        self.last_tape = None
+        record = self.record_forward and self._fast is not None and per_chunk >= len(prompts)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 for start in range(0, len(prompts), per_chunk):
-                    ids, lps, reasons = self._generate_chunk(prompts[start:start + per_chunk], params, stop, generator)
+                    ids, lps, reasons = self._generate_chunk(prompts[start:start + per_chunk], params, stop, generator,
+                                                             record)
                     out.response_ids += ids
                     out.logprobs += lps
                     out.finish_reasons += reasons
@@ -167,12 +177,16 @@ class HFEngine(RolloutEngine):
         return self.model(use_cache=True, return_dict=True, **kw)
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, stop: torch.Tensor, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, stop: torch.Tensor, generator: torch.Generator,
+        record: bool = False,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         if self._fast is not None:
             from portrl.rollout.fast_decode import decode_chunk
 
-            return decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction)
+            out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
+                               record=record)
+            self.last_tape, self._fast.tape = self._fast.tape, None
+            return out
         from transformers import DynamicCache
 
         dev, n, max_new = self.device, params.n, params.max_new_tokens

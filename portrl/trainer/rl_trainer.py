@@ -139,7 +139,9 @@ class RLTrainer:
         while True:
             prompts = self._next_prompts()
             with timer("gen"):
-                batch = self.gen.call("generate_from", prompts, self._sampling(self._gen_seed(step, gen_batches)))
+                sampling = self._sampling(self._gen_seed(step, gen_batches))
+                extra = {"for_update": True} if self.gen is self.actor else {}  # the actor may record the forward
+                batch = self.gen.call("generate_from", prompts, sampling, **extra)
             gen_batches += 1
             with timer("reward"):
                 batch.union(self.reward.compute_reward(batch))

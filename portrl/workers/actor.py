@@ -81,6 +81,7 @@ class ActorRolloutWorker:
         self.ref_module: Optional[torch.nn.Module] = None
         self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
         self.update_count = 0
+        self._tape = None  # the last recorded rollout forward (portrl.models.forward_tape), until the update
 
     # ---------------------------------------------------------------------------------- building
     def _wrap(self, module):
@@ -128,6 +129,15 @@ class ActorRolloutWorker:
                            tensor_parallel_size=int(self.cfg.rollout.tensor_model_parallel_size),
                            enforce_eager=bool(self.cfg.rollout.enforce_eager), **kwargs)
 
+    def _can_record_forward(self) -> bool:
+        """Whether the update can replay the rollout's recorded forward (portrl.models.forward_tape): one process,
+        the hf engine decoding this very module on its fast path, packed shared-prompt forwards, no
+        gradient checkpointing (which exists to not keep activations), and model.reuse_rollout_forward."""
+        m = self.cfg.model
+        return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
+                and getattr(self.engine, "model", None) is self.module and getattr(self.engine, "_fast", None) is not None
+                and bool(m.use_packing) and bool(m.share_prompts) and not bool(m.gradient_checkpointing))
+
     def _tiny_run(self) -> bool:
         # A separate engine process only pays off for real models; tiny ones share the trainer's module.
         return sum(p.numel() for p in self.module.parameters()) < 50_000_000 and self.device.type == "cpu"
@@ -139,32 +149,42 @@ class ActorRolloutWorker:
     # -------------------------------------------------------------------------------- rollout
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
-                 meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
+                 meta: Optional[Mapping[str, Sequence[Any]]] = None, for_update: bool = False) -> Batch:
         """Sample ``sampling["n"]`` responses per prompt -> a rollout Batch (rows prompt-major;
         ``meta`` lists, one entry per prompt, are repeated for each sample; see
-        :func:`portrl.workers.rollout_worker.generate_batch`)."""
+        :func:`portrl.workers.rollout_worker.generate_batch`). ``for_update``: the batch goes to the next
+        :meth:`update_actor`, which may then replay this rollout's forward instead of recomputing it."""
         from portrl.workers.rollout_worker import generate_batch
 
         if self.engine is None:
             raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
                                "RolloutWorker group (portrl.workers.rollout_worker)")
-        return generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
-                              sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
+        record = for_update and self._can_record_forward()
+        if record:
+            self.engine.record_forward = True
+        try:
+            batch = generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
+                                   sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
+        finally:
+            if record:
+                self.engine.record_forward = False
+                self._tape, self.engine.last_tape = self.engine.last_tape, None
+        return batch
 
-    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
+    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any], for_update: bool = False) -> Batch:
         """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta such as uid,
         data_source, ground_truth, extra_info), the form a data-parallel group splits across ranks."""
         meta = {k: v for k, v in prompts.meta.items() if k != "prompt_ids"}
-        return self.generate(prompts.meta["prompt_ids"], sampling, meta)
+        return self.generate(prompts.meta["prompt_ids"], sampling, meta, for_update=for_update)
 
     # ------------------------------------------------------------------------------ log-probs
-    def _forward(self, module, batch: Batch, with_entropy: bool):
+    def _forward(self, module, batch: Batch, with_entropy: bool, tape=None):
         """Log-probs through ``module``: the data-parallel wrapper (already bound to compute_logprobs, see
-        :meth:`_wrap`) or a plain causal LM."""
+        :meth:`_wrap`) or a plain causal LM (``tape``: a recorded rollout forward it may replay)."""
         from portrl.models import compute_logprobs
 
         fn = module if module is self.train_module and module is not self.module else (
-            lambda *a, **k: compute_logprobs(module, *a, **k))
+            lambda *a, **k: compute_logprobs(module, *a, tape=tape, **k))
         model = self.cfg.model
         return fn(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
                   response_length=batch.tensors["responses"].shape[1], temperature=float(self.cfg.rollout.temperature),
@@ -214,6 +234,9 @@ class ActorRolloutWorker:
         use_old = "old_log_probs" in batch
         rows: List[Dict[str, float]] = []
         grad_norms: List[float] = []
+        # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
+        # weights without bumping their version counters, so the tape's own check cannot see that step)
+        tape, self._tape = self._tape, None
         for epoch in range(int(cfg.ppo_epochs)):
             data = batch
             if cfg.shuffle:
@@ -231,12 +254,13 @@ class ActorRolloutWorker:
                                              cfg.max_tokens_per_micro_batch)
                 for micro in same_piece_count(mini, micros, self.world_size):
                     micro = micro.to(self.device)
-                    logp, ent = self._forward(self.train_module, micro, with_entropy=True)
+                    logp, ent = self._forward(self.train_module, micro, with_entropy=True, tape=tape)
                     loss, m = actor_loss(self.cfg, micro, logp, ent, info, use_old=use_old)
                     loss.backward()
                     micro_rows.append(m)
                 rows.append(combine_micro_metrics(micro_rows, ADDITIVE_METRICS))
                 grad_norms.append(self._step())
+                tape = None
         self.scheduler.step()
         self.update_count += 1
         self.train_module.eval()

@@ -1,0 +1,191 @@
+"""Reuse the rollout's forward pass for the training forward of an on-policy step.
+
+On-policy (the update's first forward runs on the weights the rollout sampled with), the training
+forward over a batch recomputes what the rollout already computed token by token. The hf engine's
+fast decoder (:mod:`portrl.rollout.fast_decode`) can record, per layer, the outputs of its four
+matmuls (fused q/k/v with bias, o, fused gate/up, down) for every token it runs: each prompt once in
+the prefill, then every response token it feeds back. :func:`replay_hidden_states` is then the
+training forward of the shared-prompt layout (:mod:`portrl.models.prefix_sharing`) in which every
+linear layer *returns the recorded output* and only its backward runs::
+
+    y = recorded,   dX = dY W,   dW = dY^T X,   db = sum(dY)
+
+while embeddings, RMSNorm, rotary, attention, SwiGLU and the residuals are recomputed from the model's
+own modules (cheap elementwise work; they build autograd's graph). That drops the forward's matmuls,
+a third of the update's arithmetic. The values equal a fresh forward up to float rounding (the
+recorded matmuls ran on decode-sized batches); tests hold log-probs and gradients to 1e-4.
+
+Safety: the tape belongs to the recorded module (:meth:`ForwardTape.usable` refuses any other) and
+stores every parameter's version counter (``Tensor._version``, bumped by in-place ops such as
+``copy_`` in a weight load or a foreach optimizer step) and refuses once one moved. Fused optimizers
+(``torch.optim.AdamW(fused=True)``) update in place *without* bumping it, so the owner must drop the
+tape at its first optimizer step (the actor does). Rows it did not record (another generate call,
+edited tokens) make :meth:`ForwardTape.positions` return None. Either way the caller runs the
+ordinary forward.
+
+Layout of the recorded tokens: ``prompts x Pmax`` prefill slots (prompts left-padded to ``Pmax``),
+then ``steps x rows`` decode slots, slot ``t * rows + r`` holding response token ``t`` of output row
+``r`` (rows prompt-major: row ``r`` samples prompt ``r // n``), so that a decode step writes one
+contiguous block until finished rows are dropped from the batch. The buffers can be lent by the
+previous tape (``reuse``), which is then invalidated: recording allocates nothing in steady state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+#: the recorded matmuls of a layer, in order
+QKV, O, GATE_UP, DOWN = range(4)
+
+
+class ForwardTape:
+    """Recorded matmul outputs of one generate call (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, prompt_slots: int,
+                 steps: int, widths: Sequence[int], num_layers: int, dtype: torch.dtype, device: Any,
+                 reuse: Optional["ForwardTape"] = None):
+        self.prompts = [tuple(p) for p in prompts]
+        self.n, self.prompt_slots, self.steps = int(n), int(prompt_slots), int(steps)
+        self.rows = len(self.prompts) * self.n
+        self.decode_base = len(self.prompts) * self.prompt_slots
+        slots = self.decode_base + self.rows * self.steps
+        old = reuse._storage if reuse is not None else None
+        fits = (old is not None and len(old) == num_layers and [b.shape[1] for b in old[0]] == list(widths)
+                and old[0][0].shape[0] >= slots and old[0][0].dtype == dtype and old[0][0].device == torch.device(device))
+        if fits:
+            reuse.invalidate()
+        self._storage = old if fits else [[torch.empty(slots, w, dtype=dtype, device=device) for w in widths]
+                                          for _ in range(num_layers)]
+        self.buffers = [[b[:slots] for b in layer] for layer in self._storage]
+        self._params = list(model.parameters())
+        self._versions = [p._version for p in self._params]
+        self._param_ids = {id(p) for p in self._params}
+        self._rows: dict = {}
+
+    # ---------------------------------------------------------------------------- recording
+    def prefill_slots(self) -> slice:
+        return slice(0, self.decode_base)
+
+    def step_slots(self, out_rows: torch.Tensor, step: int):
+        """Slots of decode step ``step`` for the batch rows whose output rows are ``out_rows`` (a slice while
+        every row is still in the batch)."""
+        start = self.decode_base + step * self.rows
+        return slice(start, start + self.rows) if len(out_rows) == self.rows else start + out_rows
+
+    def save(self, layer: int, which: int, out: torch.Tensor, slots) -> None:
+        buf = self.buffers[layer][which]
+        if isinstance(slots, slice):
+            buf[slots].copy_(out.reshape(-1, buf.shape[1]))
+        else:
+            buf.index_copy_(0, slots, out.reshape(-1, buf.shape[1]))
+
+    def finish(self, response_ids: Sequence[Sequence[int]]) -> None:
+        """Name the rows: (prompt, response) -> output row."""
+        for r, resp in enumerate(response_ids):
+            self._rows.setdefault((self.prompts[r // self.n], tuple(resp)), r)
+
+    def invalidate(self) -> None:
+        """Forget the rows (another recording now owns the buffers)."""
+        self._rows = {}
+
+    # ------------------------------------------------------------------------------- replay
+    def usable(self, module: torch.nn.Module) -> bool:
+        """True when ``module``'s parameters are the recorded model's and none changed since the recording."""
+        return (bool(self._rows) and all(id(p) in self._param_ids for p in module.parameters())
+                and all(p._version == v for p, v in zip(self._params, self._versions)))
+
+    def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> Optional[torch.Tensor]:
+        """``(B, L)`` slot of each real token of a verl-layout batch (0 elsewhere), or None when some row
+        was not recorded. A response's last token maps to its row's last slot (it is never run)."""
+        ids, mask = input_ids.cpu(), attention_mask.bool().cpu()
+        batch, length = ids.shape
+        split = length - int(response_length)
+        out = torch.zeros(batch, length, dtype=torch.long)
+        for b in range(batch):
+            P, R = int(mask[b, :split].sum()), int(mask[b, split:].sum())
+            r = self._rows.get((tuple(ids[b, split - P:split].tolist()), tuple(ids[b, split:split + R].tolist())))
+            if r is None or P > self.prompt_slots or R > self.steps + 1:
+                return None
+            g = r // self.n
+            out[b, split - P:split] = g * self.prompt_slots + self.prompt_slots - P + torch.arange(P)
+            out[b, split:split + R] = self.decode_base + torch.arange(R).clamp_(max=self.steps - 1) * self.rows + r
+        return out.to(input_ids.device)
+
+    def outputs(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.buffers[layer][which].index_select(0, slots)
+
+
+class _RecordedLinear(torch.autograd.Function):
+    """``y = recorded`` for the concatenated linears ``[x W_1^T + b_1, ..., x W_k^T + b_k]``; backward of the
+    real thing. Inputs: ``x, y, k, W_1..W_k, b_1..b_k`` (a bias may be None)."""
+
+    @staticmethod
+    def forward(ctx, x, y, k, *params):
+        ctx.k = k
+        ctx.sizes = [w.shape[0] for w in params[:k]]
+        ctx.has_bias = [b is not None for b in params[k:]]
+        ctx.save_for_backward(x, *params[:k])
+        return y.clone() if y.requires_grad else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *weights = ctx.saved_tensors
+        k, need = ctx.k, ctx.needs_input_grad
+        parts = dy.split(ctx.sizes, dim=-1)
+        dx = None
+        if need[0]:
+            for part, w in zip(parts, weights):
+                dx = part @ w if dx is None else dx.addmm_(part, w)
+        dws = [part.t() @ x if need[3 + i] else None for i, part in enumerate(parts)]
+        dbs = [part.sum(0) if has and need[3 + k + i] else None for i, (part, has) in enumerate(zip(parts, ctx.has_bias))]
+        return (dx, None, None, *dws, *dbs)
+
+
+def _recorded_linear(x: torch.Tensor, y: torch.Tensor, linears: List[torch.nn.Linear]) -> torch.Tensor:
+    return _RecordedLinear.apply(x, y, len(linears), *[m.weight for m in linears], *[m.bias for m in linears])
+
+
+def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, slots: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states ``(N, H)`` of ``layout`` (a SharedPromptLayout) for a Llama-family decoder
+    ``base`` (Qwen2 / Llama / Mistral ``*Model``), its linears taken from ``tape`` at ``slots (N,)``.
+
+    Mirrors the decoder layer of those models: ``h = x + o(attn(rope(q), rope(k), v))``,
+    ``x' = h + down(act(gate) * up)``, pre-norm, through the model's own norm, rotary and attention
+    modules (the attention must be a portrl one, which reads the layout's plan)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from portrl.models.prefix_sharing import PLAN_KWARG
+    from portrl.ops.layers import rotate_half
+
+    attention = ALL_ATTENTION_FUNCTIONS[base.config._attn_implementation]
+    ids, positions = layout.flat_ids, layout.position_ids
+    N = ids.shape[0]
+    x = base.embed_tokens(ids)
+    cos, sin = base.rotary_emb(x[None], positions[None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, D)
+    for li, layer in enumerate(base.layers):
+        a, m = layer.self_attn, layer.mlp
+        H, D = a.config.num_attention_heads, a.head_dim
+        KV = a.config.num_key_value_heads
+        qkv = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = q.view(N, H, D), k.view(N, KV, D), v.view(N, KV, D)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
+                           **{PLAN_KWARG: layout.plan})
+        x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])
+        gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
+                                    [m.gate_proj, m.up_proj]).chunk(2, dim=-1)
+        x = x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])
+    return base.norm(x)
+
+
+def tape_widths(model: torch.nn.Module) -> List[int]:
+    """Output widths of the four recorded matmuls of a layer of ``model`` (a Llama-family CausalLM)."""
+    layer = model.model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    return [a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features, a.o_proj.out_features,
+            m.gate_proj.out_features + m.up_proj.out_features, m.down_proj.out_features]
+

@@ -1,0 +1,101 @@
+"""portrl.models.forward_tape: replaying the rollout's recorded matmuls gives the training forward's log-probs,
+entropies and gradients; a changed weight or an unrecorded row falls back to the ordinary forward."""
+
+import pytest
+import torch
+
+import portrl.models.forward_tape as forward_tape
+from portrl.models import compute_logprobs, load_causal_lm, write_tiny_model
+from portrl.rollout import SamplingParams, make_engine
+from portrl.workers.batch import build_rollout_batch
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]  # unequal lengths: the prefill is left-padded
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", initializer_range=0.3, seed=0)
+
+
+def _rollout(model, n=3, max_new=9, seed=4):
+    engine = make_engine("hf", model=model, backend="cpu")
+    engine.record_forward = True
+    out = engine.generate(PROMPTS, SamplingParams(n=n, max_new_tokens=max_new, seed=seed, stop_token_ids=(20, 21, 22)))
+    assert engine.last_tape is not None
+    batch = build_rollout_batch(PROMPTS, out.response_ids, pad_token_id=0, n=n)
+    return engine.last_tape, batch, out
+
+
+def _logprobs_and_grads(model, batch, rows=None, tape=None):
+    model.zero_grad(set_to_none=True)
+    t = batch.tensors
+    ids, mask = t["input_ids"], t["attention_mask"]
+    if rows is not None:
+        ids, mask = ids[rows], mask[rows]
+    logp, ent = compute_logprobs(model, ids, mask, t["responses"].shape[1], temperature=0.9, with_entropy=True,
+                                 tape=tape)
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+    for name, g in a[2].items():
+        torch.testing.assert_close(g, b[2][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("rows", [None, [7, 0, 4, 2, 8]], ids=["whole-batch", "shuffled-subset"])
+def test_replay_equals_fresh_forward(tiny, monkeypatch, rows):
+    model = load_causal_lm(tiny, backend="cpu")
+    tape, batch, out = _rollout(model)
+    assert len(set(map(len, out.response_ids))) > 1  # early stops: the decode batch was compacted
+    replays = []
+    real = forward_tape.replay_hidden_states
+    monkeypatch.setattr(forward_tape, "replay_hidden_states", lambda *a: replays.append(1) or real(*a))
+    model.train()
+    fresh = _logprobs_and_grads(model, batch, rows)
+    assert tape.usable(model.model)
+    replayed = _logprobs_and_grads(model, batch, rows, tape=tape)
+    assert replays == [1]
+    _assert_same(replayed, fresh)
+    # the replayed log-probs are the rollout's own (same weights, same tokens)
+    resp_mask = batch.tensors["response_mask"].bool()
+    if rows is None:
+        rollout_lp = torch.zeros_like(resp_mask, dtype=torch.float32)
+        for r, lps in enumerate(out.logprobs):
+            rollout_lp[r, :len(lps)] = torch.tensor(lps)
+        replayed_t1 = compute_logprobs(model, batch.tensors["input_ids"], batch.tensors["attention_mask"],
+                                       resp_mask.shape[1], tape=tape)[0]
+        torch.testing.assert_close(replayed_t1.detach()[resp_mask], rollout_lp[resp_mask], atol=1e-4, rtol=1e-4)
+
+
+def test_changed_weights_or_unknown_rows_fall_back(tiny, monkeypatch):
+    model = load_causal_lm(tiny, backend="cpu")
+    tape, batch, _ = _rollout(model)
+    replays = []
+    real = forward_tape.replay_hidden_states
+    monkeypatch.setattr(forward_tape, "replay_hidden_states", lambda *a: replays.append(1) or real(*a))
+    other = batch.tensors["input_ids"].clone()
+    last = batch.tensors["attention_mask"].sum(1) - 1
+    other[0, last[0]] = (other[0, last[0]] + 1) % 60 + 3  # a response the rollout did not sample
+    assert tape.positions(other, batch.tensors["attention_mask"], batch.tensors["responses"].shape[1]) is None
+    assert not tape.usable(load_causal_lm(tiny, backend="cpu").model)  # another module with equal weights
+    with torch.no_grad():  # what an optimizer step does
+        model.model.layers[0].mlp.up_proj.weight.add_(0.01)
+    assert not tape.usable(model.model)
+    model.train()
+    _assert_same(_logprobs_and_grads(model, batch, tape=tape), _logprobs_and_grads(model, batch))
+    assert replays == []
+
+
+def test_engine_records_only_when_asked(tiny):
+    model = load_causal_lm(tiny, backend="cpu")
+    engine = make_engine("hf", model=model, backend="cpu")
+    params = SamplingParams(n=2, max_new_tokens=5, seed=1)
+    plain = engine.generate(PROMPTS, params)
+    assert engine.last_tape is None
+    engine.record_forward = True
+    recorded = engine.generate(PROMPTS, params)
+    assert engine.last_tape is not None
+    assert recorded.response_ids == plain.response_ids  # recording changes nothing in the sampling
