@@ -118,32 +118,31 @@ class ForwardTape:
 
 
 class _RecordedLinear(torch.autograd.Function):
-    """``y = recorded`` for the concatenated linears ``[x W_1^T + b_1, ..., x W_k^T + b_k]``; backward of the
-    real thing. Inputs: ``x, y, k, W_1..W_k, b_1..b_k`` (a bias may be None)."""
+    """``(y_1, ..., y_k) = split(recorded)`` for the linears ``y_i = x W_i^T + b_i`` sharing the input ``x``; backward
+    of the real thing. Inputs: ``x, y, k, W_1..W_k, b_1..b_k`` (a bias may be None). Separate outputs, so the
+    backward gets each ``dY_i`` as it is (no concatenation of the gradients)."""
 
     @staticmethod
     def forward(ctx, x, y, k, *params):
         ctx.k = k
-        ctx.sizes = [w.shape[0] for w in params[:k]]
         ctx.has_bias = [b is not None for b in params[k:]]
         ctx.save_for_backward(x, *params[:k])
-        return y.clone() if y.requires_grad else y
+        return tuple(y.split([w.shape[0] for w in params[:k]], dim=-1))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x, *weights = ctx.saved_tensors
         k, need = ctx.k, ctx.needs_input_grad
-        parts = dy.split(ctx.sizes, dim=-1)
         dx = None
         if need[0]:
-            for part, w in zip(parts, weights):
-                dx = part @ w if dx is None else dx.addmm_(part, w)
-        dws = [part.t() @ x if need[3 + i] else None for i, part in enumerate(parts)]
-        dbs = [part.sum(0) if has and need[3 + k + i] else None for i, (part, has) in enumerate(zip(parts, ctx.has_bias))]
+            for dy, w in zip(dys, weights):
+                dx = dy @ w if dx is None else dx.addmm_(dy, w)
+        dws = [dy.t() @ x if need[3 + i] else None for i, dy in enumerate(dys)]
+        dbs = [dy.sum(0) if has and need[3 + k + i] else None for i, (dy, has) in enumerate(zip(dys, ctx.has_bias))]
         return (dx, None, None, *dws, *dbs)
 
 
-def _recorded_linear(x: torch.Tensor, y: torch.Tensor, linears: List[torch.nn.Linear]) -> torch.Tensor:
+def _recorded_linear(x: torch.Tensor, y: torch.Tensor, linears: List[torch.nn.Linear]) -> tuple:
     return _RecordedLinear.apply(x, y, len(linears), *[m.weight for m in linears], *[m.bias for m in linears])
 
 
@@ -169,16 +168,15 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
         a, m = layer.self_attn, layer.mlp
         H, D = a.config.num_attention_heads, a.head_dim
         KV = a.config.num_key_value_heads
-        qkv = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-        q, k, v = q.view(N, H, D), k.view(N, KV, D), v.view(N, KV, D)
+        q, k, v = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
+        q, k, v = q.reshape(N, H, D), k.reshape(N, KV, D), v.reshape(N, KV, D)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
                            **{PLAN_KWARG: layout.plan})
-        x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])
+        x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]
         gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
-                                    [m.gate_proj, m.up_proj]).chunk(2, dim=-1)
-        x = x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])
+                                    [m.gate_proj, m.up_proj])
+        x = x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
     return base.norm(x)
 
 
