@@ -105,6 +105,13 @@ def test_validation_collects_problems():
     assert "data.truncation='middle'" in text and "flash_attn" in text and "sdpa" in text
 
 
+@pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.2"])
+def test_sft_target_answer_p_is_a_probability(value):
+    assert compose(overrides=["model.sft_target_answer_p=0.3"]).model.sft_target_answer_p == 0.3
+    with pytest.raises(ConfigError, match=r"model.sft_target_answer_p=.* must be in \(0, 1\)"):
+        compose(overrides=[f"model.sft_target_answer_p={value}"])
+
+
 def test_yaml_roundtrip_and_atomic_save(tmp_path):
     cfg = compose(algorithm="dapo")
     path = tmp_path / "sub" / "config.yaml"

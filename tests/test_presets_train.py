@@ -11,9 +11,9 @@ Each preset in ``configs/algorithm`` then runs STEPS RL steps on a fixed set of 
 prompts (about SEQS_PER_STEP sequences a step, so every prompt comes back
 about 4 times), with every hyperparameter of the preset kept except these tiny-setup overrides:
 
-* ``actor.optim.lr`` LR (``critic.optim.lr`` 1e-3): 2e-4, 20x the tiny preset's 1e-5 (which holds the
-  default run's 76-98% warm start rather than moving it); 5e-4 collapses GRPO, REMAX, GPG, RLOO and
-  SPPO from a 42% start (probe reward -0.16 to -0.25 in 20 steps);
+* ``actor.optim.lr`` LR (``critic.optim.lr`` 1e-3): 2e-4, constant (the tiny preset's peak rate, which
+  the default run decays by a cosine; model.path given, the tiny preset does not apply here); 5e-4
+  collapses GRPO, REMAX, GPG, RLOO and SPPO from a 42% start (probe reward -0.16 to -0.25 in 20 steps);
 * ``rollout.n`` capped at MAX_N (DAPO, GSPO, SAPO and VAPO use 16) and ``data.train_batch_size`` =
   SEQS_PER_STEP // n prompts, one optimizer step per RL step, to bound CPU time.
 

@@ -14,12 +14,12 @@ def tiny(tmp_path_factory):
                             num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0)
 
 
-def _run(path, steps, schedule_steps, monkeypatch, stop=None):
+def _run(path, steps, schedule_steps, monkeypatch, stop=None, cfg=None, **kw):
     import portrl.workers.sft as sft
     from portrl.data import make_arith_sft_rows
     from portrl.models import load_causal_lm, load_tokenizer
 
-    lrs = []
+    lrs, out = [], {}
     real_step = torch.optim.AdamW.step
 
     def step(self, *a, **k):
@@ -30,8 +30,9 @@ def _run(path, steps, schedule_steps, monkeypatch, stop=None):
     model, tok = load_causal_lm(str(path)), load_tokenizer(str(path))
     with monkeypatch.context() as mp:
         mp.setattr(torch.optim.AdamW, "step", step)
-        sft.run_sft(None, model, tok, make_arith_sft_rows(32, seed=0), steps=steps, lr=1e-2, batch_size=4, seed=0,
-                    schedule_steps=schedule_steps, stop=stop)
+        out.update(sft.run_sft(cfg, model, tok, make_arith_sft_rows(32, seed=0), steps=steps, lr=1e-2, batch_size=4,
+                               seed=0, schedule_steps=schedule_steps, stop=stop, **kw))
+    _run.result = out
     return lrs, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -67,3 +68,25 @@ def test_stop_ends_the_sft_where_it_says(tiny, monkeypatch):
     lrs, _ = _run(tiny, 20, None, monkeypatch, stop=stop)
     assert asked == [1, 2, 3, 4, 5, 6]
     assert lrs == pytest.approx(full_lrs[:6], rel=1e-12)
+
+
+def test_target_answer_p_stops_once_reached(tiny, monkeypatch):
+    """model.sft_target_answer_p: checked every check_every steps; the schedule stays the full one's."""
+    from portrl.config import compose
+
+    torch.set_num_threads(1)
+    full_lrs, _ = _run(tiny, 60, None, monkeypatch)
+    assert "sft/answer_p" not in _run.result and _run.result["sft/steps"] == 60
+    _run(tiny, 60, None, monkeypatch, target_answer_p=0.999999, check_every=10)  # never reached: every step
+    assert "sft/answer_p" not in _run.result and _run.result["sft/steps"] == 60
+    # P(answer) of this 0.04M-parameter model on its 32 rows: 0.0009 at step 10, 0.003 at 20 (lr 1e-2)
+    lrs, _ = _run(tiny, 60, None, monkeypatch, target_answer_p=1e-3, check_every=10)
+    res = dict(_run.result)
+    assert res["sft/steps"] == 20 and res["sft/answer_p"] >= 1e-3
+    assert lrs == pytest.approx(full_lrs[:20], rel=1e-12)
+    # the default comes from the config (the trainer's warm start passes only cfg)
+    cfg = compose(overrides=["model.sft_target_answer_p=1e-3", "device.name=cpu"])
+    _run(tiny, 60, None, monkeypatch, cfg=cfg, check_every=10)
+    assert _run.result["sft/steps"] == 20 and _run.result["sft/answer_p"] == pytest.approx(res["sft/answer_p"])
+    with pytest.raises(ValueError, match="check_every"):
+        _run(tiny, 60, None, monkeypatch, target_answer_p=0.5, check_every=0)

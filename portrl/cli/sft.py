@@ -4,7 +4,8 @@ Supervised fine-tuning on prompt / response parquet (columns ``prompt``: chat me
 text; `portrl preprocess arith --sft` writes such files), packed, on every backend. Without files
 and with ``data.name=arith`` (the default) it trains on generated arith rows. The result is a
 transformers directory (model + tokenizer), written to a temporary name and renamed, ready for
-``portrl train model.path=DIR``.
+``portrl train model.path=DIR``. Like the warm start, it ends early once ``model.sft_target_answer_p``
+is reached (the tiny preset sets 0.35; ``model.sft_target_answer_p=null`` runs every step).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def run(args) -> int:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    print(f"SFT: loss {metrics['sft/loss_first']:.4f} -> {metrics['sft/loss_last']:.4f} in {metrics['sft/time_s']:.1f}s "
-          f"({metrics['sft/tokens_per_s']:.0f} tokens/s); model written to {out}")
+    stopped = "" if "sft/answer_p" not in metrics else \
+        f", stopped at P(answer) {metrics['sft/answer_p']:.2f} (model.sft_target_answer_p)"
+    print(f"SFT: loss {metrics['sft/loss_first']:.4f} -> {metrics['sft/loss_last']:.4f} in {metrics['sft/steps']:.0f} "
+          f"steps{stopped}, {metrics['sft/time_s']:.1f}s ({metrics['sft/tokens_per_s']:.0f} tokens/s); "
+          f"model written to {out}")
     return 0

@@ -27,8 +27,9 @@ def format_summary(summary: dict) -> str:
 
     lines = ["", "== portrl run summary =="]
     if "sft/loss_first" in summary:
+        stopped = "" if "sft/answer_p" not in summary else f", stopped at P(answer) {summary['sft/answer_p']:.2f}"
         lines.append(f"SFT warm start     loss {summary['sft/loss_first']:.3f} -> {summary['sft/loss_last']:.3f} "
-                     f"in {summary.get('sft/time_s', 0):.0f}s")
+                     f"in {summary.get('sft/steps', 0):.0f} steps{stopped}, {summary.get('sft/time_s', 0):.0f}s")
     before, after = summary.get("val_before"), summary.get("val_after")
     before_rl = summary.get("val_before_rl")
     gain = "" if before is None or after is None else f"  ({100 * (after - before):+.1f} points)"

@@ -112,6 +112,9 @@ def check_consistency(cfg) -> list[str]:
                         f"{d.max_response_length}) when enabled")
     if d.max_prompt_length < 1 or d.max_response_length < 1:
         problems.append("data.max_prompt_length and data.max_response_length must be >= 1")
+    target = cfg.model.sft_target_answer_p
+    if target is not None and not 0 < target < 1:
+        problems.append(f"model.sft_target_answer_p={target} must be in (0, 1) (a probability) or null")
     return problems
 
 

@@ -49,7 +49,8 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
 def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
             batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
             seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None,
-            schedule_steps: Optional[int] = None, stop: Optional[Callable[[int], bool]] = None) -> Dict[str, float]:
+            schedule_steps: Optional[int] = None, stop: Optional[Callable[[int], bool]] = None,
+            target_answer_p: Optional[float] = None, check_every: int = 50) -> Dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
 
     ``schedule_steps``: the length the LR schedule (warm-up, cosine) is laid out for; default ``steps``.
@@ -58,13 +59,21 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     the k-th optimizer step (model in train mode); True ends the SFT there (a single-process helper: with
     several ranks every rank must answer the same).
 
+    ``target_answer_p`` (default ``cfg.model.sft_target_answer_p``; None = off): end the SFT once the mean
+    probability of the right response (teacher-forced, EOS included) on the first PROBE_ROWS rows reaches
+    it, checked every ``check_every`` steps (on every rank, averaged over the ranks, so all stop together).
+    ``steps`` stays the schedule's length and the cap. Where a given step count gets this SFT moves with
+    floating-point details; a stop on the model's own answers follows the model instead.
+
     ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
     chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
     data-parallel worker passes its wrapped model (portrl.workers.parallel.ForwardModule under DDP /
     FSDP2), so the wrapper's gradient all-reduce runs. Each rank draws its own examples (seeded by rank).
 
     Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps" (steps done),
-    "sft/tokens_per_s", "sft/time_s"}``. ``cfg`` supplies model.use_packing and model.logprob_chunk_size.
+    "sft/tokens_per_s", "sft/time_s"}``, and ``"sft/answer_p"`` (the P(answer) it stopped at) when the
+    target ended it. ``cfg``
+    supplies model.use_packing, model.logprob_chunk_size and model.sft_target_answer_p.
     """
     from functools import partial
 
@@ -90,6 +99,16 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     tokens = 0
     packed = bool(cfg.model.use_packing) if cfg is not None else True
     chunk = cfg.model.logprob_chunk_size if cfg is not None else None
+    if target_answer_p is None and cfg is not None:
+        target_answer_p = getattr(cfg.model, "sft_target_answer_p", None)
+    probe = None
+    if target_answer_p is not None:
+        if check_every < 1:
+            raise ValueError(f"run_sft: check_every must be positive (got {check_every})")
+        pb = build_rollout_batch([p for p, _ in data[:PROBE_ROWS]], [r for _, r in data[:PROBE_ROWS]],
+                                 pad_token_id=pad).to(device)
+        probe = partial(_answer_p, forward, pb, packed, chunk, world_size)
+    answer_p = None
     was_training = model.training
     model.train()
     t0 = time.perf_counter()
@@ -116,6 +135,12 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
         done = step + 1
+        if probe is not None and done % check_every == 0 and done < steps:
+            model.eval()
+            answer_p = probe()
+            model.train()
+            if answer_p >= target_answer_p:
+                break
         if stop is not None:
             if stop(done):
                 break
@@ -123,5 +148,22 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     model.train(was_training)
     elapsed = time.perf_counter() - t0
     tail = losses[-10:]
-    return {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(done),
-            "sft/tokens_per_s": tokens / max(elapsed, 1e-9), "sft/time_s": elapsed}
+    out = {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(done),
+           "sft/tokens_per_s": tokens / max(elapsed, 1e-9), "sft/time_s": elapsed}
+    if answer_p is not None and answer_p >= target_answer_p:
+        out["sft/answer_p"] = answer_p
+    return out
+
+
+PROBE_ROWS = 64  # rows the target_answer_p check scores (the first of the SFT data)
+
+
+@torch.no_grad()
+def _answer_p(forward: Any, batch: Any, packed: bool, chunk: Optional[int], world_size: int) -> float:
+    """Mean over ``batch``'s rows of P(response | prompt), teacher-forced, averaged over the ranks."""
+    mask = batch.tensors["response_mask"]
+    logp, _ = forward(batch.tensors["input_ids"], batch.tensors["attention_mask"], response_length=mask.shape[1],
+                      packed=packed, chunk_size=chunk)
+    total = all_reduce_sum([float((logp.float() * mask).sum(-1).exp().mean())], world_size)[0]
+    return total / world_size
+
