@@ -28,6 +28,12 @@ class HFOnly:
     def rollout_fixups(self, engine):
         return {"compact_fraction": 0.5} if engine == "hf" else {}
 
+    def register_kernels(self, registry):  # no kernels of its own: every op takes its native implementation
+        pass
+
+    def kernel_preferences(self):
+        return {}
+
     def device(self, index=None):
         return torch.device("cpu")
 
