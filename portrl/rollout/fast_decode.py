@@ -18,7 +18,8 @@ seen at once) with one preallocated KV cache per generate call:
 
 Layer math (pre-norm decoder): ``h = x + o(attn(rope(q), rope(k), v))`` with ``q, k, v =
 W_qkv·rms(x) (+ b)``; ``y = h + down(silu(gate) * up)`` with ``gate, up = W_gu·rms(h)``;
-``rms(x) = x / sqrt(mean(x^2) + eps) * w`` computed in float32 as transformers does.
+``rms(x) = x / sqrt(mean(x^2) + eps) * w`` computed in float32 as transformers does (``F.rms_norm`` for
+float32 weights and activations: the same formula in one op).
 
 :func:`fast_decoder_for` returns None for any model this path does not reproduce exactly
 (another architecture, q/k norms, sliding windows, attention soft-capping, a PEFT wrapper, a
@@ -142,6 +143,8 @@ class FastDecoder:
     # ------------------------------------------------------------------------------- forward
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused op, the same formula in float32
+            return F.rms_norm(x, w.shape, w, eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
@@ -172,6 +175,8 @@ class FastDecoder:
             mask = mask & causal
             # a query on left padding sees no real key; let it see itself so softmax stays finite
             mask = mask | _diag(S, end, start, ids.device)
+        one_token_cpu = S == 1 and ids.device.type == "cpu"
+        hidden_keys = ~mask.view(B, 1, 1, -1) if one_token_cpu else None
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj, eps1, eps2) in enumerate(self.layers):
             h = self._rms(x, ln1, eps1)
             qkv = qkv_proj(h)
@@ -181,8 +186,9 @@ class FastDecoder:
             q = qk[:, :, :H].transpose(1, 2)
             self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
             self.v_cache[li, :, :, start:end] = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
-            if S == 1 and q.device.type == "cpu":
-                o = _decode_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], mask, self.scale)
+            if one_token_cpu:
+                o = _decode_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], hidden_keys,
+                                      self.scale)
             else:
                 o = F.scaled_dot_product_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
@@ -198,16 +204,16 @@ class FastDecoder:
         return self.head(self._rms(x[:, -1], self.final_norm_w, self.final_eps))
 
 
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden_keys: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """One query per row: ``softmax(scale q k^T + M) v`` with the query heads of each KV head as one
-    batch (GQA without repeating k/v). Four small ops instead of SDPA's per-call set-up, which dominates
-    at one query."""
+    batch (GQA without repeating k/v); ``hidden_keys`` (B, 1, 1, L) bool marks the keys a row may not see.
+    Four small ops instead of SDPA's per-call set-up, which dominates at one query."""
     B, H, _, D = q.shape
     KV = k.shape[1]
     qg = q.view(B, KV, H // KV, D)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # (B, KV, rep, L)
-    scores.masked_fill_(~mask.view(B, 1, 1, -1), float("-inf"))
+    scores.masked_fill_(hidden_keys, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v).view(B, H, 1, D)
 
 
