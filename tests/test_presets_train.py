@@ -23,12 +23,14 @@ prompts and the same seed before and after, so the difference is the policy's ch
 noise. The batch reward of the steps themselves is printed too, but not asserted on (DAPO's dynamic
 sampling keeps only mixed-reward groups, so its batch reward says little about the policy).
 
-Measured by this test (one thread, trainer.seed 0), probe reward 0.607 before: dapo +0.061, dr_grpo
-+0.068, gpg +0.067, grpo +0.069, gspo +0.061, online_dpo +0.082, ppo +0.071, reinforce_pp +0.094, remax
-+0.065, rloo +0.064, sapo +0.061, sppo +0.048 (VAPO -0.185, below). Run-to-run noise, measured on the
+Measured by this test (one thread, trainer.seed 0; 2026-11-30, warm start stopped at 900 steps), probe
+reward 0.607 before: dapo +0.061, dr_grpo +0.068, gpg +0.057, grpo +0.066, gspo +0.061, online_dpo
++0.059, ppo +0.056, reinforce_pp +0.094, remax +0.050, rloo +0.054, sapo +0.061, sppo +0.055 (VAPO
+-0.185, below); the day before, with other float rounding in the update (no replayed forward, per-sequence
+attention), the same presets gained +0.048 to +0.094. Run-to-run noise, measured on the
 same setup from a warm start at 0.598 with trainer.seed 0 and 1: each preset's gain differed by
 0.000-0.019 between the seeds (gains +0.055 to +0.099). MIN_GAIN (0.03) sits well above that noise and
-below the smallest gain (0.048).
+below the smallest gain (0.048-0.050).
 (GSPO and SAPO give the same numbers: with one optimizer step per batch the ratio is exactly 1, where
 both losses have the gradient of -A·logp, and the same n.)
 
@@ -64,7 +66,6 @@ MIN_GAIN = 0.03
 VAPO_FLOOR = 0.25  # VAPO measured 0.502 (seed 0) and 0.403 (seed 1) after 20 steps: it drifts, it does not collapse
 SFT_SCHEDULE = 1500  # the SFT's schedule (the default run's); it stops once SFT_TARGET is reached
 SFT_TARGET = 0.55  # mean probability of the right answer on the training prompts
-SFT_MIN_STEPS = 500
 SFT_CHECK_EVERY = 50
 SFT_LR = 3e-3
 SFT_ROWS = 2000
@@ -82,7 +83,7 @@ def sft_setup(tmp_path_factory):
 
     from portrl.data import make_arith_rows, make_arith_sft_rows, write_split
     from portrl.models import load_causal_lm, load_tokenizer, write_tiny_model
-    from portrl.workers.sft import run_sft
+    from portrl.workers.sft import PROBE_ROWS, run_sft
 
     root = tmp_path_factory.mktemp("presets_train")
     train = root / "train.parquet"
@@ -92,44 +93,15 @@ def sft_setup(tmp_path_factory):
     torch.set_num_threads(1)
     model, tok = load_causal_lm(str(base)), load_tokenizer(str(base))
     train_rows = make_arith_sft_rows(SFT_ROWS, seed=0, difficulty=1, split="train")
-    probe = _answer_probability(model, tok, train_rows[:TRAIN_PROMPTS])
-    got = {}
-
-    def stop(step: int) -> bool:
-        if step < SFT_MIN_STEPS or step % SFT_CHECK_EVERY:
-            return False
-        got["p"], got["step"] = probe(), step
-        return got["p"] >= SFT_TARGET
-
-    run_sft(None, model, tok, train_rows, steps=SFT_SCHEDULE, lr=SFT_LR, batch_size=64, seed=0,
-            schedule_steps=SFT_SCHEDULE, stop=stop)
-    print(f"SFT warm start: P(answer) on the training prompts {got.get('p', 0):.3f} after {got.get('step')} steps")
+    assert PROBE_ROWS == TRAIN_PROMPTS  # run_sft's target check scores exactly the RL training prompts
+    sft = run_sft(None, model, tok, train_rows, steps=SFT_SCHEDULE, lr=SFT_LR, batch_size=64, seed=0,
+                  target_answer_p=SFT_TARGET, check_every=SFT_CHECK_EVERY)
+    print(f"SFT warm start: P(answer) on the training prompts {sft.get('sft/answer_p', 0):.3f} after "
+          f"{sft['sft/steps']:.0f} steps")
     out = root / "sft"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out, train
-
-
-def _answer_probability(model, tok, rows):
-    """A function giving the mean probability (teacher-forced, greedy-free) of each row's answer + EOS."""
-    import torch
-
-    from portrl.models import compute_logprobs
-    from portrl.workers.sft import encode_sft_rows
-    from portrl.workers.batch import build_rollout_batch
-
-    data = encode_sft_rows(tok, rows)
-    b = build_rollout_batch([p for p, _ in data], [r for _, r in data], pad_token_id=tok.pad_token_id)
-
-    @torch.no_grad()
-    def probe() -> float:
-        model.eval()
-        mask = b.tensors["response_mask"]
-        logp, _ = compute_logprobs(model, b.tensors["input_ids"], b.tensors["attention_mask"],
-                                   response_length=mask.shape[1])
-        return float(((logp * mask).sum(-1)).exp().mean())
-
-    return probe
 
 
 def _config(name: str, model_dir, train, out_dir):

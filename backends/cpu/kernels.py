@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from portrl.ops.attention import check_varlen_inputs
+from portrl.ops.layers import linear_prepacked
 
 #: implementation names this module registers, best first (for the backend's kernel_preferences)
 PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("mkl", "native")}
@@ -106,11 +107,11 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
     benchmark model's matmuls at 32 rows (2 threads), bit-identical results (same kernel). The packed
     weight serves only inputs of exactly ``rows`` rows; any other count (a prefill, a batch after
     finished rows were dropped) takes ``_mkl_linear``'s own fallback, the plain matmul on ``weight``.
-    float32 on the CPU only; other dtypes or devices get ``F.linear``.
+    float32 on the CPU only; other dtypes or devices get the native op (``F.linear``).
     """
     if (rows is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or mkl_packing_available() is not True):
-        return lambda x: F.linear(x, weight, bias)
+        return linear_prepacked(weight, bias, rows)
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), int(rows))
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, int(rows))
 

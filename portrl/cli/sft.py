@@ -5,7 +5,7 @@ text; `portrl preprocess arith --sft` writes such files), packed, on every backe
 and with ``data.name=arith`` (the default) it trains on generated arith rows. The result is a
 transformers directory (model + tokenizer), written to a temporary name and renamed, ready for
 ``portrl train model.path=DIR``. Like the warm start, it ends early once ``model.sft_target_answer_p``
-is reached (the tiny preset sets 0.35; ``model.sft_target_answer_p=null`` runs every step).
+is reached (the tiny preset sets 0.45; ``model.sft_target_answer_p=null`` runs every step).
 """
 
 from __future__ import annotations

@@ -99,10 +99,12 @@ class FastDecoder:
         go through the backend's ``linear_prepacked`` op (on x86 CPUs: weights packed once for MKL's sgemm);
         for fewer steps the packing would cost more than it saves.
         """
-        prepack = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else None
+        from portrl.ops.layers import linear_prepacked as plain  # the native op: F.linear
+
+        make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else plain
 
         def linear(w: torch.Tensor, b: Optional[torch.Tensor] = None):
-            return prepack(w, b, decode_rows) if prepack is not None else (lambda x: F.linear(x, w, b))
+            return make(w, b, decode_rows)
 
         self.layers = []
         for layer in self.inner.layers:
