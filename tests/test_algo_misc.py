@@ -1,13 +1,31 @@
-"""Value loss, entropy loss, DAPO overlong penalty and group filter, DPO / SPPO / positive LM loss."""
+"""Value loss, explained variance, entropy loss, DAPO overlong penalty and group filter, DPO / SPPO / positive LM loss."""
 
 import math
 
 import pytest
 import torch
 
-from portrl.algo import (compute_value_loss, dpo_loss, filter_groups, online_dpo_preference, overlong_penalty,
+from portrl.algo import (compute_value_loss, dpo_loss, explained_variance, filter_groups, online_dpo_preference, overlong_penalty,
                          positive_lm_loss, sppo_advantage, sppo_loss)
 from portrl.algo.value import compute_entropy_loss
+
+
+def test_explained_variance_by_hand():
+    ret = torch.tensor([[1.0, 1.0, 9.0], [0.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 0], [1, 1, 1]])  # the 9.0 is padding
+    vals = torch.tensor([[0.5, 1.0, -4.0], [0.0, 0.5, 0.0]])
+    r, v = [1.0, 1.0, 0.0, 0.0, 0.0], [0.5, 1.0, 0.0, 0.5, 0.0]
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / len(xs)  # noqa: E731
+    want = 1 - var([a - b for a, b in zip(r, v)]) / var(r)
+    assert explained_variance(ret, vals, m).item() == pytest.approx(want)
+    assert explained_variance(ret, ret, m).item() == pytest.approx(1.0)  # a perfect critic
+    mean = torch.full_like(ret, 0.4)  # the valid returns' mean: explains nothing
+    assert explained_variance(ret, mean, m).item() == pytest.approx(0.0, abs=1e-12)
+    assert explained_variance(ret, -ret, m).item() < 0  # worse than the mean
+    assert math.isnan(explained_variance(torch.ones(2, 3), vals, m).item())  # every return the same
+    assert math.isnan(explained_variance(ret, vals, torch.zeros_like(m)).item())
+    with pytest.raises(ValueError, match="shape"):
+        explained_variance(ret, vals[:, :2], m)
 
 
 def test_value_loss_by_hand_and_shards():

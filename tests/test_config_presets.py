@@ -72,7 +72,7 @@ def test_reference_hyperparameters():
     assert not dr.algorithm.norm_adv_by_std_in_grpo and dr.actor.loss_agg_mode == "seq-mean-token-sum-norm"
     vapo = compose(algorithm="vapo")
     assert vapo.algorithm.lam_critic == 1.0 and vapo.algorithm.vapo_alpha == 0.05 and vapo.actor.positive_lm_coef > 0
-    assert vapo.critic.enable and vapo.critic.warmup_steps < vapo.trainer.total_steps
+    assert vapo.critic.enable and vapo.critic.pretrain_steps == 50 and vapo.critic.warmup_steps == 0
     assert compose(algorithm="sppo").algorithm.objective == "sppo"
     dpo = compose(algorithm="online_dpo")
     assert dpo.algorithm.objective == "dpo" and dpo.algorithm.dpo_beta == 0.1 and dpo.rollout.n % 2 == 0

@@ -88,6 +88,8 @@ def test_critic_values_shared_equal_padded(tiny):
     for share, packed in ((True, True), (False, True), (False, False)):
         torch.manual_seed(0)
         vm = ValueModel(load_causal_lm(tiny, backend="cpu"))
+        # a zero head (the init) would pass no gradient to the decoder
+        torch.nn.init.normal_(vm.value_head.weight, std=vm.value_head.in_features ** -0.5)
         values = vm(ids, mask, T, packed=packed, share_prompts=share)
         values.pow(2).sum().backward()
         results.append((values.detach(), vm.value_head.weight.grad.clone(),

@@ -15,7 +15,9 @@ about 4 times), with every hyperparameter of the preset kept except these tiny-s
   the default run decays by a cosine; model.path given, the tiny preset does not apply here); 5e-4
   collapses GRPO, REMAX, GPG, RLOO and SPPO from a 42% start (probe reward -0.16 to -0.25 in 20 steps);
 * ``rollout.n`` capped at MAX_N (DAPO, GSPO, SAPO and VAPO use 16) and ``data.train_batch_size`` =
-  SEQS_PER_STEP // n prompts, one optimizer step per RL step, to bound CPU time.
+  SEQS_PER_STEP // n prompts, one optimizer step per RL step, to bound CPU time;
+* VAPO: value pretraining of VAPO_PRETRAIN steps instead of the paper's 50, and the paper's critic
+  learning rate of twice the actor's (2e-6 against 1e-6), so 4e-4 (below).
 
 Measurement, with common random numbers: the mean reward of PROBE_SAMPLES samples (temperature 1,
 one fixed sampling seed) on each training prompt, before step 1 and after step STEPS. The same
@@ -25,24 +27,24 @@ sampling keeps only mixed-reward groups, so its batch reward says little about t
 
 Measured by this test (one thread, trainer.seed 0; 2026-11-30, warm start stopped at 900 steps), probe
 reward 0.607 before: dapo +0.061, dr_grpo +0.068, gpg +0.057, grpo +0.066, gspo +0.061, online_dpo
-+0.059, ppo +0.056, reinforce_pp +0.094, remax +0.050, rloo +0.054, sapo +0.061, sppo +0.055 (VAPO
--0.185, below); the day before, with other float rounding in the update (no replayed forward, per-sequence
-attention), the same presets gained +0.048 to +0.094. Run-to-run noise, measured on the
-same setup from a warm start at 0.598 with trainer.seed 0 and 1: each preset's gain differed by
-0.000-0.019 between the seeds (gains +0.055 to +0.099). MIN_GAIN (0.03) sits well above that noise and
-below the smallest gain (0.048-0.050).
++0.059, reinforce_pp +0.094, remax +0.050, rloo +0.054, sapo +0.061, sppo +0.055; ppo +0.087 and vapo
++0.082 since the value head starts at zero and VAPO pretrains its critic (below). Run-to-run noise:
+the same presets, from a warm start at 0.598 with trainer.seed 0 and 1, differed by 0.000-0.019
+between the seeds (gains +0.055 to +0.099); PPO +0.087 / +0.094 / +0.065 and VAPO +0.082 / +0.080 /
++0.042 with trainer.seed 0 / 1 / 2. MIN_GAIN (0.03) sits below the smallest of these gains.
 (GSPO and SAPO give the same numbers: with one optimizer step per batch the ratio is exactly 1, where
 both losses have the gradient of -A·logp, and the same n.)
 
-VAPO does not rise here, by construction: its length-adaptive actor λ = 1 - 1/(0.05·l) is clamped to
-0 for responses of l <= 20 tokens, and arith answers are 2-4 tokens, so its advantages are pure
-one-step TD errors of a value model that starts from scratch (a fresh head on the policy). That
-critic would have to judge whether the answer's digits are right; in 20 steps it cannot, and the
-actor follows its noise: probe reward 0.598 -> 0.502 (seed 0; critic warm-up 2 steps, the preset's
-10%), 0.403 (seed 1), 0.499 with 10 warm-up steps, 0.426 after 40 steps with 20 warm-up steps; in this
-test 0.607 -> 0.423. With algorithm.vapo_alpha=100 (λ ~ 1, everything else VAPO's) it rises like
-PPO: 0.598 -> 0.679. VAPO is held to the finite-metrics check and to VAPO_FLOOR, and the test fails
-if it ever starts to rise (then it belongs with the others).
+Why VAPO needs its value pretraining here. Its length-adaptive actor λ = 1 - 1/(0.05·l) is 0 for
+responses of l <= 20 tokens, and arith answers are 2-4 tokens, so its advantages are one-step TD errors
+of the value model: the digits' credit is V(after the digit) - V(before it), which only a critic that
+judges the answer can give. With the paper's 50 pretraining steps (or the earlier 10% in-run warm-up)
+the tiny critic explains none of the returns' variance, and VAPO falls: probe reward 0.607 -> 0.423
+(seed 0, random value head), 0.534 / 0.510 (seeds 0 / 1, zero value head). The critic learns slowly:
+the mean explained variance over all tokens reaches 0.21 after 400 pretraining steps, 0.37 after 800 and
+about 0.45 after 2000 (0.85 on the last token, whose value decides whether the answer is right). VAPO's
+gain follows it: after 1000 steps -0.005 to +0.053 over seeds and critic rates (3e-4, 4e-4, 1e-3), after
+2000 steps at 4e-4 +0.082 / +0.080 / +0.042. Pretraining 2000 steps takes about 110 s on one thread.
 """
 
 from __future__ import annotations
@@ -63,17 +65,13 @@ PROBE_SAMPLES = 16
 PROBE_SEED = 4242
 LR = 2e-4
 MIN_GAIN = 0.03
-VAPO_FLOOR = 0.25  # VAPO measured 0.502 (seed 0) and 0.403 (seed 1) after 20 steps: it drifts, it does not collapse
+VAPO_PRETRAIN = 2000  # value pretraining steps (module docstring)
 SFT_SCHEDULE = 1500  # the SFT's schedule (the default run's); it stops once SFT_TARGET is reached
 SFT_TARGET = 0.55  # mean probability of the right answer on the training prompts
 SFT_CHECK_EVERY = 50
 SFT_LR = 3e-3
 SFT_ROWS = 2000
 TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 384, "seed": 0}
-# presets that cannot raise the reward in 20 steps of this setup, and why (see the module docstring)
-CANNOT_RISE = {
-    "vapo": "length-adaptive λ is 0 for 2-4 token answers: advantages are TD errors of a 20-step-old critic",
-}
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +105,9 @@ def sft_setup(tmp_path_factory):
 def _config(name: str, model_dir, train, out_dir):
     n = min(int(compose(algorithm=name, check=False).rollout.n), MAX_N)
     prompts = SEQS_PER_STEP // n
+    critic_lr = 2 * LR if name == "vapo" else 1e-3
     overrides = [
-        f"model.path={model_dir}", "model.sft_warm_start=false", f"actor.optim.lr={LR}", "critic.optim.lr=1e-3",
+        f"model.path={model_dir}", "model.sft_warm_start=false", f"actor.optim.lr={LR}", f"critic.optim.lr={critic_lr}",
         f"data.train_files={train}", f"data.val_files={train}", f"data.train_batch_size={prompts}",
         f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_device={prompts * n}",
         f"rollout.n={n}", f"trainer.total_steps={STEPS}", "trainer.test_freq=0", "trainer.val_before_train=true",
@@ -116,6 +115,8 @@ def _config(name: str, model_dir, train, out_dir):
         "trainer.progress_bar=false", "trainer.resume=off", f"trainer.output_dir={out_dir}",
         "device.name=cpu", "device.num_threads=1",
     ]
+    if name == "vapo":
+        overrides.append(f"critic.pretrain_steps={VAPO_PRETRAIN}")
     return compose(algorithm=name, overrides=overrides)
 
 
@@ -146,10 +147,9 @@ def test_preset_trains_tiny_setup(name, sft_setup, tmp_path):
     report = (f"{name}: training reward (probe, {PROBE_SAMPLES} samples x {TRAIN_PROMPTS} prompts, same seed) "
               f"{before:.3f} -> {after:.3f} ({after - before:+.3f}); batch reward first 5 steps {first:.3f}, "
               f"last 5 {last:.3f}")
+    if "critic/pretrain_ev" in summary:
+        report += (f"; value pretraining {summary['critic/pretrain_steps']:.0f} steps, explained variance "
+                   f"{summary['critic/pretrain_ev']:.3f}")
     print(report)
     assert 0.3 < before < 0.9, f"{name}: the warm start is not the expected mid-accuracy model: {report}"
-    if name in CANNOT_RISE:
-        assert after > VAPO_FLOOR, f"{name}: the policy collapsed: {report}"
-        assert after - before < MIN_GAIN, f"{name} now rises; remove it from CANNOT_RISE: {report}"
-        pytest.xfail(f"{name} cannot rise in {STEPS} steps here ({CANNOT_RISE[name]}): {report}")
     assert after - before >= MIN_GAIN, f"{name}: the training reward did not rise by {MIN_GAIN}: {report}"

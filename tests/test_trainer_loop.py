@@ -1,5 +1,6 @@
 """The RL loop end to end on a tiny model: GRPO raises the arith reward; PPO with a critic runs;
-dynamic sampling and the preference objectives run; the summary and metrics have verl's names."""
+dynamic sampling and the preference objectives run; the summary and metrics have verl's names; value
+pretraining (critic.pretrain_steps) trains the critic alone before step 1."""
 
 import json
 import math
@@ -105,3 +106,79 @@ def test_grpo_raises_the_arith_reward(tmp_path, monkeypatch):
     scores = [r["critic/score/mean"] for r in _rows(tmp_path / "run")]
     first, last = sum(scores[:8]) / 8, sum(scores[-8:]) / 8
     assert last > first + 0.1, scores
+
+
+def _parity_reward(tmp_path):
+    """A reward that varies between responses even for an untrained model (the explained variance needs it)."""
+    path = tmp_path / "parity_reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(sum(map(ord, solution_str)) % 2)\n")
+    return str(path)
+
+
+def _pretrain_cfg(model, tmp_path, **over):
+    return _cfg(model, tmp_path / "run", **{
+        "algorithm.adv_estimator": "gae", "critic.optim.lr": 1e-3, "critic.optim.scheduler": "cosine",
+        "reward.custom.path": _parity_reward(tmp_path), "trainer.test_freq": 0, "trainer.val_before_train": False,
+        **over})
+
+
+def test_value_pretraining_trains_the_critic_alone(tiny_model, tmp_path):
+    """Pretraining steps move the critic (and its explained variance is reported) but not the actor, the
+    critic's LR schedule or the RL step count; the run then trains its own total_steps."""
+    import torch
+
+    from portrl.trainer.groups import first
+    from portrl.trainer.rl_trainer import RLTrainer
+    from portrl.trainer.value_pretrain import pretrain_critic
+
+    trainer = RLTrainer(_pretrain_cfg(tiny_model, tmp_path, **{"critic.pretrain_steps": 3}))
+    actor0 = {k: v.clone() for k, v in first(trainer.actor.call("state_dict"))["model"].items()}
+    critic0 = first(trainer.critic.call("state_dict"))
+    heads0 = {k: v.clone() for k, v in critic0["model"].items()}
+    out = pretrain_critic(trainer)
+    assert out["critic/pretrain_steps"] == 3 and math.isfinite(out["critic/pretrain_ev"])
+    actor1 = first(trainer.actor.call("state_dict"))["model"]
+    assert all(torch.equal(actor0[k], actor1[k]) for k in actor0)
+    critic1 = first(trainer.critic.call("state_dict"))
+    assert not torch.equal(heads0["value_head.weight"], critic1["model"]["value_head.weight"])
+    assert critic1["scheduler"]["last_epoch"] == critic0["scheduler"]["last_epoch"]
+    assert trainer.global_step == 0
+
+
+def test_value_pretraining_in_a_run_stops_at_the_target(tiny_model, tmp_path):
+    """fit() pretrains before step 1 and reports it; a reached target stops it after one full window."""
+    from portrl.cli.train import format_summary
+    from portrl.trainer import run_training
+    from portrl.trainer.value_pretrain import PRETRAIN_EV_WINDOW
+
+    s = run_training(_pretrain_cfg(tiny_model, tmp_path, **{"critic.pretrain_steps": 50,
+                                                              "critic.pretrain_target_ev": -1e9}))
+    assert s["critic/pretrain_steps"] == PRETRAIN_EV_WINDOW and s["steps"] == 2
+    assert f"value pretraining  {PRETRAIN_EV_WINDOW} steps, explained variance" in format_summary(s)
+    rows = _rows(tmp_path / "run")
+    assert len(rows) == 2 and all(math.isfinite(r["critic/vf_explained_var"]) for r in rows)
+
+
+
+def test_a_resumed_run_does_not_pretrain_again(tiny_model, tmp_path):
+    """The critic of a resumed run comes from its checkpoint: no second pretraining."""
+    from portrl.trainer import run_training
+
+    over = {"critic.pretrain_steps": 2, "trainer.total_steps": 1, "trainer.save_freq": 1, "trainer.resume": "auto"}
+    assert run_training(_pretrain_cfg(tiny_model, tmp_path, **over))["critic/pretrain_steps"] == 2
+    resumed = run_training(_pretrain_cfg(tiny_model, tmp_path, **{**over, "trainer.total_steps": 2}))
+    assert "resumed_from" in resumed and "critic/pretrain_steps" not in resumed and resumed["steps"] == 2
+
+def test_value_pretraining_config_errors():
+    from portrl.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match="critic.pretrain_steps=-1 must be >= 0"):
+        compose(algorithm="ppo", overrides=["critic.pretrain_steps=-1"])
+    with pytest.raises(ConfigError, match="critic.pretrain_target_ev=0.5 needs critic.pretrain_steps > 0"):
+        compose(algorithm="ppo", overrides=["critic.pretrain_target_ev=0.5"])
+    with pytest.raises(ConfigError, match="critic.pretrain_target_ev=1.0 needs"):
+        compose(algorithm="ppo", overrides=["critic.pretrain_steps=10", "critic.pretrain_target_ev=1.0"])
+    with pytest.raises(ConfigError, match="critic.pretrain_steps=10 pretrains a critic, but none runs"):
+        compose(algorithm="grpo", overrides=["critic.pretrain_steps=10"])
+    compose(algorithm="ppo", overrides=["critic.pretrain_steps=10", "critic.pretrain_target_ev=0.4"])

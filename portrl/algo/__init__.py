@@ -17,14 +17,15 @@ from portrl.algo.policy_loss_registry import get_policy_loss
 from portrl.algo.preference import dpo_loss, online_dpo_preference, positive_lm_loss, sppo_advantage, sppo_loss
 from portrl.algo.registry import UnknownNameError, registered
 from portrl.algo.trl_aliases import TRL_LOSS_TYPE_TO_AGG_MODE, register_trl_aliases, trl_loss_type_to_agg_mode
-from portrl.algo.value import compute_entropy_loss, compute_value_loss
+from portrl.algo.value import compute_entropy_loss, compute_value_loss, explained_variance
 
 register_trl_aliases()
 
 __all__ = [
     "AdaptiveKLController", "FixedKLController", "TRL_LOSS_TYPE_TO_AGG_MODE", "UnknownNameError", "agg_loss",
     "apply_kl_penalty", "clip_by_value", "compute_advantage", "compute_decoupled_gae", "compute_entropy_loss",
-    "compute_kl_loss", "compute_value_loss", "dpo_loss", "entropy_from_logits", "filter_groups",
+    "compute_kl_loss", "compute_value_loss", "dpo_loss", "entropy_from_logits", "explained_variance",
+    "filter_groups",
     "get_adv_estimator", "get_kl_controller", "get_policy_loss", "get_response_mask", "kl_penalty",
     "masked_mean", "masked_sum", "masked_var", "masked_whiten", "online_dpo_preference", "overlong_penalty",
     "positive_lm_loss", "registered", "sppo_advantage", "sppo_loss", "trl_loss_type_to_agg_mode",

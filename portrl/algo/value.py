@@ -1,4 +1,4 @@
-"""Clipped value loss for the PPO critic, and the entropy loss term."""
+"""Clipped value loss for the PPO critic, the critic's explained variance, and the entropy loss term."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 
 from portrl.algo.aggregation import agg_loss
-from portrl.algo.masked import as_bool_mask, compute_dtype, entropy_from_logits, masked_mean
+from portrl.algo.masked import as_bool_mask, compute_dtype, entropy_from_logits, masked_mean, masked_var
 
 
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
@@ -31,6 +31,24 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
     loss = 0.5 * agg_loss(torch.maximum(l1, l2), m, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                           global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor)
     return loss, masked_mean((l2 > l1).to(dt), m).detach()
+
+
+@torch.no_grad()
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """How much of the value targets' variance the critic explains, over every valid token of the batch:
+    ``EV = 1 − Var(R − V) / Var(R)`` (population variances; verl's ``critic/vf_explained_var``). 1 is a
+    perfect critic, 0 one no better than the batch mean, negative worse than that. A 0-dim float64 tensor,
+    NaN when the returns do not vary (every response scored the same) or the mask selects nothing."""
+    if returns.shape != values.shape:
+        raise ValueError(f"explained_variance: returns shape {tuple(returns.shape)} != values shape {tuple(values.shape)}")
+    m = as_bool_mask(response_mask, returns)
+    if not bool(m.any()):
+        return torch.tensor(float("nan"), dtype=torch.float64)
+    r, v = returns.detach().double(), values.detach().double()
+    var_r = masked_var(r, m, unbiased=False)
+    if float(var_r) <= 0.0:
+        return torch.tensor(float("nan"), dtype=torch.float64)
+    return (1.0 - masked_var(r - v, m, unbiased=False) / var_r).cpu()
 
 
 def compute_entropy_loss(logits: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",

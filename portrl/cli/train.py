@@ -30,6 +30,9 @@ def format_summary(summary: dict) -> str:
         stopped = "" if "sft/answer_p" not in summary else f", stopped at P(answer) {summary['sft/answer_p']:.2f}"
         lines.append(f"SFT warm start     loss {summary['sft/loss_first']:.3f} -> {summary['sft/loss_last']:.3f} "
                      f"in {summary.get('sft/steps', 0):.0f} steps{stopped}, {summary.get('sft/time_s', 0):.0f}s")
+    if "critic/pretrain_steps" in summary:
+        lines.append(f"value pretraining  {summary['critic/pretrain_steps']:.0f} steps, explained variance "
+                     f"{summary['critic/pretrain_ev']:.2f}, {summary['critic/pretrain_time_s']:.0f}s")
     before, after = summary.get("val_before"), summary.get("val_after")
     before_rl = summary.get("val_before_rl")
     gain = "" if before is None or after is None else f"  ({100 * (after - before):+.1f} points)"

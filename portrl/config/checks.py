@@ -115,6 +115,18 @@ def check_consistency(cfg) -> list[str]:
     target = cfg.model.sft_target_answer_p
     if target is not None and not 0 < target < 1:
         problems.append(f"model.sft_target_answer_p={target} must be in (0, 1) (a probability) or null")
+    c = cfg.critic
+    if c.pretrain_steps < 0:
+        problems.append(f"critic.pretrain_steps={c.pretrain_steps} must be >= 0")
+    if c.pretrain_target_ev is not None and not (c.pretrain_target_ev < 1 and c.pretrain_steps > 0):
+        problems.append(f"critic.pretrain_target_ev={c.pretrain_target_ev} needs critic.pretrain_steps > 0 (the cap) "
+                        "and a value < 1 (explained variance is at most 1)")
+    if c.pretrain_steps > 0:
+        from portrl.trainer.advantage import needs_values
+
+        if not needs_values(cfg):
+            problems.append(f"critic.pretrain_steps={c.pretrain_steps} pretrains a critic, but none runs: set "
+                            "critic.enable=true or use a GAE estimator (gae, vcppo_gae, vapo_gae)")
     return problems
 
 

@@ -217,6 +217,11 @@ class CriticConfig:
     loss_agg_mode: Optional[str] = None  # None = the actor's
     ppo_epochs: Optional[int] = None  # None = the actor's
     warmup_steps: int = 0  # critic-only steps before the actor starts updating (VC-PPO value pretraining)
+    # value pretraining (VAPO): critic-only steps on rollouts of the starting policy before RL step 1, not
+    # counted in trainer.total_steps; pretrain_steps is the cap, pretrain_target_ev an early stop on the
+    # explained variance (mean over the last PRETRAIN_EV_WINDOW batches, portrl.trainer.value_pretrain)
+    pretrain_steps: int = 0
+    pretrain_target_ev: Optional[float] = None
 
 
 @dataclass

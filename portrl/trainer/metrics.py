@@ -1,8 +1,10 @@
 """Per-step metrics from a trained batch (verl's names) and timing.
 
 Data metrics: ``critic/score/{mean,max,min}`` (sequence score from the reward), ``critic/rewards/*``
-(after KL in the reward), ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (when a
-critic runs), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``critic/acc/<src>``,
+(after KL in the reward), ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` and
+``critic/vf_explained_var`` (when a critic runs; the values are the critic's before this step's update,
+so it is measured on data the critic has not trained on; left out when every response scored the
+same), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``critic/acc/<src>``,
 ``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max,min}``. Throughput:
 ``perf/tokens_per_s`` (prompt + response tokens of the step / step time),
 ``perf/gen_tokens_per_s`` (response tokens / generation time).
@@ -10,6 +12,7 @@ critic runs), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from typing import Dict, Iterator
@@ -39,6 +42,12 @@ def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
     for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
         if key in t:
             out.update(_stats(name, t[key][mask]))
+    if "values" in t and "returns" in t:
+        from portrl.algo import explained_variance
+
+        ev = float(explained_variance(t["returns"], t["values"], mask))
+        if math.isfinite(ev):
+            out["critic/vf_explained_var"] = ev
     if "acc" in t:
         out["critic/acc/mean"] = float(t["acc"].float().mean())
     sources = batch.meta.get("data_source")

@@ -9,6 +9,9 @@ One step::
       -> critic values -> KL in the reward -> advantages -> critic update -> actor update
       -> weight sync to the rollout engine -> metrics
 
+Before step 1 of a fresh run: the SFT warm start (``model.sft_warm_start``), then value pretraining
+(``critic.pretrain_steps``, portrl.trainer.value_pretrain).
+
 Validation (greedy by default, mean@k accuracy per data source) runs before training and every
 ``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL
 controller) every ``trainer.save_freq`` steps through CheckpointManager; ``trainer.resume`` =
@@ -128,8 +131,9 @@ class RLTrainer:
         return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
 
     # ------------------------------------------------------------------------------------ phases
-    def _rollout(self, step: int, timer: Timer) -> tuple:
-        """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups."""
+    def _rollout(self, step: int, timer: Timer, for_update: bool = True) -> tuple:
+        """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups.
+        ``for_update``: the actor will train on this batch (it may record the rollout's forward for that)."""
         cfg = self.cfg
         fg = cfg.algorithm.filter_groups
         want = int(cfg.data.train_batch_size)
@@ -140,7 +144,7 @@ class RLTrainer:
             prompts = self._next_prompts()
             with timer("gen"):
                 sampling = self._sampling(self._gen_seed(step, gen_batches))
-                extra = {"for_update": True} if self.gen is self.actor else {}  # the actor may record the forward
+                extra = {"for_update": for_update} if self.gen is self.actor else {}
                 batch = self.gen.call("generate_from", prompts, sampling, **extra)
             gen_batches += 1
             with timer("reward"):
@@ -307,6 +311,10 @@ class RLTrainer:
             self.actor.call("init_reference")
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
             self.weight_link.sync()
+        if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
+            from portrl.trainer.value_pretrain import pretrain_critic
+
+            summary.update(pretrain_critic(self))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
         try:
@@ -383,5 +391,6 @@ def _prompt_batch(pb: Any) -> Batch:
 def run_training(cfg: Any) -> Dict[str, Any]:
     """Run RL training as configured; returns ``{"run_dir", "steps", "val_before" (before any training,
     SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
-    "resumed_from"?, "sft/*"?}`` (validation accuracies are val/acc/mean, None without validation)."""
+    "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}`` (validation accuracies are val/acc/mean, None
+    without validation; critic/pretrain_* from portrl.trainer.value_pretrain)."""
     return RLTrainer(cfg).fit()
