@@ -58,12 +58,15 @@ def pretrain_critic(trainer: Any) -> Dict[str, float]:
         if math.isfinite(ev):
             recent.append(ev)
         trainer.critic.call("update_critic", batch, advance_schedule=False)
-        mean = sum(recent) / len(recent) if recent else float("nan")
+        mean = _mean(recent)
         if k % LOG_EVERY == 0:
             log.info("value pretraining: step %d/%d, explained variance %.3f (mean of the last %d batches)",
                      k, steps, mean, len(recent))
         if target is not None and len(recent) == PRETRAIN_EV_WINDOW and mean >= float(target):
             break
-    mean = sum(recent) / len(recent) if recent else float("nan")
-    return {"critic/pretrain_steps": float(done), "critic/pretrain_ev": mean,
+    return {"critic/pretrain_steps": float(done), "critic/pretrain_ev": _mean(recent),
             "critic/pretrain_time_s": time.perf_counter() - started}
+
+
+def _mean(values: deque) -> float:
+    return sum(values) / len(values) if values else float("nan")
