@@ -57,12 +57,13 @@ def main(argv=None) -> int:
 
     from portrl.models import compute_logprobs, load_causal_lm, write_tiny_model
 
-    path = write_tiny_model(tempfile.mkdtemp() + "/model", hidden_size=a.hidden, num_layers=a.layers,
-                            num_heads=max(1, a.hidden // 64), num_kv_heads=max(1, a.hidden // 128))
-    models = {
-        "padded": (load_causal_lm(path, backend=a.device, attn_impl="hf_sdpa"), False),
-        "packed": (load_causal_lm(path, backend=a.device), True),
-    }
+    with tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
+        path = write_tiny_model(tmp + "/model", hidden_size=a.hidden, num_layers=a.layers,
+                                num_heads=max(1, a.hidden // 64), num_kv_heads=max(1, a.hidden // 128))
+        models = {
+            "padded": (load_causal_lm(path, backend=a.device, attn_impl="hf_sdpa"), False),
+            "packed": (load_causal_lm(path, backend=a.device), True),
+        }
     ids, mask, T = make_batch(a.batch, a.max_len)
     real_tokens = int(mask.sum())
 

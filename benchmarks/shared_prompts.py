@@ -62,9 +62,10 @@ def main(argv=None) -> int:
     from portrl.models import compute_logprobs, load_causal_lm, write_tiny_model
     from portrl.models.prefix_sharing import plan_shared_prompts
 
-    path = write_tiny_model(tempfile.mkdtemp() + "/model", hidden_size=a.hidden, num_layers=a.layers,
-                            num_heads=max(1, a.hidden // 64), num_kv_heads=max(1, a.hidden // 256))
-    model = load_causal_lm(path, backend="cpu")
+    with tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
+        path = write_tiny_model(tmp + "/model", hidden_size=a.hidden, num_layers=a.layers,
+                                num_heads=max(1, a.hidden // 64), num_kv_heads=max(1, a.hidden // 256))
+        model = load_causal_lm(path, backend="cpu")
     ids, mask, T = make_batch(a.prompts, a.samples, a.prompt_len, a.response_len)
     tokens = {"packed": int(mask.sum()), "shared": plan_shared_prompts(ids, mask, T).flat_ids.numel()}
 
