@@ -54,6 +54,24 @@ def test_grpo_run_summary_metrics_and_export(tiny_model, tmp_path, monkeypatch):
     assert all(math.isfinite(v) for v in step.values() if isinstance(v, float))
 
 
+def test_a_resumed_run_summarises_the_whole_run(tiny_model, tmp_path, monkeypatch):
+    """Re-launching a run resumes it; its summary's accuracy before / after and tokens/s come from the whole run
+    (metrics.jsonl), not only from the steps this process ran."""
+    from portrl.cli.train import format_summary
+    from portrl.trainer import run_training
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    over = {"trainer.save_freq": 1, "trainer.test_freq": 1, "trainer.resume": "auto"}
+    first = run_training(_cfg(tiny_model, tmp_path / "run", **over))
+    finished = run_training(_cfg(tiny_model, tmp_path / "run", **over))  # nothing left to run
+    assert "resumed_from" in finished and finished["steps"] == 2
+    assert f"resumed from       {finished['resumed_from']}" in format_summary(finished)
+    for key in ("val_before", "val_after", "tokens_per_s"):
+        assert first[key] is not None and finished[key] == first[key], key
+    rows = _rows(tmp_path / "run")
+    assert first["val_before"] == rows[0]["val/acc/mean"] and first["val_after"] == rows[-1]["val/acc/mean"]
+
+
 def test_ppo_with_critic_kl_in_reward_runs(tiny_model, tmp_path, monkeypatch):
     from portrl.trainer import run_training
 

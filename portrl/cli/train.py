@@ -26,6 +26,8 @@ def format_summary(summary: dict) -> str:
         return "n/a" if v is None else f"{100 * float(v):.1f}%"
 
     lines = ["", "== portrl run summary =="]
+    if summary.get("resumed_from"):
+        lines.append(f"resumed from       {summary['resumed_from']}")
     if "sft/loss_first" in summary:
         stopped = "" if "sft/answer_p" not in summary else f", stopped at P(answer) {summary['sft/answer_p']:.2f}"
         lines.append(f"SFT warm start     loss {summary['sft/loss_first']:.3f} -> {summary['sft/loss_last']:.3f} "

@@ -317,6 +317,9 @@ class RLTrainer:
             summary.update(pretrain_critic(self))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
+        earlier = self._logged_before_resume() if resume is not None else []
+        if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:
+            summary["val_before"] = earlier[0]["val/acc/mean"]
         try:
             self._loop(tracker, resume, summary)
         except Exception as exc:
@@ -327,7 +330,7 @@ class RLTrainer:
             raise
         finally:
             tracker.close()
-        return self._finish(summary, started)
+        return self._finish(summary, started, earlier)
 
     def _loop(self, tracker: Any, resume: Optional[Path], summary: Dict[str, Any]) -> None:
         t = self.cfg.trainer
@@ -354,7 +357,15 @@ class RLTrainer:
                 self.save_checkpoint()
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
 
-    def _finish(self, summary: Dict[str, Any], started: float) -> Dict[str, Any]:
+    def _logged_before_resume(self) -> List[Dict[str, Any]]:
+        """The metrics a resumed run logged before its checkpoint (``metrics.jsonl``, already cut at the resume
+        step by the Tracker), so that its summary covers the whole run; [] when that file was not kept."""
+        from portrl.trainer.tracking import METRICS_FILE, read_metrics
+
+        path = self.out_dir / METRICS_FILE
+        return read_metrics(path) if path.exists() else []
+
+    def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer
         if t.export_hf:
             summary["export_dir"] = first(self.actor.call("export_hf", str(self.out_dir / "hf_model")))
@@ -365,10 +376,11 @@ class RLTrainer:
                 summary["plots"] = [str(p) for p in plot_run(str(self.out_dir))]
             except ImportError as exc:  # matplotlib is a dependency, but a broken install must not lose the run
                 log.warning("plotting skipped: %s", exc)
-        vals = [h["val/acc/mean"] for h in self.history if "val/acc/mean" in h]
+        records = [r for r in earlier if int(r.get("step", 0)) > 0] + self.history  # step 0: val_before only
+        vals = [h["val/acc/mean"] for h in records if "val/acc/mean" in h]
         summary.update({"steps": self.global_step, "val_after": vals[-1] if vals else None,
                         "time_s": time.perf_counter() - started})
-        tps = [h["perf/tokens_per_s"] for h in self.history if "perf/tokens_per_s" in h]
+        tps = [h["perf/tokens_per_s"] for h in records if "perf/tokens_per_s" in h]
         summary["tokens_per_s"] = sum(tps) / len(tps) if tps else None
         return summary
 
