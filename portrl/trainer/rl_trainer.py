@@ -358,12 +358,13 @@ class RLTrainer:
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
 
     def _logged_before_resume(self) -> List[Dict[str, Any]]:
-        """The metrics a resumed run logged before its checkpoint (``metrics.jsonl``, already cut at the resume
-        step by the Tracker), so that its summary covers the whole run; [] when that file was not kept."""
+        """The metrics a resumed run logged up to its checkpoint's step (``metrics.jsonl``), so that its summary
+        covers the whole run; [] when that file was not kept."""
         from portrl.trainer.tracking import METRICS_FILE, read_metrics
 
         path = self.out_dir / METRICS_FILE
-        return read_metrics(path) if path.exists() else []
+        rows = read_metrics(path) if path.exists() else []
+        return [r for r in rows if int(r.get("step", 0)) <= self.global_step]
 
     def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer
