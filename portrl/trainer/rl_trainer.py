@@ -288,7 +288,7 @@ class RLTrainer:
     def fit(self) -> Dict[str, Any]:
         """Run to ``trainer.total_steps``; returns the summary dict (see :func:`run_training`)."""
         from portrl.trainer.checkpoint import CheckpointManager
-        from portrl.trainer.tracking import Tracker
+        from portrl.trainer.tracking import Tracker, read_metrics_up_to
 
         cfg, t = self.cfg, self.cfg.trainer
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", max_to_keep=int(t.max_ckpt_to_keep))
@@ -317,7 +317,8 @@ class RLTrainer:
             summary.update(pretrain_critic(self))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
-        earlier = self._logged_before_resume() if resume is not None else []
+        # a resumed run's summary covers the whole run: its earlier steps come back from metrics.jsonl
+        earlier = read_metrics_up_to(self.out_dir, self.global_step) if resume is not None else []
         if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:
             summary["val_before"] = earlier[0]["val/acc/mean"]
         try:
@@ -356,15 +357,6 @@ class RLTrainer:
                 with_time = time.perf_counter()
                 self.save_checkpoint()
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
-
-    def _logged_before_resume(self) -> List[Dict[str, Any]]:
-        """The metrics a resumed run logged up to its checkpoint's step (``metrics.jsonl``), so that its summary
-        covers the whole run; [] when that file was not kept."""
-        from portrl.trainer.tracking import METRICS_FILE, read_metrics
-
-        path = self.out_dir / METRICS_FILE
-        rows = read_metrics(path) if path.exists() else []
-        return [r for r in rows if int(r.get("step", 0)) <= self.global_step]
 
     def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer

@@ -70,11 +70,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def read_metrics_up_to(path: str | os.PathLike, step: int) -> list[dict]:
+    """The records of :func:`read_metrics` with ``step <=`` the given step; [] when there is no such file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    return [r for r in read_metrics(path) if int(r.get("step", 0)) <= step] if path.exists() else []
+
+
 def _truncate_after(path: Path, resume_step: int) -> None:
     """Keep only records with step <= resume_step (atomic rewrite)."""
     if not path.exists():
         return
-    kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= resume_step]
+    kept = read_metrics_up_to(path, resume_step)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
         for r in kept:
