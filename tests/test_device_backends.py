@@ -288,3 +288,19 @@ def test_npu_extra_in_pyproject_is_a_compat_row():
     pins = dict(req.split("==") for req in extra)
     row = npu_versions.NPU_EXTRA_ROW.pins
     assert pins == {"torch-npu": row["torch-npu"], "vllm-ascend": row["vllm-ascend"]}
+
+
+@pytest.mark.parametrize("cpuinfo, want", [
+    ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n", ("avx512_bf16", "amx_bf16")),
+    ("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n", ()),  # AVX2 only: bf16 is emulated
+    ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n", ("bf16",)),  # Arm (Graviton 3, Grace)
+    ("", ()),
+])
+def test_cpu_native_bf16_flags(cpuinfo, want, monkeypatch):
+    assert cpu_mod.native_bf16_features(cpuinfo) == want
+    monkeypatch.setattr(cpu_mod, "native_bf16_features", lambda cpuinfo=None: want)
+    backend = cpu_mod.CPUBackend()
+    assert backend.supports_bf16() is bool(want) and backend.supported_dtypes()[0] == "float32"
+    (check,) = backend.doctor_checks()
+    assert check.name == "bfloat16" and check.status == ("ok" if want else "warn")
+    assert want or "device.dtype=float32" in check.fix

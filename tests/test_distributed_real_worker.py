@@ -134,6 +134,33 @@ def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
     _assert_same_weights(group.full_weights(), after)
 
 
+def test_bf16_under_fsdp_trains_float32_shards_and_checkpoints_move_to_one_worker(path):
+    """bfloat16 compute: FSDP2 keeps float32 sharded parameters (MixedPrecisionPolicy), one worker keeps float32
+    masters (portrl.workers.master_weights); both update alike and share one checkpoint format."""
+    cfg = _cfg(path, **{"device.dtype": "bfloat16", "actor.ppo_epochs": 1})
+    group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_bf16")
+    try:
+        assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+        ref = ActorRolloutWorker(cfg)
+        assert ref.master.active and next(ref.module.parameters()).dtype == torch.bfloat16
+        b = _batch(5)
+        m1, m2 = ref.update_actor(b), group.call("update_actor", b)
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=0.02)
+        state = group.call_rank0("state_dict")
+        floats = {k: v for k, v in state["model"].items() if v.is_floating_point()}
+        assert floats and all(v.dtype == torch.float32 for v in floats.values())
+        want = ref.state_dict()["model"]
+        assert all(want[k].dtype == torch.float32 for k in floats)  # the masters (tied lm_head included)
+        for k in floats:  # the same float32 masters, to bfloat16 compute noise
+            torch.testing.assert_close(floats[k], want[k], rtol=0, atol=2e-5, msg=k)
+        one = ActorRolloutWorker(cfg)
+        one.load_state_dict(state)
+        for n, m in zip(one.master.names, one.master.masters):
+            assert torch.equal(m.detach(), state["model"][n])
+    finally:
+        group.shutdown()
+
+
 def test_ddp_real_workers_match_one(path):
     cfg = _cfg(path, **{"actor.strategy": "ddp"})
     group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_ddp")

@@ -51,6 +51,7 @@ def run(args) -> int:
     from portrl.models import load_causal_lm, load_tokenizer
     from portrl.trainer import run_sft
     from portrl.trainer.resources import resolve_model_path
+    from portrl.workers.master_weights import MasterWeights, load_dtype
     from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
 
     opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)
@@ -63,9 +64,11 @@ def run(args) -> int:
     setup_process(cfg, backend)
     path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
-    model = load_causal_lm(path, dtype=resolve_dtype(cfg, backend), backend=backend,
+    dtype = resolve_dtype(cfg, backend)
+    model = load_causal_lm(path, dtype=load_dtype(dtype), backend=backend,
                            attn_impl=cfg.model.attn_impl, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
                            device=backend.device(None if backend.device_type == "cpu" else 0))
+    master = MasterWeights(model, dtype)  # float32 masters; bf16 / fp16 compute casts the model
     try:
         rows = _rows(cfg, tokenizer, opts.train_files)
     except (ValueError, FileNotFoundError) as exc:
@@ -73,7 +76,7 @@ def run(args) -> int:
         return 2
     steps = opts.steps or int(cfg.model.sft_steps)
     metrics = run_sft(cfg, model, tokenizer, rows, steps, opts.lr, opts.batch_size, seed=int(cfg.trainer.seed),
-                      log_every=max(1, steps // 10))
+                      log_every=max(1, steps // 10), master=master)
     out = Path(opts.output or Path(str(cfg.trainer.output_dir)) / "sft")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -162,6 +162,7 @@ class Backend:
         return ("bfloat16", "float16", "float32") if self.supports_bf16() else ("float16", "float32")
 
     def supports_bf16(self) -> bool:
+        """Whether the device computes bfloat16 natively (bf16 may still run where it is emulated, slowly)."""
         return True
 
     def fp8_dtype(self) -> str | None:

@@ -27,11 +27,13 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from portrl.workers.batch import Batch
+from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.objectives import ADDITIVE_METRICS, actor_loss
 from portrl.workers.training import (
     all_reduce_sum,
     build_lr_scheduler,
     build_optimizer,
+    clip_and_step,
     combine_micro_metrics,
     global_counts,
     mean_metrics,
@@ -55,10 +57,15 @@ class ActorRolloutWorker:
         if not path:
             raise ValueError("ActorRolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
         self.model_path = str(path)
-        self.dtype = resolve_dtype(cfg, self.backend)
+        self.dtype = resolve_dtype(cfg, self.backend)  # the compute dtype (engine copy, reference, export)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
-        self.module = load_causal_lm(self.model_path, dtype=self.dtype, backend=self.backend,
-                                     attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
+        self.strategy = "none"
+        if world_size > 1:
+            from portrl.workers.parallel import resolve_strategy
+
+            self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+        self.module = load_causal_lm(self.model_path, dtype=load_dtype(self.dtype),
+                                     backend=self.backend, attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
                                      gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
         self.module.to(self.device).eval()
         self.lora = int(cfg.actor.lora_rank) > 0
@@ -66,17 +73,18 @@ class ActorRolloutWorker:
             from portrl.workers.lora import apply_lora
 
             self.module = apply_lora(self.module, cfg)
-        self.strategy = "none"
-        if world_size > 1:
-            from portrl.workers.parallel import resolve_strategy
-
-            self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
         self.separated = str(cfg.rollout.placement) == "separated"
         # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
         # sharding, refreshed by sync_weights); otherwise the hf engine shares the trainer's module.
         engine_model = self._plain_copy() if self.strategy == "fsdp" and not self.separated else None
+        # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
+        # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.
+        if self.strategy != "fsdp":
+            self.master = MasterWeights(self.module, self.dtype)
         self.train_module = self._wrap(self.module)
-        self.optimizer = build_optimizer(self.module.parameters(), cfg.actor.optim)
+        if self.strategy == "fsdp":
+            self.master = MasterWeights(self.module)
+        self.optimizer = build_optimizer(self.master.masters, cfg.actor.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, int(cfg.trainer.total_steps))
         self.ref_module: Optional[torch.nn.Module] = None
         self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
@@ -94,7 +102,8 @@ class ActorRolloutWorker:
         from portrl.models import compute_logprobs
         from portrl.workers.parallel import ForwardModule, wrap_model
 
-        return wrap_model(ForwardModule(module, compute_logprobs), self.strategy, self.backend, device=self.device)
+        return wrap_model(ForwardModule(module, compute_logprobs), self.strategy, self.backend, device=self.device,
+                          compute_dtype=self.dtype)
 
     def _plain_copy(self) -> torch.nn.Module:
         """A frozen, unwrapped, unsharded copy of the policy with any LoRA deltas merged in (a collective
@@ -248,7 +257,7 @@ class ActorRolloutWorker:
                         "loss_scale_factor": int(self.cfg.data.max_response_length)}
                 if "dpo_valid" in mini:
                     info["num_pairs"] = all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]
-                self.optimizer.zero_grad(set_to_none=True)
+                self.master.zero_grad()
                 micro_rows: List[Dict[str, float]] = []
                 micros = split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device),
                                              cfg.max_tokens_per_micro_batch)
@@ -270,18 +279,7 @@ class ActorRolloutWorker:
         return out
 
     def _step(self) -> float:
-        clip = float(self.cfg.actor.optim.grad_clip)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.world_size > 1:  # DTensor gradients under FSDP2: the norm is reduced over the mesh
-            from portrl.workers.parallel import clip_grad_norm
-
-            norm = torch.tensor(clip_grad_norm(params, clip))
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if torch.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return clip_and_step(self.optimizer, self.master, float(self.cfg.actor.optim.grad_clip))
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
@@ -290,7 +288,7 @@ class ActorRolloutWorker:
         wrapped = self.train_module is not self.module
         return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
                        batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
-                       forward=self.train_module if wrapped else None,
+                       forward=self.train_module if wrapped else None, master=self.master,
                        log_every=max(1, steps // 10) if self.rank == 0 else 0)
 
     # ---------------------------------------------------------------------------- weight sync
@@ -317,9 +315,7 @@ class ActorRolloutWorker:
         """model, optimizer, scheduler, RNG (and the reference when one exists). Under FSDP2 the model and
         optimizer states are gathered to full tensors keyed by parameter name, so a checkpoint loads into any
         number of workers (a collective under FSDP2: every rank calls it; each gets it all)."""
-        from portrl.workers.parallel import full_train_state
-
-        model_sd, optim_sd = full_train_state(self.module, self.optimizer)
+        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
         state = {"model": model_sd, "optimizer": optim_sd,
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "update_count": self.update_count}
         if self.ref_module is not None:
@@ -328,9 +324,7 @@ class ActorRolloutWorker:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The inverse of :meth:`state_dict` (every rank gets the same full state)."""
-        from portrl.workers.parallel import load_full_train_state
-
-        load_full_train_state(self.module, self.optimizer, state["model"], state["optimizer"])
+        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.update_count = int(state.get("update_count", 0))

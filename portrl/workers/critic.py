@@ -16,10 +16,12 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 
 from portrl.workers.batch import Batch
+from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.setup import resolve_dtype, start_worker
 from portrl.workers.training import (
     build_lr_scheduler,
     build_optimizer,
+    clip_and_step,
     combine_micro_metrics,
     global_counts,
     mean_metrics,
@@ -71,24 +73,34 @@ class CriticWorker:
             raise ValueError("CriticWorker: no model path (critic.model_path, or the actor's model.path)")
         with torch.random.fork_rng(devices=[]):  # building the critic must not shift the run's RNG stream
             torch.manual_seed(int(cfg.trainer.seed) + 1)
-            lm = load_causal_lm(str(path), dtype=resolve_dtype(cfg, self.backend), backend=self.backend,
+            self.dtype = resolve_dtype(cfg, self.backend)
+            self.strategy = "none"
+            if world_size > 1:
+                from portrl.workers.parallel import resolve_strategy
+
+                self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+            lm = load_causal_lm(str(path), dtype=load_dtype(self.dtype), backend=self.backend,
                                 attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
                                 gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
             self.module = ValueModel(lm).to(self.device).eval()
+        # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
+        # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.
+        if self.strategy != "fsdp":
+            self.master = MasterWeights(self.module, self.dtype)
         self.train_module = self._wrap(self.module)
-        self.optimizer = build_optimizer(self.module.parameters(), cfg.critic.optim)
+        if self.strategy == "fsdp":
+            self.master = MasterWeights(self.module)
+        self.optimizer = build_optimizer(self.master.masters, cfg.critic.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.critic.optim, int(cfg.trainer.total_steps))
 
     def _wrap(self, module):
         """DDP / FSDP2 over the ValueModel itself: its forward is the whole value computation, so the
         wrapper's root forward sees it (no ForwardModule needed)."""
-        self.strategy = "none"
         if self.world_size <= 1:
             return module
-        from portrl.workers.parallel import resolve_strategy, wrap_model
+        from portrl.workers.parallel import wrap_model
 
-        self.strategy = resolve_strategy(str(self.cfg.actor.strategy), self.backend)
-        return wrap_model(module, self.strategy, self.backend, device=self.device)
+        return wrap_model(module, self.strategy, self.backend, device=self.device, compute_dtype=self.dtype)
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
@@ -121,7 +133,7 @@ class CriticWorker:
                 tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
                 counts = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
                           "loss_scale_factor": int(self.cfg.data.max_response_length)}
-                self.optimizer.zero_grad(set_to_none=True)
+                self.master.zero_grad()
                 micro_rows = []
                 micros = split_micro_batches(mini, int(a.ppo_micro_batch_size_per_device), a.max_tokens_per_micro_batch)
                 for micro in same_piece_count(mini, micros, self.world_size):
@@ -144,28 +156,14 @@ class CriticWorker:
         return out
 
     def _step(self) -> float:
-        clip = float(self.cfg.critic.optim.grad_clip)
-        if self.world_size > 1:  # DTensor gradients under FSDP2: the norm is reduced over the mesh
-            from portrl.workers.parallel import clip_grad_norm
-
-            norm = torch.tensor(clip_grad_norm(self.module, clip))
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
-        if torch.isfinite(norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return clip_and_step(self.optimizer, self.master, float(self.cfg.critic.optim.grad_clip))
 
     def state_dict(self) -> Dict[str, Any]:
         """model, optimizer, scheduler (the process RNG is the actor worker's to save); full tensors keyed by
         parameter name, whatever the number of workers (a collective under FSDP2: every rank calls it)."""
-        from portrl.workers.parallel import full_train_state
-
-        model_sd, optim_sd = full_train_state(self.module, self.optimizer)
+        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from portrl.workers.parallel import load_full_train_state
-
-        load_full_train_state(self.module, self.optimizer, state["model"], state["optimizer"])
+        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -120,10 +120,14 @@ def _block_classes(model: nn.Module) -> set:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[torch.device] = None) -> nn.Module:
+def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[torch.device] = None,
+               compute_dtype: Union[str, torch.dtype, None] = None) -> nn.Module:
     """The model wrapped for data parallelism over the default process group (see the module docstring).
 
     ``device``: where the model lives (default ``backend.device()``); the model is moved there first.
+    ``compute_dtype`` (FSDP2): a bfloat16 / float16 compute dtype for a float32 model gets
+    ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)``: the sharded float32
+    parameters are the master weights, gathered in the compute dtype, gradients reduced in float32.
     FSDP2 shards in place and returns the same module object (now holding DTensors); DDP returns a wrapper
     whose ``.module`` is the model.
     """
@@ -138,14 +142,18 @@ def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[tor
         ids = None if device.type == "cpu" else [device]
         return DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dp_world_size(),))
+    kwargs = {"mesh": mesh}
+    compute = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
+    if compute in (torch.bfloat16, torch.float16) and next(model.parameters()).dtype == torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     blocks = _block_classes(model)
     for m in model.modules():
         if type(m) in blocks:
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -45,6 +46,10 @@ def resolve_dtype(cfg: Any, backend: Any) -> str:
     valid = tuple(backend.supported_dtypes())
     if dtype not in valid:
         raise ValueError(f"dtype {dtype!r} is not supported by backend {backend.name!r}; valid: {list(valid)}")
+    if dtype == "bfloat16" and not backend.supports_bf16():
+        logging.getLogger(__name__).warning(
+            "device.dtype=bfloat16 on %s, which has no native bfloat16 arithmetic: it is emulated and several "
+            "times slower than float32 (portrl doctor); float32 master weights keep the updates exact", backend.name)
     return str(dtype)
 
 

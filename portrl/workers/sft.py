@@ -9,7 +9,6 @@ warm-up over the first 5% of steps then cosine decay to 10%, gradient clipping a
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -17,7 +16,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from portrl.workers.batch import build_rollout_batch
-from portrl.workers.training import all_reduce_sum, lr_multiplier
+from portrl.workers.master_weights import MasterWeights
+from portrl.workers.training import all_reduce_sum, clip_and_step, lr_multiplier
 
 Row = Union[Mapping[str, Any], Any]
 
@@ -50,7 +50,8 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
             batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
             seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None,
             schedule_steps: Optional[int] = None, stop: Optional[Callable[[int], bool]] = None,
-            target_answer_p: Optional[float] = None, check_every: int = 50) -> Dict[str, float]:
+            target_answer_p: Optional[float] = None, check_every: int = 50,
+            master: Optional[MasterWeights] = None) -> Dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps of ``batch_size`` examples (per rank).
 
     ``schedule_steps``: the length the LR schedule (warm-up, cosine) is laid out for; default ``steps``.
@@ -65,6 +66,9 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     ``steps`` stays the schedule's length and the cap. Where a given step count gets this SFT moves with
     floating-point details; a stop on the model's own answers follows the model instead.
 
+    ``master``: the :class:`~portrl.workers.master_weights.MasterWeights` that own ``model``'s float32 weights
+    (a worker's, so the SFT updates the masters its RL optimizer steps from); None = made here.
+
     ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
     chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
     data-parallel worker passes its wrapped model (portrl.workers.parallel.ForwardModule under DDP /
@@ -78,7 +82,6 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     from functools import partial
 
     from portrl.models import compute_logprobs
-    from portrl.workers.parallel import clip_grad_norm
 
     forward = forward or partial(compute_logprobs, model)
     if steps < 1 or batch_size < 1 or lr <= 0:
@@ -89,8 +92,8 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     data = encode_sft_rows(tokenizer, rows)
     device = device or next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    master = master or MasterWeights(model)  # float32 masters (of the weights as they are, if none are given)
+    opt = torch.optim.AdamW(master.masters, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
     warmup = max(1, schedule // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, schedule, warmup, "cosine", 0.1))
     rng = random.Random(f"sft:{seed}:{rank}" if world_size > 1 else f"sft:{seed}")
@@ -125,10 +128,9 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
         logp, _ = forward(b.tensors["input_ids"], b.tensors["attention_mask"],
                           response_length=mask.shape[1], packed=packed, chunk_size=chunk)
         loss = -(logp * mask).sum() / n_tok * world_size
-        opt.zero_grad(set_to_none=True)
+        master.zero_grad()
         loss.backward()
-        if math.isfinite(clip_grad_norm(params, grad_clip)):
-            opt.step()
+        clip_and_step(opt, master, grad_clip)
         sched.step()
         losses.append(float(loss.detach()) / world_size)
         tokens += int(b.tensors["attention_mask"].sum())

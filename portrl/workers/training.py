@@ -41,6 +41,22 @@ def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimiz
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
+def clip_and_step(optimizer: torch.optim.Optimizer, master, clip: float) -> float:
+    """One optimizer step over ``master`` (a :class:`~portrl.workers.master_weights.MasterWeights` whose
+    masters the optimizer holds): gradients to the float32 masters, clipped to total L2 norm ``clip``
+    (``clip <= 0`` only measures), the step (skipped when the norm is not finite), the masters rounded back
+    into the compute parameters, every gradient freed. Returns the norm before clipping."""
+    from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) gradients alike
+
+    master.grads_to_masters()
+    norm = clip_grad_norm(master.masters, clip)
+    if math.isfinite(norm):
+        optimizer.step()
+        master.masters_to_params()
+    master.zero_grad()
+    return norm
+
+
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, scheduler: str, min_lr_ratio: float) -> float:
     """LR factor at optimizer step ``step`` (0-based): linear warm-up ``(step+1)/warmup`` for ``step < warmup``,
     then constant 1, cosine ``m + (1-m)(1+cos(pi p))/2`` or linear ``1 - (1-m) p`` with progress

@@ -1,0 +1,31 @@
+"""The error policy every ``portrl`` command follows.
+
+A mistake in what the user gave (a config key or value, a CLI flag, a data file or row, a model directory, a
+checkpoint, a reward file, a device) raises :class:`UserError` (or a subclass). ``portrl.cli.main`` prints
+it as one line and exits 2::
+
+    portrl <command>: error: <what is wrong>; <what is valid or how to fix it>
+
+never with a traceback (``--debug`` or ``PORTRL_DEBUG=1`` adds it). Any other exception is an internal error
+and keeps its traceback. The message names where a value came from (``--device``, ``$PORTRL_DEVICE``, a
+preset, the config file, an override) when that is known.
+"""
+
+from __future__ import annotations
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Bad input from the user; the message is the whole explanation (one line, no trailing period needed)."""
+
+    exit_code = EXIT_USER_ERROR
+
+
+class RunStopped(Exception):
+    """A run stopped on purpose before its end (SIGINT, SIGTERM): ``portrl.cli.main`` prints the message as one
+    line (where to resume from) and exits ``exit_code`` (130 for SIGINT, 143 for SIGTERM), no traceback."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = int(exit_code)
