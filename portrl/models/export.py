@@ -1,0 +1,77 @@
+"""A trained policy written back as the user's model: new weights, the user's own config and tokenizer files.
+
+Training changes a loaded model in memory in ways that are not part of the model: gradient checkpointing sets
+``config.use_cache = False``, and a tokenizer loaded with ``from_pretrained(..., local_files_only=True)``
+would write that flag (and a pad token portrl filled in) into ``tokenizer_config.json``.
+:func:`export_pretrained` writes the weights and config with ``save_pretrained``, puts back the config keys of
+:data:`RUNTIME_CONFIG_KEYS` as the source directory had them, and copies the tokenizer files byte for byte
+from the tokenizer's source directory. The directory is written under a unique temporary name beside
+``out_dir`` with ordinary permissions (umask) and renamed into place; an older export there is replaced
+only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+RUNTIME_CONFIG_KEYS = ("use_cache",)  # set in memory for training, not properties of the model
+
+
+def restore_config(saved: Path, source: Path) -> None:
+    """Put :data:`RUNTIME_CONFIG_KEYS` of the ``saved`` config.json back to their values in ``source`` (a key the
+    source does not have is removed, so the library default applies as it did for the source)."""
+    if not source.is_file():
+        return
+    want = json.loads(source.read_text())
+    got = json.loads(saved.read_text())
+    for key in RUNTIME_CONFIG_KEYS:
+        if key in want:
+            got[key] = want[key]
+        else:
+            got.pop(key, None)
+    saved.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> list:
+    """Copy the tokenizer files of ``source`` into ``dest`` (byte for byte); returns the names copied."""
+    names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+    for name in names:
+        shutil.copyfile(source / name, dest / name)
+    return names
+
+
+def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str | os.PathLike,
+                      tokenizer: Any = None, tokenizer_dir: Optional[str | os.PathLike] = None) -> Path:
+    """Write ``model`` (a transformers model) to ``out_dir`` as described in the module docstring.
+
+    ``source_dir``: the model directory training started from (its config.json is the reference);
+    ``tokenizer_dir``: where the tokenizer came from (default ``source_dir``). When that directory holds no
+    tokenizer files, ``tokenizer.save_pretrained`` writes them instead.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # mode 0o777 minus the umask: an ordinary directory, unlike tempfile.mkdtemp's 0o700
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        restore_config(tmp / "config.json", Path(source_dir) / "config.json")
+        if not copy_tokenizer_files(Path(tokenizer_dir or source_dir), tmp) and tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

