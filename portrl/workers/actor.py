@@ -24,10 +24,12 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from portrl.algo.rollout_correction import rollout_diff_stats
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.objectives import ADDITIVE_METRICS, actor_loss
 from portrl.workers.training import (
+    all_reduce_max,
     all_reduce_sum,
     build_lr_scheduler,
     build_optimizer,
@@ -240,6 +242,7 @@ class ActorRolloutWorker:
         # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
         # weights without bumping their version counters, so the tape's own check cannot see that step)
         tape, self._tape = self._tape, None
+        gaps: List[Dict[str, float]] = []  # rollout engine vs trainer on the same tokens (portrl.algo.rollout_correction)
         for epoch in range(int(cfg.ppo_epochs)):
             data = batch
             if cfg.shuffle:
@@ -258,6 +261,10 @@ class ActorRolloutWorker:
                 for micro in same_piece_count(mini, micros, self.world_size):
                     micro = micro.to(self.device)
                     logp, ent = self._forward(self.train_module, micro, with_entropy=True, tape=tape)
+                    if epoch == 0 and "rollout_log_probs" in micro:  # every row once, before its first step
+                        old = micro.tensors["old_log_probs"] if use_old else logp
+                        gaps.append(rollout_diff_stats(old, micro.tensors["rollout_log_probs"],
+                                                       micro.tensors["response_mask"]))
                     loss, m = actor_loss(self.cfg, micro, logp, ent, info, use_old=use_old)
                     loss.backward()
                     micro_rows.append(m)
@@ -270,7 +277,21 @@ class ActorRolloutWorker:
         out = mean_metrics(rows)
         out["actor/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
         out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out.update(self._rollout_gap_metrics(gaps))
         return out
+
+    def _rollout_gap_metrics(self, gaps: List[Dict[str, float]]) -> Dict[str, float]:
+        """verl's ``training/rollout_probs_diff_{mean,max}`` (``|p_trainer - p_rollout|``) and the same in log
+        space, over every response token of the step on every rank. Each rank calls it (collectives)."""
+        keys = ("probs_sum", "log_probs_sum", "tokens")
+        sums = all_reduce_sum([sum(g[k] for g in gaps) for k in keys], self.world_size)
+        maxes = all_reduce_max([max((g[k] for g in gaps), default=0.0) for k in ("probs_max", "log_probs_max")],
+                               self.world_size)
+        if sums[2] == 0:
+            return {}
+        return {"training/rollout_probs_diff_mean": sums[0] / sums[2], "training/rollout_probs_diff_max": maxes[0],
+                "training/rollout_log_probs_diff_mean": sums[1] / sums[2],
+                "training/rollout_log_probs_diff_max": maxes[1]}
 
     def _step(self) -> float:
         return clip_and_step(self.optimizer, self.master, float(self.cfg.actor.optim.grad_clip))

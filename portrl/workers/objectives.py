@@ -47,7 +47,8 @@ def _prefixed(metrics: Mapping[str, Any]) -> Dict[str, float]:
 def actor_loss(cfg: Any, micro: Batch, logp: torch.Tensor, entropy: Optional[torch.Tensor],
                info: Mapping[str, Any], use_old: bool) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Loss and ``actor/*`` metrics of one micro-batch (tensors on the training device)."""
-    from portrl.algo import agg_loss, get_policy_loss, kl_penalty
+    from portrl.algo import agg_loss, get_policy_loss, kl_penalty, masked_mean
+    from portrl.algo.rollout_correction import rollout_is_weights
 
     a = cfg.actor
     mode = str(a.loss_agg_mode)
@@ -59,8 +60,17 @@ def actor_loss(cfg: Any, micro: Batch, logp: torch.Tensor, entropy: Optional[tor
     metrics: Dict[str, float] = {}
     if objective == "policy_gradient":
         fn = get_policy_loss(str(a.policy_loss.loss_mode))
+        weights = micro.tensors.get("rollout_is_weights")
+        rc = cfg.algorithm.rollout_correction
+        if weights is None and rc.rollout_is:
+            if "rollout_log_probs" not in micro:
+                raise ValueError("algorithm.rollout_correction.rollout_is needs the rollout engine's log-probs, and "
+                                 "this batch has none")
+            weights = rollout_is_weights(old, micro.tensors["rollout_log_probs"], mask, str(rc.rollout_is),
+                                         float(rc.rollout_is_threshold))
+            metrics["rollout_corr/is_weight_mean"] = _scalar(masked_mean(weights, mask))
         loss, m = fn(old, logp, micro.tensors["advantages"], mask, mode, policy_loss_config(cfg, info),
-                     rollout_is_weights=micro.tensors.get("rollout_is_weights"))
+                     rollout_is_weights=weights)
         metrics.update(_prefixed(m))
         metrics["actor/pg_loss"] = _scalar(loss)
     elif objective in ("sppo", "dpo"):

@@ -98,6 +98,15 @@ def all_reduce_sum(values: List[float], world_size: int) -> List[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: List[float], world_size: int) -> List[float]:
+    """The maximum of a few numbers over the data-parallel group (identity on one rank)."""
+    if not dist_active(world_size):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
 def global_counts(response_mask: torch.Tensor, world_size: int) -> Tuple[int, int]:
     """(tokens, sequences) of a mini-batch summed over all data-parallel ranks."""
     tokens, seqs = all_reduce_sum([float(response_mask.sum()), float(response_mask.shape[0])], world_size)
