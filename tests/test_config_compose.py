@@ -20,7 +20,7 @@ def test_order_presets_then_user_yaml_then_overrides(tmp_path):
     assert cfg.actor.clip_ratio_low == 0.2  # algorithm preset
     assert cfg.actor.clip_ratio_high == 0.3  # user YAML beats the preset's 0.28
     assert cfg.actor.kl_loss_coef == 0.002  # override beats the YAML
-    assert cfg.model.gradient_checkpointing is False  # model preset beats the device preset
+    assert cfg.model.gradient_checkpointing is True  # the device preset's: the 0.5b model preset leaves it to the device
     assert cfg.actor.optim.lr == 1e-6  # the model preset sets learning rates
     assert cfg.device.preset == "h100" and cfg.device.name == "cuda" and cfg.algorithm.name == "dapo"
     assert cfg.reward.overlong_buffer.len == int(32 * 0.2)  # interpolation resolved after the YAML

@@ -115,7 +115,8 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None  # None = path
     dtype: Optional[str] = None  # None = the backend's preferred training dtype
     attn_impl: Optional[str] = None  # None = the backend's preferred varlen attention
-    gradient_checkpointing: bool = False
+    # recompute activations in backward; None = on for models of >= 100M parameters (portrl.workers.setup)
+    gradient_checkpointing: Optional[bool] = None
     use_packing: bool = True  # padding removed in training forwards
     share_prompts: bool = True  # packed forwards run each distinct prompt of a micro-batch once
     # on-policy updates replay the hf engine's recorded rollout matmuls instead of recomputing them (one process,

@@ -42,7 +42,7 @@ from portrl.workers.training import (
     set_rng_state,
     split_micro_batches,
 )
-from portrl.workers.setup import resolve_dtype, start_worker
+from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 
 
 class ActorRolloutWorker:
@@ -64,9 +64,10 @@ class ActorRolloutWorker:
             from portrl.workers.parallel import resolve_strategy
 
             self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+        self.checkpointing = use_gradient_checkpointing(cfg, self.model_path)
         self.module = load_causal_lm(self.model_path, dtype=load_dtype(self.dtype),
                                      backend=self.backend, attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
-                                     gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
+                                     gradient_checkpointing=self.checkpointing)
         self.module.to(self.device).eval()
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
@@ -141,7 +142,7 @@ class ActorRolloutWorker:
         m = self.cfg.model
         return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
                 and getattr(self.engine, "model", None) is self.module and getattr(self.engine, "_fast", None) is not None
-                and bool(m.use_packing) and bool(m.share_prompts) and not bool(m.gradient_checkpointing))
+                and bool(m.use_packing) and bool(m.share_prompts) and not self.checkpointing)
 
     def _tiny_run(self) -> bool:
         # A separate engine process only pays off for real models; tiny ones share the trainer's module.

@@ -17,7 +17,7 @@ import torch
 
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.setup import resolve_dtype, start_worker
+from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.training import (
     build_lr_scheduler,
     build_optimizer,
@@ -81,7 +81,7 @@ class CriticWorker:
                 self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
             lm = load_causal_lm(str(path), dtype=load_dtype(self.dtype), backend=self.backend,
                                 attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
-                                gradient_checkpointing=bool(cfg.model.gradient_checkpointing))
+                                gradient_checkpointing=use_gradient_checkpointing(cfg, str(path)))
             self.module = ValueModel(lm).to(self.device).eval()
         # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
         # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.

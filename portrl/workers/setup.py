@@ -69,3 +69,28 @@ def start_worker(cfg: Any, rank: int = 0):
     setup_process(cfg, backend, rank)
     return backend, backend.device(local_device_index(backend, rank))
 
+
+AUTO_CHECKPOINTING_PARAMS = 100_000_000
+
+
+def count_parameters(model_dir: str) -> int:
+    """Parameters of the causal LM in ``model_dir``, from its config.json alone (built on the meta device:
+    no weights are read or allocated; tied weights count once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def use_gradient_checkpointing(cfg: Any, model_dir: str) -> bool:
+    """``model.gradient_checkpointing``; when null, on for models of at least AUTO_CHECKPOINTING_PARAMS (100M)
+    parameters (Qwen2.5-0.5B and up), whose stored activations of a training forward cost gigabytes, and off below
+    (the tiny model), where recomputing them would only cost time."""
+    flag = cfg.model.gradient_checkpointing
+    if flag is not None:
+        return bool(flag)
+    on = count_parameters(model_dir) >= AUTO_CHECKPOINTING_PARAMS
+    logging.getLogger(__name__).info("model.gradient_checkpointing=null -> %s (%s)", on, model_dir)
+    return on
