@@ -161,6 +161,25 @@ def test_bf16_under_fsdp_trains_float32_shards_and_checkpoints_move_to_one_worke
         group.shutdown()
 
 
+def test_lora_under_fsdp_with_checkpointing_matches_one_worker(path):
+    """LoRA adapters under FSDP2 with gradient checkpointing: every rank builds the same adapters (their init is
+    seeded by trainer.seed; unseeded, each Ray worker drew its own and the shards mixed them), so 2 ranks give
+    the update of 1 rank on the whole batch."""
+    cfg = _cfg(path, **{"actor.lora_rank": 4, "actor.lora_alpha": 8, "actor.lora_target_modules": ["q_proj", "v_proj"],
+                        "model.gradient_checkpointing": True, "actor.ppo_epochs": 1})
+    group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_lora")
+    try:
+        assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+        ref = ActorRolloutWorker(cfg)
+        b = _batch(6)
+        m1, m2 = ref.update_actor(b), group.call("update_actor", b)
+        assert m1["actor/grad_norm"] > 0
+        assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4)
+        _assert_same_weights(group.full_weights(), {k: v.detach().clone() for k, v in ref.named_weights()})
+    finally:
+        group.shutdown()
+
+
 def test_ddp_real_workers_match_one(path):
     cfg = _cfg(path, **{"actor.strategy": "ddp"})
     group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_ddp")

@@ -112,3 +112,14 @@ def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
     assert set(lora1) == set(lora0)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 2 and all('"actor/pg_loss"' in r for r in rows)
+
+
+def test_adapter_init_depends_on_the_seed_only(tiny_model):
+    """Every data-parallel rank must build the same adapters (FSDP2 broadcasts nothing), whatever drew random
+    numbers before in that process."""
+    first = _split(ActorRolloutWorker(_cfg(tiny_model)))[0]
+    torch.rand(1000)  # another process's (or flag's) earlier draws
+    again = _split(ActorRolloutWorker(_cfg(tiny_model, **{"model.gradient_checkpointing": True})))[0]
+    assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
+    other = _split(ActorRolloutWorker(_cfg(tiny_model, **{"trainer.seed": 1})))[0]
+    assert any(not torch.equal(first[n], other[n]) for n in first if "lora_A" in n)

@@ -37,7 +37,13 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     peft = import_optional("peft", PEFT_INSTALL)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
                              task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    # The adapters' random init (A; B starts at zero) comes from trainer.seed alone: every data-parallel rank must
+    # build the same adapters (FSDP2 shards what each rank built; nothing broadcasts it), and the init must not
+    # depend on what else drew random numbers before (a flag such as gradient checkpointing changed it).
+    seed = int(cfg.trainer.seed) if hasattr(cfg, "trainer") else 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, config)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
