@@ -204,6 +204,18 @@ def test_geo_mean():
     assert loss_g.item() == pytest.approx((row(0) + row(1) + row(2)) / 6, rel=1e-12)
 
 
+def test_geo_mean_clipfrac_counts_clipped_tokens_with_nonzero_advantage():
+    # on-policy (Δ = 0 everywhere): nothing is clipped, whatever the advantages
+    adv = torch.tensor([[0.0, 1.0, -1.0, 0.0]])
+    m = torch.ones(1, 4)
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    _, met = get_policy_loss("geo_mean")(old, old.clone(), adv, m, "token-mean", CFG)
+    assert float(met["pg_clipfrac"]) == 0.0
+    # Δ = 0.5 > ε_h = 0.28 on every token: clipped where A > 0 (σΔc < σΔ); A < 0 keeps Δ; A = 0 is not counted
+    _, met = get_policy_loss("geo_mean")(old, old + 0.5, adv, m, "token-mean", CFG)
+    assert float(met["pg_clipfrac"]) == pytest.approx(1 / 4) and float(met["pg_clipfrac_lower"]) == 0.0
+
+
 @pytest.mark.parametrize("name", registered("policy_loss"))
 def test_every_loss_common_contract(name):
     loss, met = run(name, cfg={**CFG, "clip_cov_ratio": 1.0})

@@ -93,7 +93,9 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
 def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                               config=None, rollout_is_weights=None):
     """CISPO (MiniMax-M1, arXiv 2506.13585): ``ℓ = −sg(clip(ρ, 1−ε_l, 1+ε_h))·A·logp``; the clipped IS weight
-    is a constant, so every token keeps its gradient ``−w·A·∇logp``. ``pg_clipfrac`` = share with ρ clipped."""
+    is a constant, so every token keeps its gradient ``−w·A·∇logp``. ``pg_clipfrac`` = share of tokens with
+    ρ > 1+ε_h, ``pg_clipfrac_lower`` = share with ρ < 1−ε_l (verl reports one share, clipped either way:
+    their sum)."""
     old, logp, adv, m, w = prepare(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, "cispo")
     eps_l, eps_h = clip_bounds(config)
     delta = logp - old

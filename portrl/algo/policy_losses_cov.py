@@ -83,8 +83,8 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     loss ``= Σ_i −Ā_i ρ_i / B_g · dp_size`` over all rows (fully masked rows count, as in verl), with
     ``B_g = global_batch_size`` if given, else the local B: verl ignores global_batch_info here, which
     breaks data-parallel equivalence. ``loss_agg_mode`` is ignored. IS weights enter as the per-sequence
-    geometric mean ``exp(Σ log(w + 1e-10) m / Σ m)``. ``pg_clipfrac`` = share of tokens where Δ* ≠ Δ,
-    ``pg_clipfrac_lower`` = those with A < 0.
+    geometric mean ``exp(Σ log(w + 1e-10) m / Σ m)``. ``pg_clipfrac`` = share of tokens with A ≠ 0 where
+    Δ* ≠ Δ (a token with A = 0 has Δ* = 0 but was not clipped), ``pg_clipfrac_lower`` = those with A < 0.
     """
     old, logp, adv, m, w = prepare(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, "geo_mean")
     eps_l, eps_h = clip_bounds(config)
@@ -111,5 +111,5 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     if bg <= 0:
         raise ValueError("geo_mean: the batch has no rows")
     loss = seq_loss.sum() / bg * dp
-    clipped = delta_star != delta
+    clipped = (delta_star != delta) & (adv != 0)  # sign(0) = 0 zeroes Δ* without any clipping
     return loss, metrics(m, delta, clipfrac=clipped, clipfrac_lower=clipped & (adv < 0))
