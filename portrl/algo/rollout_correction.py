@@ -1,6 +1,6 @@
 """Rollout correction: the gap between the rollout engine's policy and the trainer's, measured and corrected.
 
-The engine (vLLM, another precision, another kernel) samples from ``pi_rollout``; the trainer computes
+The rollout engine (another library, precision or kernel) samples from ``pi_rollout``; the trainer computes
 ``pi_old`` on the same tokens with the same weights. They differ by numerics, and by a lot when a weight sync
 did not happen. As verl (``algorithm.rollout_correction``, decoupled mode):
 

