@@ -3,4 +3,4 @@
 Importing portrl does no work: no device runtime is initialised, no plugin is loaded.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

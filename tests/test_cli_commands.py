@@ -39,7 +39,7 @@ def test_train_sft_eval(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["train", "actor.optim.lrr=1"], "actor.optim.lr"),
     (["train", "--device", "nosuch"], "nosuch"),
-    (["eval", "--checkpoint", "/nonexistent/global_step_1"], "is not a directory"),
+    (["eval", "--checkpoint", "/nonexistent/global_step_1"], "no such checkpoint directory"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys):
     assert main(["--log-level", "WARNING", *argv]) == 2

@@ -157,3 +157,24 @@ def test_sft_dataset(tmp_path, tok):
     write_split([{"prompt": [{"role": "user", "content": "1+1="}], "response": 2}], tmp_path / "bad.parquet")
     with pytest.raises(DataError, match="bad.parquet: row 0: field 'response' must be a string"):
         SFTDataset(tmp_path / "bad.parquet", tok, max_length=32)
+
+
+def test_float_ground_truth_scores_as_the_number_it_is(tmp_path, tok):
+    """A parquet float column holds 57 as 57.0: the row keeps "57", and every integer reward scores it right."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from portrl.rewards import compute_score
+
+    rows = rows_with_prompts(["50+7=", "1+1.5="])
+    rows[0]["reward_model"]["ground_truth"], rows[1]["reward_model"]["ground_truth"] = 57.0, 2.5
+    path = tmp_path / "f.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ds = RLDataset(str(path), tok, max_prompt_length=64, shuffle=False)
+    truths = next(ds.batches(2)).ground_truth
+    assert truths == ["57", "2.5"]
+    for source, response in (("arith", "50+7=57"), ("gsm8k", "so #### 57"), ("math_dapo", "Answer: 57")):
+        assert compute_score(source, response, 57.0)["score"] == 1.0, source
+        assert compute_score(source, response, truths[0])["score"] == 1.0, source
+    assert compute_score("arith", "57", "57.0")["score"] == 1.0  # a string of a whole float too
+    assert compute_score("arith", "57", "57.5")["score"] == 0.0

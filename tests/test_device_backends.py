@@ -152,7 +152,7 @@ def test_rollout_engines(fake_env):
 
 
 # --- probe -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cls, pip", [(CUDABackend, "whl/cu"), (ROCmBackend, "whl/rocm"), (NPUBackend, "portrl[npu]")])
+@pytest.mark.parametrize("cls, pip", [(CUDABackend, "whl/cu"), (ROCmBackend, "whl/rocm"), (NPUBackend, 'pip install -e ".[npu]"')])
 def test_probe_without_torch_names_install_command(fake_env, cls, pip):
     fake_env({})
     r = cls().probe()

@@ -54,10 +54,16 @@ def test_devices_json_shows_cpu_usable_and_others_with_reasons(capsys):
 
 def test_devices_table(capsys):
     assert main(["devices"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert lines["cpu"].split()[1] == "yes"
+    out = capsys.readouterr().out.splitlines()[1:]
+    lines = {line.split()[0]: line for line in out if not line.startswith(" ")}
+    reasons = {}
+    for i, line in enumerate(out):  # each reason on its own line, under its backend's row
+        if line.startswith("         not usable: "):
+            reasons[out[i - 1].split()[0]] = line
+    assert lines["cpu"].split()[1] == "yes" and "cpu" not in reasons
     for name in ("cuda", "rocm", "npu"):
-        assert lines[name].split()[1] == "no" and "install" in lines[name]
+        assert lines[name].split()[1] == "no" and "install" in reasons[name]
+        assert "install" not in lines[name] and "torch=" in lines[name]  # versions apart from the reason
 
 
 # --- doctor ------------------------------------------------------------------------------------
@@ -84,8 +90,9 @@ def _by_name_dicts(checks):
 
 
 def test_doctor_unknown_device(capsys):
-    assert main(["doctor", "--device", "tpu"]) == 1
-    assert "registered: npu, rocm, cuda, cpu" in capsys.readouterr().out
+    assert main(["doctor", "--device", "tpu"]) == 2
+    assert "portrl doctor: error: unknown device 'tpu' (from --device); registered: npu, rocm, cuda, cpu" \
+        in capsys.readouterr().err
 
 
 def test_doctor_fails_when_hip_and_rocr_both_set(monkeypatch):

@@ -69,11 +69,23 @@ def test_explicit_unusable_backend_is_an_error_with_reason():
 
 
 def test_unknown_name_lists_valid_ones(monkeypatch):
-    with pytest.raises(BackendError, match=r"unknown device 'xpu'; registered: npu, rocm, cuda, cpu, or 'auto'"):
+    with pytest.raises(BackendError, match=r"unknown device 'xpu' \(from --device\); registered: npu, rocm, cuda, cpu, "
+                                           r"or 'auto'"):
         resolve_backend("xpu")
     monkeypatch.setenv("PORTRL_DEVICE", "cdua")
-    with pytest.raises(BackendError, match=r"Did you mean 'cuda'"):
+    with pytest.raises(BackendError, match=r"unknown device 'cdua' \(from \$PORTRL_DEVICE\).*Did you mean 'cuda'"):
         resolve_backend()
+
+
+def test_source_of_device_name_is_named_and_the_command_line_beats_the_environment(monkeypatch):
+    """device.name set by compose from --device beats $PORTRL_DEVICE; an unusable one names where it came from."""
+    monkeypatch.setenv("PORTRL_DEVICE", "cuda")
+    assert resolve_backend(config="cpu", config_source="--device").name == "cpu"
+    with pytest.raises(BackendError, match=r"device 'cuda' \(from \$PORTRL_DEVICE\) is not usable"):
+        resolve_backend(config="cpu", config_source="preset cpu")
+    monkeypatch.delenv("PORTRL_DEVICE")
+    with pytest.raises(BackendError, match=r"device 'npu' \(from preset ascend-910b\) is not usable"):
+        resolve_backend(config="npu", config_source="preset ascend-910b")
 
 
 def _write_plugin(root, dist, module, entries, body):

@@ -205,6 +205,6 @@ def test_killed_worker_raises_error_naming_it(cfg, dp_group):
     with pytest.raises(WorkerDiedError) as err:
         dp_group.call("update", make_batch())
     msg = str(err.value)
-    assert f"actor rank 1 on node 127.0.0.1" in msg and f"pid {rank1['pid']}" in msg
+    assert "actor rank 1 on node 127.0.0.1" in msg and f"pid {rank1['pid']}" in msg
     assert "global_step_3" in str(err.value.with_checkpoint("/run/global_step_3"))
     assert dp_group.actors == []  # the group was shut down

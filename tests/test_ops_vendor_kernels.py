@@ -136,7 +136,7 @@ def test_flash_attention_float32_takes_sdpa_path(monkeypatch):
 def test_missing_vendor_package_names_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     q, k, v, cu = _packed()
-    with pytest.raises(ImportError, match="pip install flash-attn"):
+    with pytest.raises(ImportError, match="pip install \"flash-attn==2.8.3\""):
         cuda_kernels.flash_attn_varlen(q, k, v, cu)
 
 
@@ -164,7 +164,7 @@ def test_backend_selection_follows_preferences_and_availability(monkeypatch):
     assert ops.select("logprobs_entropy", backend="cuda")[0] == "native"
     with pytest.raises(ops.OpError, match="no GPU driver"):
         ops.select("rms_norm", impl="triton", backend="rocm")
-    with pytest.raises(ops.OpError, match=r"flash_attn is not installed \(pip install flash-attn"):
+    with pytest.raises(ops.OpError, match=r'flash_attn is not installed \(pip install "flash-attn==2.8.3"'):
         ops.select("attention_varlen", impl="flash_attn", backend="cuda")
     _fake_module(monkeypatch, "flash_attn", flash_attn_varlen_func=flash_attn_varlen_func)
     assert ops.select("attention_varlen", backend="cuda")[0] == "flash_attn"

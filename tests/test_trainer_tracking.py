@@ -130,3 +130,16 @@ def test_cli_plot(tmp_path, capsys):
     assert "curves.png" in capsys.readouterr().out
     assert main(["plot", str(tmp_path / "missing")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_metrics_file_untouched_until_the_first_log(tmp_path):
+    """A launch that fails before its run logs anything leaves a finished run's metrics.jsonl as it was."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n')
+    before = path.read_bytes()
+    for resume_step in (0, 1):
+        Tracker(tmp_path, loggers=("jsonl",), progress_bar=False, resume_step=resume_step).close()
+        assert path.read_bytes() == before
+    with Tracker(tmp_path, loggers=("jsonl",), progress_bar=False, resume_step=1) as tr:
+        tr.log({"x": 20}, step=2)
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 20.0)]

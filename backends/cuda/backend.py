@@ -18,8 +18,11 @@ import warnings
 
 from portrl.device.backend import Backend, CompatRow, ProbeResult, module_available, package_version
 
-TORCH_CUDA_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cu128"
-VLLM_INSTALL = "pip install 'portrl[cuda]'  (flash-attn, vllm)"
+# the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as the README spells it;
+# it ends the message, so that it can be copied as it stands (tests/test_cli_errors.py checks the pin)
+TORCH_CUDA_INSTALL = ('of one compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3): '
+                      'pip install "torch==2.8.0" --index-url https://download.pytorch.org/whl/cu128')
+VLLM_INSTALL = 'pip install -e ".[cuda]"'  # in the portrl checkout: flash-attn, vLLM
 
 
 def fp8_dtype_for_capability(capability: tuple[int, int]) -> str | None:
@@ -47,7 +50,7 @@ class CUDABackend(Backend):
     def probe(self) -> ProbeResult:
         versions = self.installed_versions()
         if not module_available("torch"):
-            return ProbeResult(False, f"torch is not installed; install a CUDA build: {TORCH_CUDA_INSTALL}", versions=versions)
+            return ProbeResult(False, f"torch is not installed; install a CUDA build {TORCH_CUDA_INSTALL}", versions=versions)
         import torch
 
         wrong_build = self._wrong_build_reason(torch)
@@ -64,7 +67,7 @@ class CUDABackend(Backend):
         if torch.version.hip:
             return f"torch {torch.__version__} is a ROCm (HIP {torch.version.hip}) build; use --device rocm"
         if not torch.version.cuda:
-            return f"torch {torch.__version__} was built without CUDA; install a CUDA build: {TORCH_CUDA_INSTALL}"
+            return f"torch {torch.__version__} was built without CUDA; install a CUDA build {TORCH_CUDA_INSTALL}"
         return ""
 
     def _no_device_reason(self, torch, caught) -> str:

@@ -16,7 +16,7 @@ from portrl.backends.cpu.kernels import attention_varlen_sdpa
 from portrl.device.backend import import_optional, module_available
 from portrl.ops.attention import check_varlen_inputs
 
-FA2_INSTALL = "pip install flash-attn --no-build-isolation"
+FA2_INSTALL = 'pip install "flash-attn==2.8.3" --no-build-isolation (the row torch 2.8.0 + vLLM 0.11.0 + flash-attn 2.8.3)'
 FA3_INSTALL = "build flash-attention's hopper/ package (cd hopper && python setup.py install)"
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -28,7 +28,10 @@ from portrl.backends.npu.versions import (
 )
 from portrl.device.backend import Backend, ProbeResult, module_available, package_version
 
-NPU_INSTALL = "pip install 'portrl[npu]'  (torch-npu==2.10.0.post4 with torch==2.10.0, CANN 9.1.0)"
+# one compatibility row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0), as the README installs it (in the
+# portrl checkout); it ends the message, so that it can be copied as it stands
+NPU_INSTALL = ('install one row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0) from the portrl checkout: '
+               'pip install "torch==2.10.0" --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[npu]"')
 DAVINCI_NODES = "/dev/davinci[0-9]*"
 # First-generation Ascend 910 SoC names (torch_npu's SoC table); later 910B1..4 / 910_93xx have bf16.
 _FP16_ONLY_SOC = re.compile(r"^Ascend910(Pro|Premium)?[AB]$")
@@ -54,6 +57,7 @@ class NPUBackend(Backend):
     detect_priority = 30
     version_packages = ("torch", "torch-npu", "transformers", "vllm", "vllm-ascend", "triton-ascend")
     compat_rows = COMPAT_ROWS
+    declared_env = ("TASK_QUEUE_ENABLE",)  # the 910B / 910C presets' operator dispatch queue (device.env)
 
     def installed_versions(self) -> dict[str, str]:
         versions = super().installed_versions()

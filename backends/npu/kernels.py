@@ -19,7 +19,7 @@ import torch
 from portrl.device.backend import import_optional, module_available
 from portrl.ops.attention import check_varlen_inputs
 
-NPU_INSTALL = "pip install torch-npu (matching your torch and CANN versions; see `portrl doctor`)"
+NPU_INSTALL = 'pip install "torch-npu==2.10.0.post4" (the row torch 2.10.0 + CANN 9.1.0; see `portrl doctor`)'
 SPARSE_CAUSAL = 3  # causal, bottom-right aligned (identical to top-left when q and k lengths match)
 MASK_SIZE = 2048
 

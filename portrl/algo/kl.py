@@ -15,7 +15,6 @@ Computed in float32 (float64 for float64 input). Positions are not masked here: 
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

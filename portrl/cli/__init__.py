@@ -3,6 +3,11 @@
 Each command lives in its own module ``portrl.cli.<module>`` defining ``add_arguments(parser)``
 and ``run(args) -> int``; modules are imported only when their command runs, so ``portrl --help``
 stays fast. To add a command, add a line to COMMANDS.
+
+Errors (portrl.errors): a :class:`~portrl.errors.UserError` raised by a command is printed as one line,
+``portrl <command>: error: <message>``, exit code 2; ``--debug`` or ``PORTRL_DEBUG=1`` adds its traceback.
+A :class:`~portrl.errors.RunStopped` prints its message and exits with its code (130 / 143). Anything
+else is an internal error and keeps its traceback. Commands do not catch errors themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 
 # command -> (module under portrl.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,10 +46,23 @@ def _command_in(argv: list[str]) -> tuple[int, str | None]:
     return len(argv), None
 
 
+def _version() -> str:
+    from portrl import __version__
+
+    return __version__
+
+
+def _debug(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("PORTRL_DEBUG", "") not in ("", "0")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported to attach its arguments."""
     parser = argparse.ArgumentParser(prog="portrl", description="RL post-training on any accelerator.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of user errors too (same as PORTRL_DEBUG=1)")
+    parser.add_argument("--version", action="version", version=f"portrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -74,7 +93,35 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = importlib.import_module(f"portrl.cli.{COMMANDS[args.command][0]}")
-    return int(module.run(args) or 0)
+    from portrl.errors import RunStopped, UserError
+
+    try:
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        if _debug(args):
+            traceback.print_exc()
+        print(f"portrl {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except RunStopped as exc:
+        if _debug(args):
+            traceback.print_exc()
+        print(_one_line(exc), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handling of its own (train's: portrl.trainer.interrupts)
+        if _debug(args):
+            traceback.print_exc()
+        print(f"portrl {args.command}: stopped by SIGINT before it finished", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line (a multi-line message, such as a list of config problems, is joined with '; ')."""
+    parts = [p.strip() for p in str(exc).splitlines()]
+    parts = [p[2:] if p.startswith("- ") else p for p in parts]
+    parts = [p for p in parts if p]
+    if len(parts) > 1 and parts[0].endswith(":"):
+        return parts[0] + " " + "; ".join(parts[1:])
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

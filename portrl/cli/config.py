@@ -34,18 +34,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.config import ConfigError, GROUPS, compose, list_presets, to_yaml
+    from portrl.config import GROUPS, compose, list_presets, to_yaml
 
     if args.action == "list":
         for group in GROUPS:
             print(f"{group}: {', '.join(list_presets(group))}")
         return 0
     opts = _options_parser().parse_intermixed_args(args.rest)
-    try:
-        cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
-                      overrides=opts.overrides, check=not opts.no_check)
-    except ConfigError as exc:
-        print(f"portrl config: {exc}", file=sys.stderr)
-        return 2
+    cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
+                  overrides=opts.overrides, check=not opts.no_check)
     sys.stdout.write(to_yaml(cfg))
     return 0

@@ -1,4 +1,9 @@
-"""``portrl devices``: every registered backend, usable or not and why."""
+"""``portrl devices``: every registered backend, usable or not and why.
+
+The table has one row per backend (name, usable, device count, device name, installed versions); the reason
+a backend is not usable (with the command that fixes it) follows on its own line, so that nothing copied
+from it runs into the versions column.
+"""
 
 from __future__ import annotations
 
@@ -22,9 +27,12 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'backend':<8} {'usable':<7} {'count':>5}  {'device / reason':<48} versions")
+    width = max([6] + [len(r["device_name"] or "") for r in rows])
+    print(f"{'backend':<8} {'usable':<7} {'count':>5}  {'device':<{width}}  versions")
     for row in rows:
-        what = row["device_name"] if row["usable"] else row["reason"]
         versions = " ".join(f"{k}={v}" for k, v in row["versions"].items())
-        print(f"{row['name']:<8} {'yes' if row['usable'] else 'no':<7} {row['device_count']:>5}  {what:<48} {versions}")
+        print(f"{row['name']:<8} {'yes' if row['usable'] else 'no':<7} {row['device_count']:>5}  "
+              f"{row['device_name'] or '-':<{width}}  {versions}")
+        if not row["usable"]:
+            print(f"         not usable: {row['reason']}")
     return 0

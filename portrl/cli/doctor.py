@@ -4,7 +4,8 @@ Checks, in order: the backend's probe; the installed versions against its compat
 the requirements installed packages declare on each other; the backend's own constraints;
 Ray device isolation; the backend's known traps (:meth:`Backend.doctor_checks`); and the traps
 every registered backend's packages set for the whole host (:meth:`Backend.host_checks`).
-Each line is ok / warn / fail with the fix; the exit status is 1 when any check fails.
+Each line is ok / warn / fail with the fix; the exit status is 1 when any check fails (2 for an unknown
+``--device``, like every user error).
 """
 
 from __future__ import annotations
@@ -47,14 +48,10 @@ def collect_checks(backend, all_backends) -> list:
 
 
 def run(args) -> int:
-    from portrl.device import BackendError, all_backends, resolve_backend
+    from portrl.device import all_backends, resolve_backend
     from portrl.device.checks import FAIL
 
-    try:
-        backend = resolve_backend(args.device, require_usable=False)
-    except BackendError as exc:
-        print(f"portrl doctor: {exc}")
-        return 1
+    backend = resolve_backend(args.device, require_usable=False)  # an unknown name: BackendError, exit 2
     checks = collect_checks(backend, all_backends())
     failed = any(c.status == FAIL for c in checks)
     if args.json:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
@@ -35,33 +34,33 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.config import ConfigError
-    from portrl.device import BackendError
+    from portrl.errors import UserError
     from portrl.trainer import RLTrainer
+    from portrl.trainer.preflight import EVAL, preflight
 
     opts = parse_run_options(options_parser(PROG, "Accuracy of a model on a dataset.", EXTRA), args.rest)
     extra = list(EVAL_OVERRIDES)
     if opts.model:
+        from portrl.models.loader import check_model_dir
+
+        check_model_dir(opts.model, "--model")  # named as the user gave it (it becomes model.path)
         extra.append(f"model.path={opts.model}")
-    try:
-        cfg = compose_from(opts, extra)
-    except (ConfigError, BackendError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    if opts.checkpoint and not Path(opts.checkpoint).is_dir():
-        print(f"{PROG}: checkpoint {opts.checkpoint!r} is not a directory", file=sys.stderr)
-        return 2
+    cfg = compose_from(opts, extra)  # bad input anywhere below: a UserError, printed by portrl.cli.main
+    if opts.report and not Path(opts.report).expanduser().absolute().parent.is_dir():
+        raise UserError(f"--report {opts.report}: the folder {str(Path(opts.report).parent)!r} does not exist")
+    preflight(cfg, EVAL, checkpoint=opts.checkpoint)  # before the model loads
     trainer = RLTrainer(cfg)
     if opts.checkpoint:
-        trainer.load_checkpoint(Path(opts.checkpoint))
+        trainer.load_checkpoint(Path(opts.checkpoint), policy_only=True)  # verified; the policy only
     metrics = trainer.validate(trainer.global_step)
     if not metrics:
-        print(f"{PROG}: no validation data (set data.val_files)", file=sys.stderr)
-        return 2
+        raise UserError("no validation data; set data.val_files=[TEST.parquet]")
     for key in sorted(k for k in metrics if k.startswith("val/")):
         print(f"{key:<40} {metrics[key]:.4f}")
     if opts.report:
-        tmp = f"{opts.report}.tmp"
+        from portrl.user_files import temp_name
+
+        tmp = temp_name(opts.report)
         with open(tmp, "w") as f:
             json.dump(metrics, f, indent=2)
         os.replace(tmp, opts.report)

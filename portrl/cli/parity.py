@@ -1,6 +1,7 @@
 """``portrl parity ops | record | replay | e2e | compare``: the cross-hardware parity harness.
 
-Exit status: 0 when every verdict is pass or warn, 1 when any fails (2 for usage errors, from argparse).
+Exit status: 0 when every verdict is pass or warn, 1 when any fails, 2 for bad input (argparse's usage errors,
+and a device, golden, envelope or report that cannot be used: one line, portrl.errors.UserError).
 """
 
 from __future__ import annotations
@@ -51,15 +52,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _backend(name):
-    from portrl.ops.registry import _resolve_backend
+    """The backend named by ``--device`` (else $PORTRL_DEVICE, else detection); unknown or unusable: BackendError."""
+    from portrl.device import resolve_backend
 
-    return _resolve_backend(name)
+    return resolve_backend(name)
+
+
+def _reading(fn, *args, **kwargs):
+    """``fn(*args)``, which reads a file the user named: a missing or malformed one is a UserError."""
+    from portrl.errors import UserError
+
+    try:
+        return fn(*args, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UserError(str(exc)) from exc
 
 
 def _ops(args) -> int:
+    from portrl.errors import UserError
+    from portrl.parity.ops_cases import SIZES
     from portrl.parity.report import write_json
     from portrl.parity.runner import GROUPS, run_ops_parity
 
+    if args.size not in SIZES:
+        raise UserError(f"unknown parity size {args.size!r} (--size); valid: {', '.join(SIZES)}")
     report = run_ops_parity(_backend(args.device), args.dtype, size=args.size, groups=tuple(args.group or GROUPS),
                             ops=args.op, seed=args.seed)
     write_json(args.report, report)
@@ -84,7 +100,11 @@ def _replay(args) -> int:
     from portrl.parity.golden import replay_golden
     from portrl.parity.report import write_json
 
-    report = replay_golden(args.golden, _backend(args.device), args.dtype)
+    from portrl.parity.golden import read_golden
+
+    backend = _backend(args.device)
+    _reading(read_golden, args.golden)  # a missing or foreign golden is bad input, found before the replay
+    report = replay_golden(args.golden, backend, args.dtype)
     if args.report:
         write_json(args.report, report)
     for name, m in report["checks"].items():
@@ -104,6 +124,7 @@ def _e2e(args) -> int:
         write_json(path, env)
         print(f"envelope over {args.seeds} seeds written to {path}")
         return 0
+    _reading(_check_envelope, path)
     report = check_run(backend, path, work_dir=args.work_dir, preset=args.preset)
     if args.report:
         write_json(args.report, report)
@@ -116,7 +137,7 @@ def _e2e(args) -> int:
 def _compare(args) -> int:
     from portrl.parity.compare import compare_files
 
-    md, summary = compare_files(args.reports, reference=args.reference)
+    md, summary = _reading(compare_files, args.reports, reference=args.reference)
     if args.output:
         from portrl.parity.report import write_json, write_text
 
@@ -127,11 +148,25 @@ def _compare(args) -> int:
     return 1 if summary["verdict"] == "fail" else 0
 
 
+def _check_envelope(path: Path) -> None:
+    """The envelope exists, is JSON and was measured with this portrl's run settings (before any run starts)."""
+    import json
+
+    from portrl.parity.e2e import RUN_OVERRIDES
+
+    if not path.is_file():
+        raise FileNotFoundError(f"no envelope at {str(path)!r}: build one with `portrl parity e2e --rebuild-envelope`")
+    try:
+        env = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"envelope {str(path)!r} is not JSON ({exc}); rebuild it with "
+                         "`portrl parity e2e --rebuild-envelope`") from None
+    if not isinstance(env, dict) or env.get("overrides") != list(RUN_OVERRIDES):
+        raise ValueError(f"envelope {str(path)!r} was measured with other run settings; rebuild it with "
+                         "`portrl parity e2e --rebuild-envelope`")
+
+
 def run(args) -> int:
     handlers = {"ops": _ops, "record": _record, "replay": _replay, "e2e": _e2e, "compare": _compare}
-    try:
-        return handlers[args.parity_command](args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"portrl parity {args.parity_command}: {exc}", file=sys.stderr)
-        return 2
+    return handlers[args.parity_command](args)
 

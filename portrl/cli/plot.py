@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 
 def add_arguments(parser) -> None:
@@ -10,16 +10,18 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from portrl.errors import UserError
     from portrl.trainer.plot import plot_run
 
-    try:
-        paths = plot_run(args.run_dir)
-    except FileNotFoundError as exc:
-        print(f"portrl plot: {exc}", file=sys.stderr)
-        return 2
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{metrics} does not exist; give a run's output directory (trainer.output_dir, "
+                        "which holds metrics.jsonl)")
+    paths = plot_run(args.run_dir)
     if not paths:
-        print(f"portrl plot: {args.run_dir}/metrics.jsonl has none of the plotted metrics", file=sys.stderr)
-        return 1
+        raise UserError(f"{metrics} has none of the plotted metrics (reward, accuracy, KL, entropy, length); "
+                        "was the run logged with the jsonl logger (trainer.loggers)?")
     for p in paths:
         print(p)
     return 0
+

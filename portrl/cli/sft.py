@@ -3,26 +3,27 @@
 Supervised fine-tuning on prompt / response parquet (columns ``prompt``: chat messages, ``response``:
 text; `portrl preprocess arith --sft` writes such files), packed, on every backend. Without files
 and with ``data.name=arith`` (the default) it trains on generated arith rows. The result is a
-transformers directory (model + tokenizer), written to a temporary name and renamed, ready for
-``portrl train model.path=DIR``. Like the warm start, it ends early once ``model.sft_target_answer_p``
-is reached (the tiny preset sets 0.45; ``model.sft_target_answer_p=null`` runs every step).
+transformers directory (the source's config and tokenizer files, new weights: portrl.models.export), ready
+for ``portrl train model.path=DIR``. Steps, learning rate and batch size default to the warm start's
+(``model.sft_steps``, ``model.sft_lr``, ``model.sft_batch_size``) and, like the warm start, it ends early
+once ``model.sft_target_answer_p`` is reached (the tiny preset sets 0.45; ``model.sft_target_answer_p=null``
+runs every step).
 """
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
+from portrl.errors import UserError
 
 PROG = "portrl sft"
 EXTRA = [
     (("--train-files",), {"nargs": "+", "default": None, "help": "parquet files with prompt and response columns"}),
     (("--output",), {"default": None, "help": "output directory (default: <trainer.output_dir>/sft)"}),
     (("--steps",), {"type": int, "default": None, "help": "optimizer steps (default: model.sft_steps)"}),
-    (("--lr",), {"type": float, "default": 1e-3, "help": "peak learning rate (default 1e-3, for tiny models)"}),
-    (("--batch-size",), {"type": int, "default": 32, "help": "examples per step"}),
+    (("--lr",), {"type": float, "default": None, "help": "peak learning rate (default: model.sft_lr)"}),
+    (("--batch-size",), {"type": int, "default": None, "help": "examples per step (default: model.sft_batch_size)"}),
 ]
 
 REST_AFTER = 0  # everything after the command is parsed by this module
@@ -39,52 +40,62 @@ def _rows(cfg, tokenizer, files):
         ds = SFTDataset(files, tokenizer, max_length=int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length))
         return [ds[i] for i in range(len(ds))]
     if str(cfg.data.name) != "arith":
-        raise ValueError(f"{PROG}: --train-files is required for data.name={cfg.data.name!r}")
+        raise UserError(f"--train-files is required for data.name={cfg.data.name!r} (only arith is generated); "
+                        "give parquet files with prompt and response columns")
     from portrl.trainer.resources import arith_sft_rows
 
     return arith_sft_rows(cfg, int(cfg.data.arith.num_train))
 
 
+def _check_options(opts) -> None:
+    """The flags' ranges, the --train-files columns and the --output path (before any model loads)."""
+    if opts.steps is not None and opts.steps < 1:
+        raise UserError(f"--steps {opts.steps} must be >= 1 (or leave it out: model.sft_steps)")
+    if opts.lr is not None and not opts.lr > 0:
+        raise UserError(f"--lr {opts.lr} must be > 0")
+    if opts.batch_size is not None and opts.batch_size < 1:
+        raise UserError(f"--batch-size {opts.batch_size} must be >= 1")
+    if opts.output and Path(opts.output).exists() and not Path(opts.output).is_dir():
+        raise UserError(f"--output {opts.output} is a file; give a directory to write the model to")
+    if opts.train_files:
+        from portrl.data.validate import check_sft_file
+
+        for f in opts.train_files:
+            check_sft_file(f, "--train-files")
+
+
 def run(args) -> int:
-    from portrl.config import ConfigError
-    from portrl.device import BackendError
     from portrl.models import load_causal_lm, load_tokenizer
+    from portrl.models.export import export_pretrained
     from portrl.trainer import run_sft
+    from portrl.trainer.preflight import SFT, preflight
     from portrl.trainer.resources import resolve_model_path
     from portrl.workers.master_weights import MasterWeights, load_dtype
-    from portrl.workers.setup import resolve_dtype, setup_process, worker_backend
+    from portrl.workers.setup import resolve_dtype, setup_process, use_gradient_checkpointing, worker_backend
 
     opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)
-    try:
-        cfg = compose_from(opts)
-        backend = worker_backend(cfg)
-    except (ConfigError, BackendError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    cfg = compose_from(opts)  # bad input here and below: a UserError, printed as one line by portrl.cli.main
+    _check_options(opts)
+    if not opts.train_files and str(cfg.data.name) != "arith":
+        _rows(cfg, None, None)  # the error naming --train-files
+    preflight(cfg, SFT)
+    backend = worker_backend(cfg)
     setup_process(cfg, backend)
     path = resolve_model_path(cfg)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or path)
+    rows = _rows(cfg, tokenizer, opts.train_files)  # tokenised before the model loads: a bad row fails fast
     dtype = resolve_dtype(cfg, backend)
-    model = load_causal_lm(path, dtype=load_dtype(dtype), backend=backend,
-                           attn_impl=cfg.model.attn_impl, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+    model = load_causal_lm(path, dtype=load_dtype(dtype), backend=backend, attn_impl=cfg.model.attn_impl,
+                           gradient_checkpointing=use_gradient_checkpointing(cfg, path),
                            device=backend.device(None if backend.device_type == "cpu" else 0))
     master = MasterWeights(model, dtype)  # float32 masters; bf16 / fp16 compute casts the model
-    try:
-        rows = _rows(cfg, tokenizer, opts.train_files)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
     steps = opts.steps or int(cfg.model.sft_steps)
-    metrics = run_sft(cfg, model, tokenizer, rows, steps, opts.lr, opts.batch_size, seed=int(cfg.trainer.seed),
+    lr = float(cfg.model.sft_lr) if opts.lr is None else opts.lr
+    batch_size = int(cfg.model.sft_batch_size) if opts.batch_size is None else opts.batch_size
+    metrics = run_sft(cfg, model, tokenizer, rows, steps, lr, batch_size, seed=int(cfg.trainer.seed),
                       log_every=max(1, steps // 10), master=master)
     out = Path(opts.output or Path(str(cfg.trainer.output_dir)) / "sft")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    export_pretrained(model, out, source_dir=path, tokenizer=tokenizer, tokenizer_dir=cfg.model.tokenizer_path or path)
     stopped = "" if "sft/answer_p" not in metrics else \
         f", stopped at P(answer) {metrics['sft/answer_p']:.2f} (model.sft_target_answer_p)"
     print(f"SFT: loss {metrics['sft/loss_first']:.4f} -> {metrics['sft/loss_last']:.4f} in {metrics['sft/steps']:.0f} "

@@ -7,8 +7,6 @@ summary (accuracy before and after, time, tokens/s, the run directory and the pl
 
 from __future__ import annotations
 
-import sys
-
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
 
 PROG = "portrl train"
@@ -58,16 +56,12 @@ def format_summary(summary: dict) -> str:
 
 
 def run(args) -> int:
-    from portrl.config import ConfigError
-    from portrl.device import BackendError
     from portrl.trainer import run_training
+    from portrl.trainer.preflight import TRAIN, preflight
 
     opts = parse_run_options(options_parser(PROG, "RL post-training."), args.rest)
-    try:
-        cfg = compose_from(opts)
-    except (ConfigError, BackendError) as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
+    preflight(cfg, TRAIN)  # everything that can be checked before a model loads
     summary = run_training(cfg)
     print(format_summary(summary))
     return 0

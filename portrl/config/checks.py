@@ -4,6 +4,11 @@
 * registries: ``algorithm.adv_estimator``, ``actor.policy_loss.loss_mode``, ``actor.loss_agg_mode``,
   ``actor.kl_loss_type`` and ``algorithm.kl_penalty`` must be registered in ``portrl.algo``;
 * consistency: batch sizes divide, group-based estimators get ``rollout.n > 1``, bounds hold;
+* ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
+  with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers /
+  max_ckpt_to_keep >= 1, save_freq / test_freq >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0
+  (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
+* environment: ``device.env`` names only variables a backend declares or runtime prefixes (ENV_PREFIXES);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
   ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``.
   Whether an implementation *runs* on a given machine is decided at run time (``portrl.ops``).
@@ -27,6 +32,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "critic.optim.scheduler": ("constant", "cosine", "linear"),
     "actor.strategy": ("auto", "fsdp", "ddp"),
     "rollout.placement": ("colocated", "separated"),
+    "reward.on_timeout": ("error", "zero"),
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
 }
@@ -130,6 +136,123 @@ def check_consistency(cfg) -> list[str]:
     return problems
 
 
+def check_ranges(cfg) -> list[str]:
+    """Numeric knobs outside their valid range, each with the range in the message."""
+    problems: list[str] = []
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            problems.append(f"{key}={_get(cfg, key)!r} {rule}")
+
+    for group in ("actor", "critic"):
+        o = cfg[group].optim
+        if o.lr == 0 and o.freeze:
+            pass  # an explicit freeze: the weights stay fixed
+        elif o.freeze:
+            problems.append(f"{group}.optim.freeze=true needs {group}.optim.lr=0 (got {o.lr!r}); "
+                            "drop freeze to train")
+        else:
+            need(o.lr > 0, f"{group}.optim.lr", f"must be > 0 (or 0 with {group}.optim.freeze=true to keep "
+                                                   "the weights fixed on purpose)")
+        need(o.weight_decay >= 0, f"{group}.optim.weight_decay", "must be >= 0")
+        need(o.eps > 0, f"{group}.optim.eps", "must be > 0")
+        need(o.warmup_steps >= 0, f"{group}.optim.warmup_steps", "must be >= 0")
+        need(0 <= o.warmup_ratio < 1, f"{group}.optim.warmup_ratio", "must be in [0, 1)")
+        need(0 <= o.min_lr_ratio <= 1, f"{group}.optim.min_lr_ratio", "must be in [0, 1]")
+    m = cfg.model
+    need(m.sft_lr > 0, "model.sft_lr", "must be > 0")
+    if m.sft_warm_start:
+        need(m.sft_steps >= 1, "model.sft_steps", "must be >= 1 when model.sft_warm_start=true")
+        need(m.sft_batch_size >= 1, "model.sft_batch_size", "must be >= 1 when model.sft_warm_start=true")
+    a = cfg.actor
+    need(a.clip_ratio >= 0, "actor.clip_ratio", "must be >= 0")
+    for side in ("low", "high"):
+        value = a[f"clip_ratio_{side}"]
+        need(value is None or value >= 0, f"actor.clip_ratio_{side}", "must be >= 0 (or null: actor.clip_ratio)")
+    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    if low >= 0 and high >= 0 and low > high:
+        low_key = "actor.clip_ratio_low" if a.clip_ratio_low is not None else "actor.clip_ratio"
+        high_key = "actor.clip_ratio_high" if a.clip_ratio_high is not None else "actor.clip_ratio"
+        problems.append(f"{low_key}={low!r} must be <= {high_key}={high!r} (the clip range is [1 - low, 1 + high])")
+    need(a.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    need(cfg.critic.ppo_epochs is None or cfg.critic.ppo_epochs >= 1, "critic.ppo_epochs",
+         "must be >= 1 (or null: actor.ppo_epochs)")
+    need(a.kl_loss_coef >= 0, "actor.kl_loss_coef", "must be >= 0")
+    need(a.entropy_coeff >= 0, "actor.entropy_coeff", "must be >= 0")
+    k = cfg.algorithm.kl_ctrl
+    need(k.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
+    if k.type == "adaptive":
+        need(k.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0 with kl_ctrl.type=adaptive")
+        need(k.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1 with kl_ctrl.type=adaptive")
+    for prefix, sampling in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
+        need(sampling.temperature >= 0, f"{prefix}.temperature", "must be > 0, or 0 for greedy decoding")
+        need(0 < sampling.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1] (1 = off)")
+        need(sampling.top_k == -1 or sampling.top_k >= 1, f"{prefix}.top_k", "must be -1 (off) or >= 1")
+    need(cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n", "must be >= 1")
+    need(cfg.rollout.num_rollout_workers >= 1, "rollout.num_rollout_workers", "must be >= 1")
+    d = cfg.data
+    need(d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size", "must be >= 1 (or null: all at once)")
+    need(d.max_val_samples is None or d.max_val_samples >= 1, "data.max_val_samples", "must be >= 1 (or null: all)")
+    t = cfg.trainer
+    need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
+    need(t.num_workers >= 1, "trainer.num_workers", "must be >= 1")
+    need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
+    need(t.save_freq >= 0, "trainer.save_freq", "must be >= 1, or 0 (off: one checkpoint at the end with "
+                                                "trainer.save_final)")
+    need(t.test_freq >= 0, "trainer.test_freq", "must be >= 1, or 0 (off: no validation during training)")
+    need(t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1")
+    need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
+    need(cfg.reward.timeout_s is None or cfg.reward.timeout_s >= 0, "reward.timeout_s",
+         "must be > 0 (seconds per batch), or 0 / null (no limit)")
+    need(t.worker_timeout_s is None or t.worker_timeout_s >= 0, "trainer.worker_timeout_s",
+         "must be > 0 (seconds), or 0 / null (no limit)")
+    code = cfg.reward.code
+    need(code.timeout_s > 0, "reward.code.timeout_s", "must be > 0 (seconds per test case)")
+    need(code.memory_mb >= 64, "reward.code.memory_mb", "must be >= 64 (the interpreter itself needs ~30 MB)")
+    need(code.max_workers >= 1, "reward.code.max_workers", "must be >= 1")
+    need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
+         "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
+    if t.num_workers > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
+        from portrl.device.backend import module_available
+
+        if not module_available("ray"):
+            problems.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
+                            f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "
+                            "pip install 'ray[default]' or use trainer.num_workers=1")
+    return problems
+
+
+#: prefixes of runtime variables ``device.env`` may set (communication libraries, vendor runtimes, torch, Ray)
+ENV_PREFIXES = ("NCCL_", "HCCL_", "RCCL_", "HSA_", "HIP_", "CUDA_", "ASCEND_", "PYTORCH_", "OMP_", "MKL_", "RAY_",
+                "VLLM_", "TORCH_")
+
+
+def check_env(cfg) -> list[str]:
+    """``device.env`` names only variables of ENV_PREFIXES or ones a backend declares (its ``env_presets`` keys
+    and ``declared_env``): a config is data, so it cannot set PYTHONPATH, LD_PRELOAD and the like."""
+    env = dict(cfg.device.env or {})
+    bad = [k for k in env if not str(k).startswith(ENV_PREFIXES)]
+    if not bad:
+        return []
+    from portrl.device.registry import BackendError, all_backends, get_backend
+
+    try:
+        backends = [get_backend(cfg.device.name)] if cfg.device.name != "auto" else all_backends()
+    except BackendError:
+        backends = all_backends()
+    declared: set[str] = set()
+    for b in backends:
+        declared |= set(b.env_presets(deterministic=False)) | set(b.env_presets(deterministic=True))
+        declared |= set(b.declared_env)
+    bad = [k for k in bad if k not in declared]
+    named = sorted(k for k in declared if not k.startswith(ENV_PREFIXES))
+    where = f"backend {backends[0].name!r} declares" if len(backends) == 1 else "the backends declare"
+    return [f"device.env.{k} is not accepted; accepted: variables starting with {', '.join(ENV_PREFIXES)}, and "
+            f"those {where} ({', '.join(named) or 'none'}); set other variables in the shell that starts portrl"
+            for k in bad]
+
+
 def check_backend(cfg) -> list[str]:
     """Names that depend on the chosen backend (skipped for ``auto``: detection happens at run time)."""
     from portrl.device.registry import BackendError, get_backend
@@ -138,9 +261,9 @@ def check_backend(cfg) -> list[str]:
     if name == "auto":
         return []
     try:
-        backend = get_backend(name)
+        backend = get_backend(name, cfg.device.get("name_source") or "device.name")
     except BackendError as exc:
-        return [f"device.name: {exc}"]
+        return [str(exc)]
     prefs = backend.kernel_preferences()
     problems = []
     attention = prefs.get("attention_varlen", ())
@@ -161,7 +284,7 @@ def check_backend(cfg) -> list[str]:
 
 def validate(cfg, *, registries: bool = True, backend: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it is valid."""
-    problems = check_choices(cfg) + check_consistency(cfg)
+    problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg)
     if registries:
         problems += check_registries(cfg)
     if backend:

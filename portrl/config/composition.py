@@ -19,6 +19,10 @@ for those groups. ``portrl config show`` prints what was applied (``algorithm.na
 
 Derived defaults (applied only where neither the user YAML nor an override set the key):
 ``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``.
+
+``device.name_source`` records where ``device.name`` came from (``--device``, ``override device=NAME``,
+``preset h100``, the config file, ``override device.name=NAME``), so that a device that is unknown or not
+usable is reported with its origin (portrl.device.resolve_backend).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ def _parse_override(key: str, value: str) -> dict[str, Any]:
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}={value}: the value is not valid YAML ({exc})") from None
+        raise ConfigError(f"override {key}={value}: the value is not valid YAML ({yaml_problem(exc)})") from None
     if not isinstance(parsed, str) and parsed is not None and _is_str_field(key):
         parsed = value.strip()  # YAML 1.1 reads off/on/yes/no as booleans: trainer.resume=off stays "off"
     out: dict[str, Any] = {}
@@ -168,6 +172,7 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
 
     _register_resolvers()
     selections, dotted = split_overrides(overrides)
+    device_from = f"override device={selections['device']}" if "device" in selections else "--device"
     device = selections.get("device", device)
     preset = selections.get("preset", preset)
     algorithm = selections.get("algorithm", algorithm)
@@ -186,6 +191,9 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
 
     cfg = _defaults()
     dev_preset, backend = _resolve_device(device, preset)
+    name_source = None
+    if dev_preset:
+        name_source = device_from if device == dev_preset else f"preset {dev_preset}"
     layers = [("device", dev_preset), ("algorithm", chosen["algorithm"]), ("data", chosen["data"]),
               ("model", chosen["model"])]
     for group, name in layers:
@@ -202,11 +210,18 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
                               f"drop --device or choose a {backend} preset")
         if not dev_preset:
             cfg.device.name = backend
+        name_source = device_from
 
     if config_file:
         cfg = _merge(cfg, user, str(config_file))
+        if _lookup(user, "device.name") not in ("?", None, "auto"):
+            name_source = str(config_file)
     for source, item in items:
         cfg = _merge(cfg, item, source)
+        if _lookup(item, "device.name") not in ("?", None, "auto"):
+            name_source = source
+    if all(_lookup(d, "device.name_source") == "?" for d in [user] + [i for _, i in items]):
+        cfg.device.name_source = name_source if cfg.device.name != "auto" else None  # a saved config keeps its own
 
     _derive(cfg, explicit)
     try:
@@ -230,7 +245,14 @@ def _read_user_yaml(config_file: str | os.PathLike) -> dict:
     try:
         return yaml.safe_load(open(path).read()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{config_file} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{config_file} is not valid YAML: {yaml_problem(exc)}") from None
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML parse error in one line: what is wrong and where (line, column)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def _given(sources: list, dotted: str) -> bool:
@@ -294,6 +316,9 @@ def save_yaml(cfg, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(to_yaml(cfg))
+        from portrl.user_files import ordinary_permissions
+
+        ordinary_permissions(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -15,7 +15,10 @@ from typing import Any
 GROUPS = ("device", "algorithm", "data", "model")
 
 
-class ConfigError(ValueError):
+from portrl.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
     """A config, preset or override is invalid; the message names the key and what is valid."""
 
 

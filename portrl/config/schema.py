@@ -146,6 +146,9 @@ class OptimConfig:
     scheduler: str = "constant"  # constant | cosine | linear
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+    # lr must be > 0; lr=0 is accepted only with freeze=true, which says on purpose that these weights stay
+    # fixed (a baseline run, or a critic that only evaluates)
+    freeze: bool = False
 
 
 @dataclass
@@ -250,11 +253,26 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """The code reward (data_source codecontests, apps, codeforces, taco, leetcode): portrl.rewards.code."""
+
+    continuous: bool = True  # share passed of the first 10 cases (verl); false: 1 only when every case passes
+    timeout_s: float = 10.0  # wall-time limit of one case (one sandbox run), seconds (verl's per-case limit)
+    memory_mb: int = 1024  # address-space limit of one case
+    max_workers: int = 4  # sandbox runs at a time, per reward process
+    sandbox_fusion_url: Optional[str] = None  # run the cases on this SandboxFusion service instead (its /run_code)
+
+
+@dataclass
 class RewardConfig:
     custom: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     model_path: Optional[str] = None  # a local HF sequence-classification reward model
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     num_workers: int = 4  # processes for rule scoring of large batches
+    # wall-clock limit on scoring one batch with rule rewards (built-in or custom), seconds; None = no limit
+    timeout_s: Optional[float] = 300.0
+    on_timeout: str = "error"  # error (stop the run, naming the function) | zero (score the rest 0, warn)
 
 
 # ----------------------------------------------------------------------------------- trainer
@@ -273,6 +291,8 @@ class TrainerConfig:
     save_final: bool = True
     max_ckpt_to_keep: int = 2
     resume: str = "auto"  # auto | off | PATH
+    # resume=off (or another run's output_dir under auto): refuse | move_aside (rename it to <output_dir>.old-<time>)
+    on_existing_run: str = "refuse"
     export_hf: bool = True  # write a transformers-loadable copy of the final policy
     loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard | wandb | mlflow
     project_name: str = "portrl"
@@ -281,18 +301,27 @@ class TrainerConfig:
     deterministic: bool = False
     progress_bar: bool = True
     plot: bool = True
+    save_on_interrupt: bool = True  # SIGINT / SIGTERM: checkpoint the finished step before stopping
+    # a call to the workers that gets no answer within max(worker_timeout_s, 5 x the slowest RL step so far)
+    # stops the run naming the worker (the first step gets 3 x worker_timeout_s); None = wait forever
+    worker_timeout_s: Optional[float] = 300.0
 
 
 # ------------------------------------------------------------------------------------ device
 @dataclass
 class DeviceConfig:
     name: str = "auto"  # a registered backend name (portrl devices) or auto
+    # where name came from ("--device", "override device=NAME", "preset h100", the config file), set by compose()
+    # for error messages; None = the default
+    name_source: Optional[str] = None
     preset: Optional[str] = None  # the device preset that was applied, for reports
     dtype: Optional[str] = None  # overrides model.dtype when set
     attn_impl: Optional[str] = None  # overrides model.attn_impl when set
     kernels: Dict[str, str] = field(default_factory=dict)  # op -> implementation name
     tp_by_model_size: Dict[str, int] = field(default_factory=dict)  # e.g. {"7b": 1, "70b": 8}
-    env: Dict[str, str] = field(default_factory=dict)  # extra env vars for workers
+    # extra env vars for workers: names a backend declares (env_presets, declared_env) or runtime prefixes
+    # (NCCL_, CUDA_, ...: portrl.config.checks.ENV_PREFIXES); anything else (PYTHONPATH, LD_PRELOAD) is refused
+    env: Dict[str, str] = field(default_factory=dict)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
 
 

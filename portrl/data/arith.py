@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import zlib
 
-from portrl.data.schema import make_row
+from portrl.data.schema import DataError, make_row
 
 DATA_SOURCE = "arith"
 #: bumped whenever the generated problems change, so caches of generated files are rebuilt
@@ -69,18 +69,18 @@ def arith_problems(n: int, seed: int, difficulty: int = 1, split: str = "train",
                    test_fraction: float = 0.1) -> list[tuple[str, int]]:
     """n distinct (problem text "a+b=", answer) pairs of one split."""
     if not 1 <= int(difficulty) <= MAX_DIFFICULTY:
-        raise ValueError(f"arith difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
+        raise DataError(f"arith difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
     if split not in ("train", "test"):
-        raise ValueError(f"arith split must be 'train' or 'test', got {split!r}")
+        raise DataError(f"arith split must be 'train' or 'test', got {split!r}")
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        raise DataError(f"test_fraction must be in [0, 1), got {test_fraction}")
     rng = random.Random(f"arith:{seed}:{difficulty}:{split}")
     want_test = split == "test"
     out, seen, tries = [], set(), 0
     while len(out) < n:
         tries += 1
         if tries > 200 * n + 10000:
-            raise ValueError(f"cannot draw {n} distinct {split} problems at difficulty {difficulty} "
+            raise DataError(f"cannot draw {n} distinct {split} problems at difficulty {difficulty} "
                              f"(found {len(out)}); ask for fewer or raise the difficulty")
         a, op, b = sample_problem(rng, int(difficulty))
         text = f"{a}{op}{b}="

@@ -19,19 +19,22 @@ from portrl.data.schema import DataError
 
 log = logging.getLogger(__name__)
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
-TASKS = ("gsm8k", "math", "dapo_math", "arith")
+TASKS = ("gsm8k", "math", "dapo_math", "arith", "code")
 
 
 def read_records(path: str | Path) -> list[dict]:
     """The records of one raw file (jsonl, json or parquet)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+        raise DataError(f"input file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
+            raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
     if suffix == ".jsonl":
         records = []
         with path.open(encoding="utf-8") as f:
@@ -77,6 +80,9 @@ def write_split(rows: list[dict], path: str | Path) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
+        from portrl.user_files import ordinary_permissions
+
+        ordinary_permissions(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -87,7 +93,7 @@ def write_split(rows: list[dict], path: str | Path) -> Path:
 def split_records(records: list, test_fraction: float, seed: int) -> tuple[list, list]:
     """(train, test) by a seeded shuffle; test gets round(len * test_fraction) records."""
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+        raise DataError(f"test_fraction must be in [0, 1), got {test_fraction}")
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     n_test = round(len(records) * test_fraction)
@@ -102,8 +108,10 @@ def _converter(task: str) -> Callable[..., list[dict]]:
         from portrl.data.hendrycks_math import convert
     elif task == "dapo_math":
         from portrl.data.dapo_math import convert
+    elif task == "code":
+        from portrl.data.code import convert
     else:
-        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     return convert
 
 
@@ -116,7 +124,8 @@ def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
 
 def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None = None,
                test_input: str | Path | None = None, test_fraction: float = 0.1, seed: int = 0,
-               n: int | None = None, difficulty: int | None = None, sft: bool = False) -> dict[str, Path]:
+               n: int | None = None, difficulty: int | None = None, sft: bool = False,
+               data_source: str | None = None) -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
 
     ``n`` limits the raw records read per split (arith: the number of problems, train + test, default 2000);
@@ -124,13 +133,15 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     if n is not None and n <= 0:
-        raise ValueError(f"--n must be positive, got {n}")
+        raise DataError(f"--n must be positive, got {n}")
+    if not 0.0 <= test_fraction < 1.0:
+        raise DataError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     out = Path(output_dir)
     if task == "arith":
         if input_path is not None or test_input is not None:
-            raise ValueError("arith generates its problems; it takes no --input")
+            raise DataError("arith generates its problems; it takes no --input")
         from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 
         total = n or 2000  # difficulty 1 has about 2,850 distinct problems
@@ -143,14 +154,20 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
             splits["sft_test"] = make_arith_sft_rows(n_test, split="test", **kw)
         return _write_splits(splits, out)
     if sft:
-        raise ValueError("--sft is only available for arith (other tasks have no reference responses)")
+        raise DataError("--sft is only available for arith (other tasks have no reference responses)")
     if difficulty is not None and task != "math":
-        raise ValueError("--difficulty applies to arith (level) and math (highest MATH level kept) only")
+        raise DataError("--difficulty applies to arith (level) and math (highest MATH level kept) only")
+    if data_source is not None and task != "code":
+        raise DataError("--data-source applies to code only (the other tasks write their dataset's own name)")
+    if input_path is None and task == "code":
+        from portrl.data.code import BUILTIN_PROBLEMS
+
+        input_path = BUILTIN_PROBLEMS  # the small problem set shipped with portrl
     if input_path is None:
-        raise ValueError(f"{task} needs --input (a raw file or a folder with train*/test* files)")
+        raise DataError(f"{task} needs --input (a raw file or a folder with train*/test* files)")
     src = Path(input_path)
     if not src.exists():
-        raise FileNotFoundError(f"input {str(src)!r} does not exist")
+        raise DataError(f"input {str(src)!r} does not exist")
     if src.is_dir():
         files = find_split_files(src)
         train_raw = _load(files["train"], n)
@@ -161,7 +178,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     if test_input is not None:
         test_raw = _load([Path(test_input)], n)
     convert = _converter(task)
-    kw = {"max_level": difficulty} if task == "math" else {}
+    kw = {"max_level": difficulty} if task == "math" else {"data_source": data_source} if task == "code" else {}
     train = convert(train_raw, split="train", **kw)
     test = convert(test_raw, split="test", **kw)
     if not test_raw and test_fraction > 0:

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from portrl.data.schema import DataError, check_row
+from portrl.data.schema import DataError, MissingDataFile, check_row
 
 log = logging.getLogger(__name__)
 TRUNCATIONS = ("error", "left", "right")
@@ -63,7 +63,7 @@ def as_file_list(files: str | Path | Sequence[str | Path]) -> list[Path]:
         raise DataError("no dataset files given")
     for p in paths:
         if not p.is_file():
-            raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
+            raise MissingDataFile(f"dataset file {str(p)!r} does not exist")
     return paths
 
 

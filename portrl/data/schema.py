@@ -7,14 +7,22 @@ A row: ``data_source`` (str, picks the reward), ``prompt`` (list of chat message
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
-class DataError(ValueError):
+from portrl.errors import UserError
+
+
+class DataError(UserError, ValueError):
     """A dataset file or row is malformed; the message names the file, the row and the field."""
+
+
+class MissingDataFile(DataError, FileNotFoundError):
+    """A dataset file that was named does not exist."""
 
 
 def field(record: dict, name: str, where: str, index: int, kind: type = str):
@@ -44,7 +52,8 @@ def make_row(data_source: str, content: str, ground_truth: str, split: str, inde
 def check_row(row: Any, where: str, index: int, prompt_key: str = "prompt") -> tuple[list[dict], str, str, dict]:
     """(messages, data_source, ground_truth, extra_info) of a verl row; DataError naming the bad field.
 
-    ``where`` is the file name. A numeric ground truth is accepted and turned into a string.
+    ``where`` is the file name. A numeric ground truth is accepted and turned into a string as the number it
+    is (:func:`ground_truth_text`: 57.0 -> "57"); a NaN or empty ground truth is a DataError naming the row.
     """
     def bad(field: str, why: str) -> DataError:
         return DataError(f"{where}: row {index}: field {field!r} {why}")
@@ -71,9 +80,22 @@ def check_row(row: Any, where: str, index: int, prompt_key: str = "prompt") -> t
         raise bad("reward_model.ground_truth", "is missing")
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
         raise bad("reward_model.ground_truth", f"must be a string or a number, got {type(truth).__name__}")
+    if isinstance(truth, float) and not math.isfinite(truth):
+        raise bad("reward_model.ground_truth", f"is {'NaN' if math.isnan(truth) else truth} (not an answer); "
+                                               "fix or drop the row")
+    if isinstance(truth, str) and not truth.strip():
+        raise bad("reward_model.ground_truth", "is empty; every row needs the answer it is scored against")
     extra = row.get("extra_info")
     if extra is None:
         extra = {}
     elif not isinstance(extra, dict):
         raise bad("extra_info", f"must be a struct, got {type(extra).__name__}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages], source, str(truth), dict(extra)
+    return [{"role": m["role"], "content": m["content"]} for m in messages], source, ground_truth_text(truth), dict(extra)
+
+
+def ground_truth_text(truth: str | int | float) -> str:
+    """A ground truth as the text the rewards compare against: a float that is a whole number is written as
+    an integer (a parquet float column holds 57 as 57.0, which must still score "57"); other values unchanged."""
+    if isinstance(truth, float) and truth.is_integer():
+        return str(int(truth))
+    return str(truth)

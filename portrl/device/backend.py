@@ -99,6 +99,9 @@ class Backend:
     #: (installed distribution, PEP 508 requirement it needs, fix) checked by ``portrl doctor``,
     #: e.g. ``("some-engine", "transformers<5.20", "pip install 'transformers<5.20'")``
     version_constraints: ClassVar[tuple[tuple[str, str, str], ...]] = ()
+    #: environment variables a config's ``device.env`` may set for this backend besides the keys of
+    #: :meth:`env_presets` and the runtime prefixes of ``portrl.config.checks.ENV_PREFIXES``
+    declared_env: ClassVar[tuple[str, ...]] = ()
 
     # --- probe ------------------------------------------------------------------------------
     def probe(self) -> ProbeResult:

@@ -6,7 +6,8 @@ Built-in backends are registered in pyproject.toml exactly as a third-party plug
     xpu = "my_pkg.xpu:XPUBackend"
 
 Resolution order: an explicit name (``--device``, then ``PORTRL_DEVICE``, then config
-``device.name``); ``auto`` or nothing means detection: backends are probed in descending
+``device.name``, unless ``compose`` recorded that ``device.name`` itself came from ``--device``);
+``auto`` or nothing means detection: backends are probed in descending
 ``detect_priority`` (each backend declares its own) and the first usable one wins. The core holds no
 list of vendors.
 """
@@ -20,6 +21,7 @@ import os
 from functools import lru_cache
 
 from portrl.device.backend import Backend
+from portrl.errors import UserError
 
 ENTRY_POINT_GROUP = "portrl.backends"
 ENV_VAR = "PORTRL_DEVICE"
@@ -28,8 +30,8 @@ AUTO = "auto"
 log = logging.getLogger(__name__)
 
 
-class BackendError(RuntimeError):
-    """A backend name is unknown, duplicated or not usable here."""
+class BackendError(UserError, RuntimeError):
+    """A backend name is unknown, duplicated or not usable here (a user error: exit code 2, one line)."""
 
 
 @lru_cache(maxsize=1)
@@ -54,7 +56,7 @@ def _discover() -> dict[str, type[Backend]]:
 def clear_cache() -> None:
     """Forget discovered backends (tests that add plugins call this)."""
     _discover.cache_clear()
-    get_backend.cache_clear()
+    _instance.cache_clear()
 
 
 def backend_names() -> list[str]:
@@ -63,15 +65,23 @@ def backend_names() -> list[str]:
     return sorted(classes, key=lambda n: (-classes[n].detect_priority, n))
 
 
-@lru_cache(maxsize=None)
-def get_backend(name: str) -> Backend:
-    """The backend registered under ``name`` (not probed). Unknown names list the valid ones."""
+def get_backend(name: str, source: str | None = None) -> Backend:
+    """The backend registered under ``name`` (not probed). Unknown names list the valid ones; ``source``
+    (``--device``, ``$PORTRL_DEVICE``, a preset, a file) says where the name came from."""
     classes = _discover()
     if name not in classes:
         close = difflib.get_close_matches(name, classes, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise BackendError(f"unknown device {name!r}; registered: {', '.join(backend_names())}, or 'auto'.{hint}")
-    return classes[name]()
+        where = f" (from {source})" if source else ""
+        raise BackendError(f"unknown device {name!r}{where}; registered: {', '.join(backend_names())}, "
+                           f"or 'auto' (see `portrl devices`).{hint}")
+    return _instance(name)
+
+
+@lru_cache(maxsize=None)
+def _instance(name: str) -> Backend:
+    return _discover()[name]()
+
 
 
 def all_backends() -> list[Backend]:
@@ -89,15 +99,22 @@ def detect() -> Backend:
     raise BackendError("no usable device backend: " + "; ".join(reasons))
 
 
-def resolve_backend(cli: str | None = None, config: str | None = None, *, require_usable: bool = True) -> Backend:
+def resolve_backend(cli: str | None = None, config: str | None = None, *, require_usable: bool = True,
+                    config_source: str | None = None) -> Backend:
     """Resolve the backend: ``cli`` > ``$PORTRL_DEVICE`` > ``config`` > detection.
 
-    An explicit backend that is not usable here is an error naming the reason, unless
-    ``require_usable`` is False (``portrl doctor`` inspects unusable backends too).
+    ``config_source`` says where ``config`` came from (``device.name_source``, recorded by compose); when it is
+    ``--device`` the config value is the command line's choice and beats ``$PORTRL_DEVICE``. An explicit
+    backend that is not usable here is an error naming the reason and the source, unless ``require_usable``
+    is False (``portrl doctor`` inspects unusable backends too).
     """
-    for source, value in (("--device", cli), (ENV_VAR, os.environ.get(ENV_VAR)), ("device.name", config)):
+    from_config = (config_source or "device.name", config)
+    from_env = (f"${ENV_VAR}", os.environ.get(ENV_VAR))
+    order = [("--device", cli)]
+    order += [from_config, from_env] if (config_source or "").startswith("--device") else [from_env, from_config]
+    for source, value in order:
         if value and value != AUTO:
-            backend = get_backend(value)
+            backend = get_backend(value, source)
             if require_usable:
                 result = backend.probe()
                 if not result.usable:

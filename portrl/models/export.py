@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Optional
+
+from portrl.user_files import replace_dir, temp_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -57,20 +58,14 @@ def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_name(out)
     tmp.mkdir()  # mode 0o777 minus the umask: an ordinary directory, unlike tempfile.mkdtemp's 0o700
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         restore_config(tmp / "config.json", Path(source_dir) / "config.json")
         if not copy_tokenizer_files(Path(tokenizer_dir or source_dir), tmp) and tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

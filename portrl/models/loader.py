@@ -1,23 +1,55 @@
-"""Load a Hugging Face causal LM and its tokenizer from a local directory (never from the hub)."""
+"""Load a Hugging Face causal LM and its tokenizer from a local directory (never from the hub).
+
+:func:`check_model_dir` is what can be known about a model directory without loading it (it exists, holds a
+readable ``config.json`` and, when asked, tokenizer files); it raises :class:`ModelDirError`, a user error
+naming the config key the path came from. The loaders run the same checks first.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+
+from portrl.errors import UserError
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 HF_ATTENTION = ("hf_sdpa", "hf_eager")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+DOWNLOAD_HINT = "portrl loads local directories only; download the model first, e.g. " \
+                "`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir /models/Qwen2.5-0.5B-Instruct`"
 
 
-def _check_model_dir(path) -> Path:
+class ModelDirError(UserError, FileNotFoundError):
+    """A model or tokenizer path is not a usable local Hugging Face directory."""
+
+
+def check_model_dir(path, key: str = "model path", *, config: bool = True, tokenizer: bool = False) -> Path:
+    """``path`` as a Path, checked to be a directory with a readable ``config.json`` (``config``) and tokenizer
+    files (``tokenizer``); ModelDirError naming ``key`` (e.g. ``model.path``) and what is missing otherwise."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"model path {str(p)!r} does not exist (portrl loads local directories only; "
-                                "download the model first, e.g. with `huggingface-cli download <repo> --local-dir DIR`)")
+        raise ModelDirError(f"{key} {str(p)!r} does not exist ({DOWNLOAD_HINT})")
     if not p.is_dir():
-        raise NotADirectoryError(f"model path {str(p)!r} is not a directory")
+        raise ModelDirError(f"{key} {str(p)!r} is not a directory; give a Hugging Face model directory "
+                            "(config.json, weights, tokenizer files)")
+    if config:
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise ModelDirError(f"{key} {str(p)!r} has no config.json; it is not a Hugging Face model directory "
+                                f"({DOWNLOAD_HINT})")
+        try:
+            ok = isinstance(json.loads(cfg.read_text()), dict)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise ModelDirError(f"{key} {str(p)!r}: config.json is not a JSON object; the model directory is "
+                                "damaged, download it again")
+    if tokenizer and not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise ModelDirError(f"{key} {str(p)!r} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); "
+                            "set model.tokenizer_path to a directory that has them, or download the full model")
     return p
 
 
@@ -25,9 +57,7 @@ def load_tokenizer(path):
     """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a missing path or tokenizer is a clear error."""
     from transformers import AutoTokenizer
 
-    p = _check_model_dir(path)
-    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
-        raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {str(p)!r}")
+    p = check_model_dir(path, "tokenizer path", config=False, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
@@ -62,9 +92,7 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
     from portrl.models.attention import register_attention
     from portrl.ops.registry import _resolve_backend, select
 
-    p = _check_model_dir(path)
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"{str(p)!r} has no config.json; it is not a Hugging Face model directory")
+    p = check_model_dir(path)
     be = _resolve_backend(backend)
     if attn_impl in HF_ATTENTION:
         attn_name, impl = attn_impl[3:], attn_impl

@@ -25,8 +25,20 @@ def extract_answer(solution_str: str) -> str | None:
 def compute_score(solution_str: str, ground_truth: str) -> dict:
     """{"score", "acc", "pred"}: 1.0 for the right integer, else 0.0."""
     pred = extract_answer(solution_str)
-    try:
-        correct = pred is not None and int(pred) == int(str(ground_truth).strip())
-    except ValueError:
-        correct = False
+    truth = _as_integer(ground_truth)
+    correct = pred is not None and truth is not None and int(pred) == truth
     return {"score": float(correct), "acc": float(correct), "pred": pred}
+
+
+def _as_integer(ground_truth) -> int | None:
+    """The integer a ground truth stands for ("19", 19, 19.0, "19.0"), or None when it is not a whole number."""
+    text = str(ground_truth).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() else None

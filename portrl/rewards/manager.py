@@ -5,12 +5,20 @@ spawned processes when the batch has at least ``parallel_threshold`` rows and ``
 A result is a float (acc = score > 0) or a dict with "score" (and optionally "acc"; other keys are
 returned in ``RewardResult.extra`` as lists with None where a row lacks them). With
 ``overlong_buffer.enable`` the DAPO overlong reward (portrl.algo.overlong_penalty) is added to the score.
+
+``timeout_s`` limits the wall-clock time of scoring one batch (``reward.timeout_s``; how, and what can be
+interrupted: portrl.rewards.time_limit). Past it, ``on_timeout="error"`` raises :class:`RewardTimeoutError`
+naming the function and the row it was at; ``"zero"`` keeps the rows already scored, scores the rest 0 (acc 0)
+and logs a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
+from concurrent.futures import wait as wait_futures
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -18,10 +26,23 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from portrl.rewards.custom import RewardFunctionError, load_custom_reward
+from portrl.rewards.custom import RewardFileError, RewardFunctionError, load_custom_reward
 from portrl.rewards.registry import compute_score
 from portrl.algo import overlong_penalty
 from portrl.rewards.shaping import overlong_buffer_settings
+from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit, check_deadline
+
+log = logging.getLogger(__name__)
+ON_TIMEOUT = ("error", "zero")
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """Scoring a batch took longer than ``reward.timeout_s`` (the message names the function and the row)."""
+
+
+def describe_reward(custom: tuple[str, str] | None) -> str:
+    """How messages name the reward function: the custom one's name and file, or the built-in one."""
+    return f"custom reward {custom[1]!r} from {custom[0]!r}" if custom is not None else "built-in reward"
 
 
 @dataclass
@@ -31,14 +52,18 @@ class RewardResult:
     extra: dict[str, list] = field(default_factory=dict)
 
 
-def _score_rows(custom: tuple[str, str] | None, kwargs: dict, rows: list[tuple]) -> list[tuple[float, float, dict]]:
-    """Score (index, data_source, response, ground_truth, extra_info) rows; runs in a worker or inline."""
+def _score_rows(custom: tuple[str, str] | None, kwargs: dict, rows: list[tuple], out: list | None = None,
+                deadline: float | None = None) -> list[tuple[float, float, dict]]:
+    """Score (index, data_source, response, ground_truth, extra_info) rows; runs in a worker or inline.
+    Results are appended to ``out`` (a new list by default; the rows scored so far when the time runs out);
+    past ``deadline`` (time.monotonic) it raises TimeLimitReached before the next row."""
     if custom is not None:
         fn, what = load_custom_reward(*custom), f"custom reward {custom[1]!r} from {custom[0]!r}"
     else:
         fn, what = compute_score, "built-in reward"
-    out = []
+    out = [] if out is None else out
     for index, source, response, truth, extra in rows:
+        check_deadline(deadline)
         try:
             result = fn(source, response, truth, extra, **kwargs)
         except Exception as exc:
@@ -66,9 +91,11 @@ class RewardManager:
     def __init__(self, custom_path: str | None = None, custom_name: str | None = None,
                  overlong_buffer: Mapping | None = None, max_response_length: int | None = None,
                  num_workers: int | None = None, parallel_threshold: int = 256,
-                 reward_kwargs: Mapping[str, Any] | None = None):
+                 reward_kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                 on_timeout: str = "error"):
         if custom_name and not custom_path:
-            raise ValueError("reward.custom.name is set but reward.custom.path is not")
+            raise RewardFileError("reward.custom.name is set but reward.custom.path is not; set reward.custom.path "
+                                  "to the Python file that defines the function")
         self.custom = None
         if custom_path:
             load_custom_reward(custom_path, custom_name or "compute_score")  # fail early, in the driver
@@ -79,10 +106,19 @@ class RewardManager:
         self.parallel_threshold = int(parallel_threshold)
         self.reward_kwargs = dict(reward_kwargs or {})
         self._pool: ProcessPoolExecutor | None = None
+        from portrl.errors import UserError
+
+        if timeout_s is not None and float(timeout_s) < 0:
+            raise UserError(f"reward.timeout_s={timeout_s} is negative; give seconds > 0 (0 or null: no limit)")
+        self.timeout_s = float(timeout_s) if timeout_s else None
+        if on_timeout not in ON_TIMEOUT:
+            raise UserError(f"reward.on_timeout={on_timeout!r} is not valid; valid: {', '.join(ON_TIMEOUT)}")
+        self.on_timeout = on_timeout
 
     def _pool_get(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.num_workers, mp_context=get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.num_workers, mp_context=get_context("spawn"),
+                                             initializer=_ignore_sigint)
         return self._pool
 
     def close(self) -> None:
@@ -107,12 +143,9 @@ class RewardManager:
                 raise ValueError(f"{name} has {len(seq)} rows but responses has {n}")
         rows = [(i, data_sources[i], responses[i], ground_truths[i], extra_infos[i]) for i in range(n)]
         if n >= self.parallel_threshold and self.num_workers > 1:
-            size = max(1, math.ceil(n / (self.num_workers * 4)))
-            chunks = [rows[i:i + size] for i in range(0, n, size)]
-            futures = [self._pool_get().submit(_score_rows, self.custom, self.reward_kwargs, c) for c in chunks]
-            results = [r for f in futures for r in f.result()]
+            results = self._score_in_pool(rows)
         else:
-            results = _score_rows(self.custom, self.reward_kwargs, rows)
+            results = self._score_inline(rows)
         scores = [r[0] for r in results]
         extra: dict[str, list] = {}
         for i, (_, _, rest) in enumerate(results):
@@ -128,6 +161,62 @@ class RewardManager:
             scores = [s + p for s, p in zip(scores, penalties)]
         return RewardResult(torch.tensor(scores, dtype=torch.float32),
                             torch.tensor([r[1] for r in results], dtype=torch.float32), extra)
+
+
+    # ------------------------------------------------------------------------------- time limit
+    def _score_inline(self, rows: list[tuple]) -> list[tuple[float, float, dict]]:
+        if self.timeout_s is None:
+            return _score_rows(self.custom, self.reward_kwargs, rows)
+        done: list = []
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            call_with_time_limit(lambda: _score_rows(self.custom, self.reward_kwargs, rows, done, deadline),
+                                 self.timeout_s)
+        except TimeLimitReached:
+            pass
+        return self._complete(rows, done + [None] * (len(rows) - len(done)))
+
+    def _score_in_pool(self, rows: list[tuple]) -> list[tuple[float, float, dict]]:
+        size = max(1, math.ceil(len(rows) / (self.num_workers * 4)))
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        futures = [self._pool_get().submit(_score_rows, self.custom, self.reward_kwargs, c) for c in chunks]
+        _, late = wait_futures(futures, timeout=self.timeout_s)
+        if late:  # a process stuck in a reward function: only ending the processes stops it
+            self._terminate_pool()
+        results: list = []
+        for f, chunk in zip(futures, chunks):
+            results += f.result() if f not in late else [None] * len(chunk)
+        return self._complete(rows, results)
+
+    def _complete(self, rows: list[tuple], results: list) -> list[tuple[float, float, dict]]:
+        """``results`` with None for the rows not scored in time: RewardTimeoutError, or 0 with a warning."""
+        missing = [i for i, r in enumerate(results) if r is None]
+        if not missing:
+            return results
+        index, source = rows[missing[0]][0], rows[missing[0]][1]
+        what = (f"{describe_reward(self.custom)} did not score a batch of {len(rows)} rows within "
+                f"reward.timeout_s={self.timeout_s:g}s ({len(missing)} rows left, the first row {index}, "
+                f"data_source {source!r})")
+        if self.on_timeout == "error":
+            raise RewardTimeoutError(f"{what}; make it faster, raise reward.timeout_s, or set reward.on_timeout=zero "
+                                     "to score the rows left 0")
+        log.warning("%s: those rows score 0 (reward.on_timeout=zero)", what)
+        return [r if r is not None else (0.0, 0.0, {}) for r in results]
+
+    def _terminate_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ignore_sigint() -> None:
+    """Reward pool processes leave Ctrl-C to the trainer (the terminal sends it to the whole process group)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

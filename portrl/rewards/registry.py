@@ -11,15 +11,19 @@ DigitalLearningGmbH/MATH-lighteval, lighteval/MATH,    portrl.rewards.math_rewar
 HuggingFaceH4/MATH-500, math, numina_* (NuminaMath)
 math_dapo, dapo_math, aime*, BytedTsinghua-SIA/*       portrl.rewards.dapo_math (+1/-1, "Answer:")
 arith                                                  portrl.rewards.arith (last integer)
+codecontests, apps, codeforces, taco, leetcode         portrl.rewards.code (program run in the sandbox)
 =====================================================  ==========================================
 
 Keyword arguments after ``extra_info`` go to the chosen reward (e.g. ``method="flexible"``,
-``format_score=0.1`` for gsm8k).
+``format_score=0.1`` for gsm8k). The keyword ``code`` (a dict of reward.code settings: continuous, timeout_s,
+memory_mb, max_workers, sandbox_fusion_url) goes to the code reward only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from portrl.errors import UserError
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (
@@ -30,10 +34,15 @@ MATH_SOURCES = (
 DAPO_SOURCES = ("math_dapo", "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "BytedTsinghua-SIA/AIME-2024")
 DAPO_PREFIXES = ("aime",)
 ARITH_SOURCES = ("arith",)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco", "leetcode")  # as portrl.rewards.code
+
+
+class UnknownDataSource(UserError, ValueError):
+    """A row's data_source has no built-in reward (and no custom reward is configured)."""
 
 
 def reward_kind(data_source: str) -> str:
-    """"gsm8k", "math", "dapo_math" or "arith" for a data_source; ValueError listing the known ones."""
+    """"gsm8k", "math", "dapo_math", "arith" or "code" for a data_source; UnknownDataSource listing the known ones."""
     if data_source in GSM8K_SOURCES:
         return "gsm8k"
     if data_source in MATH_SOURCES:
@@ -42,8 +51,10 @@ def reward_kind(data_source: str) -> str:
         return "dapo_math"
     if data_source in ARITH_SOURCES:
         return "arith"
-    known = ", ".join(GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES + ARITH_SOURCES)
-    raise ValueError(
+    if data_source in CODE_SOURCES:
+        return "code"
+    known = ", ".join(GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES + ARITH_SOURCES + CODE_SOURCES)
+    raise UnknownDataSource(
         f"no built-in reward for data_source {data_source!r}; known: {known}, aime*. "
         "For other data give a custom reward (reward.custom.path / reward.custom.name)."
     )
@@ -66,4 +77,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     """The rule reward of one response: a dict with "score", "acc" and "pred"."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
-    return _scorer(reward_kind(data_source))(solution_str, str(ground_truth), **kwargs)
+    from portrl.data.schema import ground_truth_text  # 57.0 scores as "57"
+
+    code_settings = kwargs.pop("code", None) or {}
+    if reward_kind(data_source) == "code":
+        from portrl.rewards.code import compute_score as code_score
+
+        return code_score(solution_str, ground_truth_text(ground_truth), extra_info, **dict(code_settings))
+    return _scorer(reward_kind(data_source))(solution_str, ground_truth_text(ground_truth), **kwargs)

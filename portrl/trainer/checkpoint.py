@@ -7,9 +7,20 @@ bytes and sha256, plus ``meta`` and the step), flushes, then renames the directo
 directory, which is never taken for a checkpoint and is removed by the next save. Only the newest
 ``max_to_keep`` checkpoints are kept.
 
-Reading: ``latest_valid()`` checks checkpoints newest first: the manifest must exist and parse, and
-every listed file must exist with the listed size and sha256. A partial or corrupt checkpoint is
-skipped with a warning naming it and what is wrong, and the previous one is used.
+Reading: ``latest_valid()`` checks checkpoints newest first: the manifest must exist, parse and have the
+expected shape (``step`` an int, ``meta`` a dict, ``files`` a dict of ``{"size": int, "sha256": hex}`` with
+relative paths inside the checkpoint), and every listed file must exist with the listed size and sha256.
+A partial, corrupt or malformed checkpoint is skipped with a warning naming it and what is wrong, and the
+previous one is used. ``resolve_auto(identity)`` does the same for ``trainer.resume=auto`` and then checks
+the newest intact checkpoint with :func:`check_compatible` (format version, run identity); when checkpoints
+exist but none is intact it raises an error listing each with its problem instead of starting over.
+
+Rotation (after each save) keeps the checkpoint just written and the newest intact others, up to
+``max_to_keep`` in all; it never deletes the one it just wrote (even when higher-numbered ones exist).
+
+The frozen reference policy of a run (KL terms) is the same in every checkpoint, so it is written once to
+``<root>/reference`` (:meth:`CheckpointManager.save_reference`) and each checkpoint's ``meta.reference`` pins
+it by the sha256 of its manifest; resuming verifies it with the checkpoint (``verify(..., with_reference=True)``).
 """
 
 from __future__ import annotations
@@ -22,17 +33,24 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from portrl.errors import UserError
+from portrl.user_files import replace_dir
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "global_step_"
+#: the run's frozen reference policy, written once next to the checkpoints (CheckpointManager.save_reference)
+REFERENCE = "reference"
 _STEP_DIR = re.compile(rf"^{PREFIX}(\d+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, or a named checkpoint is missing or corrupt."""
+class CheckpointError(UserError):
+    """A checkpoint cannot be used: missing, corrupt, of an old format or of another run (a user error:
+    one line, exit code 2)."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -74,20 +92,52 @@ def write_manifest(ckpt_dir: Path, step: int, meta: dict) -> dict:
     return manifest
 
 
-def verify(ckpt_dir: Path) -> Optional[str]:
-    """None when ``ckpt_dir`` matches its manifest, else what is wrong (one line)."""
-    ckpt_dir = Path(ckpt_dir)
+def manifest_problem(manifest: Any) -> Optional[str]:
+    """None when ``manifest`` has the shape :func:`write_manifest` writes, else what is wrong."""
+    if not isinstance(manifest, dict):
+        return "manifest.json is not a JSON object"
+    for key, kind in (("step", int), ("meta", dict), ("files", dict)):
+        if key not in manifest:
+            return f"manifest.json has no {key!r}"
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            return f"manifest.json {key!r} is a {type(manifest[key]).__name__}, not a {kind.__name__}"
+    if not manifest["files"]:
+        return "manifest lists no files"
+    for rel, want in manifest["files"].items():
+        parts = Path(rel).parts
+        if os.path.isabs(rel) or ".." in parts or not parts:
+            return f"manifest.json lists {rel!r}, a path outside the checkpoint"
+        if not isinstance(want, dict):
+            return f"manifest.json entry for {rel} is not an object"
+        size, digest = want.get("size"), want.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"manifest.json size of {rel} is {size!r}, not a byte count"
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            return f"manifest.json sha256 of {rel} is {digest!r}, not a sha256 hex digest"
+    return None
+
+
+def _load_manifest(ckpt_dir: Path) -> tuple[Optional[dict], Optional[str]]:
     mpath = ckpt_dir / MANIFEST
     if not mpath.is_file():
-        return "no manifest.json (partial write)"
+        return None, "no manifest.json (partial write)"
     try:
         manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        return f"unreadable manifest.json ({exc})"
-    if not files:
-        return "manifest lists no files"
-    for rel, want in files.items():
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        return None, f"unreadable manifest.json ({exc})"
+    problem = manifest_problem(manifest)
+    return (None, problem) if problem else (manifest, None)
+
+
+def verify(ckpt_dir: Path, with_reference: bool = False) -> Optional[str]:
+    """None when ``ckpt_dir`` matches its manifest (well-formed, every file's size and sha256), else what is
+    wrong (one line). ``with_reference``: also the run's reference model the checkpoint names (meta.reference,
+    see :meth:`CheckpointManager.save_reference`), which resuming needs and evaluating does not."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest, problem = _load_manifest(ckpt_dir)
+    if problem:
+        return problem
+    for rel, want in manifest["files"].items():
         p = ckpt_dir / rel
         if not p.is_file():
             return f"{rel} is missing"
@@ -96,7 +146,59 @@ def verify(ckpt_dir: Path) -> Optional[str]:
             return f"{rel} has {size} bytes, manifest says {want['size']}"
         if sha256_file(p) != want["sha256"]:
             return f"{rel} sha256 differs from the manifest"
+    ref = manifest["meta"].get("reference")
+    if with_reference and ref is not None:
+        if not isinstance(ref, dict) or ref.get("dir") != REFERENCE or not isinstance(ref.get("manifest_sha256"), str):
+            return f"manifest.json meta.reference is {ref!r}, not {{'dir': '{REFERENCE}', 'manifest_sha256': ...}}"
+        rdir = ckpt_dir.parent / REFERENCE
+        if not (rdir / MANIFEST).is_file():
+            return f"its reference model {rdir} is missing (it is written once per run, next to the checkpoints)"
+        if sha256_file(rdir / MANIFEST) != ref["manifest_sha256"]:
+            return f"its reference model {rdir} is another one than it was saved with"
+        problem = verify(rdir)
+        if problem is not None:
+            return f"its reference model {rdir}: {problem}"
     return None
+
+
+def check_compatible(path: Path, manifest: dict, identity: Optional[Dict[str, Any]] = None,
+                     only: tuple = ()) -> None:
+    """Raise CheckpointError when the (verified) checkpoint at ``path`` has another format version than this
+    portrl reads, or (with ``identity``) was written by a different run. ``only``: compare just the identity
+    keys starting with these prefixes (``portrl eval`` checks the model only)."""
+    from portrl import __version__
+    from portrl.trainer.checkpoint_io import FORMAT_VERSION, LEGACY_FILES
+
+    meta = manifest.get("meta", {})
+    fmt = meta.get("format")
+    if fmt is None:
+        legacy = [f for f in LEGACY_FILES if f in manifest.get("files", {})]
+        raise CheckpointError(
+            f"checkpoint {path} is in the old pickled format ({', '.join(legacy) or 'no format version'}; written "
+            f"by portrl {meta.get('portrl_version', '0.1.0 or earlier')}), which portrl {__version__} does not load "
+            f"(loading it could run code); it reads checkpoint format {FORMAT_VERSION} (safetensors + JSON): start a "
+            f"fresh run (a new trainer.output_dir, or trainer.resume=off trainer.on_existing_run=move_aside)")
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format {fmt!r} (written by portrl {meta.get('portrl_version', '?')}); portrl "
+            f"{__version__} reads format {FORMAT_VERSION}: use the portrl version that wrote it, or start a fresh "
+            f"run (a new trainer.output_dir)")
+    if identity is None:
+        return
+    from portrl.trainer.run_identity import identity_diff
+
+    saved = meta.get("identity")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {path} records no run identity (manifest meta.identity); start a fresh "
+                              f"run (a new trainer.output_dir)")
+    if only:
+        saved = {k: v for k, v in saved.items() if k.startswith(only)}
+        identity = {k: v for k, v in identity.items() if k.startswith(only)}
+    diff = identity_diff(saved, identity)
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); to start a new run use a fresh "
+            f"trainer.output_dir, or trainer.resume=off trainer.on_existing_run=move_aside to move the old one aside")
 
 
 def read_meta(path: str | os.PathLike) -> dict:
@@ -104,17 +206,40 @@ def read_meta(path: str | os.PathLike) -> dict:
     mpath = Path(path) / MANIFEST
     if not mpath.is_file():
         raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST})")
-    return json.loads(mpath.read_text())
+    manifest, problem = _load_manifest(Path(path))
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    return manifest
+
+
+def open_checkpoint(path: str | os.PathLike, identity: Optional[Dict[str, Any]] = None, only: tuple = (),
+                    with_reference: bool = False) -> dict:
+    """What every reader does first: verify ``path`` against its manifest (sizes, sha256, shape; the reference
+    model too with ``with_reference``), then its format version and (with ``identity``) its run identity;
+    returns the manifest. Raises CheckpointError."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory (give a {PREFIX}<step> directory of a run)")
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST}; give a {PREFIX}<step> directory)")
+    problem = verify(path, with_reference)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    manifest = read_meta(path)
+    check_compatible(path, manifest, identity, only)
+    return manifest
 
 
 class CheckpointManager:
-    """Checkpoints under ``root`` named ``global_step_<step>``; keeps the newest ``max_to_keep``."""
+    """Checkpoints under ``root`` named ``global_step_<step>``; keeps the newest ``max_to_keep`` (see the module
+    docstring for rotation)."""
 
     def __init__(self, root: str | os.PathLike, max_to_keep: int = 2):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.root = Path(root)
         self.max_to_keep = int(max_to_keep)
+        self._intact: Dict[Path, float] = {}  # verified here (written or checked): path -> manifest mtime
 
     # ----------------------------------------------------------------------------------- listing
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -131,9 +256,29 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"{PREFIX}{int(step)}"
 
+    def _rotation_problem(self, path: Path) -> Optional[str]:
+        """:func:`verify` for rotation, remembered for checkpoints this manager wrote or already verified while
+        their manifest is unchanged (a big checkpoint's sha256 is not recomputed at every save). Readers
+        (:meth:`latest_valid`, :meth:`resolve_auto`) always verify in full."""
+        try:
+            mtime = (path / MANIFEST).stat().st_mtime
+        except OSError:
+            mtime = None
+        if mtime is not None and self._intact.get(path) == mtime:
+            return None
+        problem = verify(path)
+        if problem is None and mtime is not None:
+            self._intact[path] = mtime
+        return problem
+
     # ------------------------------------------------------------------------------------ saving
     def save(self, step: int, write_fn: Callable[[Path], None], meta: Optional[dict] = None) -> Path:
-        """Write a checkpoint for ``step`` atomically and return its final path."""
+        """Write a checkpoint for ``step`` atomically and return its final path. The manifest's meta gets
+        ``format`` (the checkpoint format version) and ``portrl_version`` unless ``meta`` sets them."""
+        from portrl import __version__
+        from portrl.trainer.checkpoint_io import FORMAT_VERSION
+
+        meta = {"format": FORMAT_VERSION, "portrl_version": __version__, **dict(meta or {})}
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
         tmp = self.root / f".tmp_{PREFIX}{int(step)}_{os.getpid()}"
@@ -142,51 +287,101 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             write_fn(tmp)
-            write_manifest(tmp, step, dict(meta or {}))
+            write_manifest(tmp, step, meta)
             final = self.path_for(step)
-            if final.exists():  # re-saving a step (e.g. after a resume): replace the old one
-                old = self.root / f".old_{PREFIX}{int(step)}_{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+            # re-saving a step (e.g. after a resume) replaces the old one
+            replace_dir(tmp, final, aside=self.root / f".old_{PREFIX}{int(step)}_{os.getpid()}")
             _fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._rotate()
+        self._intact[final] = (final / MANIFEST).stat().st_mtime
+        self._rotate(keep=final)
         log.info("checkpoint saved: %s", final)
         return final
+
+    def save_reference(self, write_fn: Callable[[Path], None]) -> Dict[str, str]:
+        """Write the run's frozen reference policy once to ``<root>/reference`` (atomically, with its own manifest)
+        and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256"}``. Checkpoints
+        then pin it instead of each holding a copy; rotation never removes it."""
+        from portrl import __version__
+        from portrl.trainer.checkpoint_io import FORMAT_VERSION
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / REFERENCE
+        tmp = self.root / f".tmp_{REFERENCE}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            write_fn(tmp)
+            write_manifest(tmp, 0, {"format": FORMAT_VERSION, "portrl_version": __version__, "kind": REFERENCE})
+            # an existing one is another run's (moved-aside runs take theirs along) or a damaged one
+            replace_dir(tmp, final, aside=self.root / f".old_{REFERENCE}_{os.getpid()}")
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return {"dir": REFERENCE, "manifest_sha256": sha256_file(final / MANIFEST)}
 
     def _remove_stale_temps(self) -> None:
         for p in self.root.iterdir():
             if p.is_dir() and (p.name.startswith(".tmp_") or p.name.startswith(".old_")):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _rotate(self) -> None:
-        ckpts = self.checkpoints()
-        for _, path in ckpts[: max(0, len(ckpts) - self.max_to_keep)]:
+    def _rotate(self, keep: Path) -> None:
+        """Keep ``keep`` and the newest intact others (``max_to_keep`` in all); remove the rest."""
+        kept = 1
+        for _step, path in reversed(self.checkpoints()):
+            if path == keep:
+                continue
+            if kept < self.max_to_keep and self._rotation_problem(path) is None:
+                kept += 1
+                continue
             shutil.rmtree(path, ignore_errors=True)
+            self._intact.pop(path, None)
             log.info("checkpoint removed (max_to_keep=%d): %s", self.max_to_keep, path)
 
     # ----------------------------------------------------------------------------------- loading
     def latest_valid(self) -> Optional[Path]:
         """The newest checkpoint whose files match its manifest; bad ones are skipped with a warning."""
         for _step, path in reversed(self.checkpoints()):
-            problem = verify(path)
+            problem = verify(path, with_reference=True)
             if problem is None:
                 return path
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         return None
 
-    def resolve_resume(self, resume: str | os.PathLike | None) -> Optional[Path]:
-        """``"off"`` -> None; ``"auto"`` -> :meth:`latest_valid` (None when there is none);
-        a path -> that checkpoint, which must verify (an error names what is wrong)."""
+    def resolve_auto(self, identity: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+        """``trainer.resume=auto``: the newest intact checkpoint (corrupt, partial or malformed ones skipped with
+        a warning), checked by :func:`check_compatible`; None when there is no checkpoint at all. Raises
+        CheckpointError when checkpoints exist but none is intact (listing each with its problem), or when the
+        newest intact one has another format or belongs to another run."""
+        problems: List[str] = []
+        for _step, path in reversed(self.checkpoints()):
+            problem = verify(path, with_reference=True)
+            if problem is None:
+                check_compatible(path, read_meta(path), identity)
+                if problems:
+                    log.warning("resuming from %s, the newest intact checkpoint", path)
+                return path
+            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
+            problems.append(f"{path}: {problem}")
+        if problems:
+            raise CheckpointError(
+                f"trainer.resume=auto found no usable checkpoint in {self.root} ({'; '.join(problems)}); rather than "
+                f"silently start over: repair or remove them, use a fresh trainer.output_dir, or "
+                f"trainer.resume=off trainer.on_existing_run=move_aside")
+        return None
+
+    def resolve_resume(self, resume: str | os.PathLike | None,
+                       identity: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+        """``"off"`` -> None; ``"auto"`` -> :meth:`resolve_auto`; a path -> that checkpoint, which must verify
+        and be compatible (an error names what is wrong)."""
         if resume is None or str(resume) == "off":
             return None
         if str(resume) == "auto":
-            path = self.latest_valid()
+            path = self.resolve_auto(identity)
             if path is not None:
                 log.info("resuming from %s", path)
             return path
@@ -194,11 +389,14 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointError(f"trainer.resume={resume}: no such checkpoint directory (use auto, off or a "
                                   f"{PREFIX}<step> directory)")
-        problem = verify(path)
+        problem = verify(path, with_reference=True)
         if problem is not None:
-            raise CheckpointError(f"trainer.resume={resume}: checkpoint is unusable: {problem}")
+            raise CheckpointError(f"trainer.resume={resume}: checkpoint is unusable: {problem}; use auto, off or "
+                                  f"another {PREFIX}<step> directory")
+        check_compatible(path, read_meta(path), identity)
         return path
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "read_meta", "verify", "write_manifest", "sha256_file"]
+__all__ = ["CheckpointManager", "CheckpointError", "check_compatible", "manifest_problem", "open_checkpoint",
+           "read_meta", "verify", "write_manifest", "sha256_file"]
 

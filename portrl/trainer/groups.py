@@ -1,9 +1,11 @@
 """Worker placement for the trainer: plain in-process objects for one worker, Ray groups otherwise.
 
-Both expose ``call(method, *args)``. In-process it is a direct method call (no Ray, no copies: the
-hot path of small runs). With ``trainer.num_workers > 1``, ``trainer.use_ray`` or a
-``trainer.ray_address``, ``portrl.workers.group.WorkerGroup`` runs the same worker classes as
-Ray actors and splits Batch arguments across data-parallel ranks.
+Both expose ``call(method, *args)`` (data-parallel: results combined, metric dicts reduced over ranks)
+and ``call_rank0(method, *args)`` (rank 0's result of a call every rank makes: worker state for a
+checkpoint). In-process either is a direct method call (no Ray, no copies: the hot path of small runs).
+With ``trainer.num_workers > 1``, ``trainer.use_ray`` or a ``trainer.ray_address``,
+``portrl.workers.group.WorkerGroup`` runs the same worker classes as Ray actors and splits Batch
+arguments across data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ class LocalGroup:
         self.num_workers = 1
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The one worker's result, uncombined (as ``WorkerGroup.call_rank0``: state, never a metrics reduction)."""
         return getattr(self.worker, method)(*args, **kwargs)
 
     def shutdown(self) -> None:

@@ -34,7 +34,9 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _save(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp.png")
+    from portrl.user_files import temp_name
+
+    tmp = temp_name(path, suffix=path.suffix)  # savefig picks the format from the extension
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     os.replace(tmp, path)
 

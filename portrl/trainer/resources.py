@@ -14,6 +14,19 @@ import os
 from pathlib import Path
 from typing import Any, List, Tuple
 
+from portrl.errors import UserError
+
+PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
+
+
+def no_train_files_message(cfg: Any) -> str:
+    """Why a run of ``data.name`` without ``data.train_files`` cannot start, and the command that makes them."""
+    name = str(cfg.data.name)
+    task = name if name in PREPROCESS_TASKS else "gsm8k"
+    return (f"data.train_files is empty and only data.name=arith is generated (data.name={name!r}); make verl parquet "
+            f"with `portrl preprocess {task} --input RAW_FILE --output-dir data/{task}`, then pass "
+            f"data.train_files=[data/{task}/train.parquet] data.val_files=[data/{task}/test.parquet]")
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("PORTRL_CACHE") or Path.home() / ".cache" / "portrl")
@@ -26,10 +39,9 @@ def _key(d: dict) -> str:
 def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
-        p = Path(str(cfg.model.path)).expanduser()
-        if not p.is_dir():
-            raise FileNotFoundError(f"model.path {str(p)!r} is not a directory (portrl loads local models only)")
-        return str(p)
+        from portrl.models.loader import check_model_dir
+
+        return str(check_model_dir(str(cfg.model.path), "model.path"))
     from omegaconf import OmegaConf
 
     from portrl.models import write_tiny_model
@@ -50,8 +62,7 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
     if train:
         return train, val
     if str(cfg.data.name) != "arith":
-        raise ValueError(f"data.train_files is empty; data.name={cfg.data.name!r} needs parquet files "
-                         f"(make them with `portrl preprocess {cfg.data.name} ...`); only arith is generated")
+        raise UserError(no_train_files_message(cfg))
     from portrl.data import make_arith_rows, write_split
 
     a = cfg.data.arith

@@ -17,6 +17,9 @@ Validation (greedy by default, mean@k accuracy per data source) runs before trai
 controller) every ``trainer.save_freq`` steps through CheckpointManager; ``trainer.resume`` =
 auto | off | PATH. Generation seeds derive from (trainer.seed, step), so a resumed run samples
 what an uninterrupted run samples.
+
+SIGINT / SIGTERM end a run between steps with a checkpoint and :class:`portrl.errors.RunStopped`; calls to
+Ray workers have a time limit that follows the step time (portrl.trainer.interrupts).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import torch
 
 from portrl.trainer.advantage import (apply_reward_kl, compute_batch_advantages, needs_reference, needs_values,
                                       seq_metric)
+from portrl.errors import RunStopped
 from portrl.trainer.groups import first, make_group
+from portrl.trainer.interrupts import StopSignals, stop_signals, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve_model_path
 from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
@@ -260,25 +265,90 @@ class RLTrainer:
             self.actor.call("sync_weights")
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _write_checkpoint(self, path: Path) -> None:
-        torch.save(first(self.actor.call("state_dict")), path / "actor.pt")
-        if self.critic is not None:
-            torch.save(first(self.critic.call("state_dict")), path / "critic.pt")
+    def _write_checkpoint(self, path: Path, actor: Dict[str, Any], critic: Optional[Dict[str, Any]]) -> None:
+        """actor / critic / trainer state as safetensors + JSON (portrl.trainer.checkpoint_io)."""
+        from portrl.trainer.checkpoint_io import save_state
+
+        save_state(path, "actor", actor)
+        if critic is not None:
+            save_state(path, "critic", critic)
         state = {"step": self.global_step, "data": self.train_ds.state_dict(), "rng": rng_state(),
                  "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value)}
-        torch.save(state, path / "trainer.pt")
+        save_state(path, "trainer", state)
 
     def save_checkpoint(self) -> Path:
-        return self.ckpt.save(self.global_step, self._write_checkpoint, {"step": self.global_step})
+        """A checkpoint of the current step; its manifest records the format, portrl version and run identity.
+        Worker state is rank 0's (every rank joins the gather), never a metrics reduction over ranks. The frozen
+        reference policy is not copied into every checkpoint: it is written once per run (after an SFT warm start
+        it is the post-SFT policy, which nothing else holds) and each checkpoint pins it."""
+        from portrl.trainer.run_identity import fingerprint, run_identity
 
-    def load_checkpoint(self, path: Path) -> None:
+        ident = run_identity(self.cfg)
+        meta: Dict[str, Any] = {"step": self.global_step, "identity": ident, "fingerprint": fingerprint(ident)}
+        actor = self.actor.call_rank0("state_dict")
+        critic = self.critic.call_rank0("state_dict") if self.critic is not None else None
+        ref = actor.pop("ref", None)
+        if ref is not None:
+            meta["reference"] = self._saved_reference(ref)
+        return self.ckpt.save(self.global_step, lambda path: self._write_checkpoint(path, actor, critic), meta)
+
+    def _saved_reference(self, ref: Dict[str, Any]) -> Dict[str, str]:
+        """This run's reference in ``checkpoints/reference``: written at the run's first checkpoint (or when that
+        copy is gone or changed), then reused; returns the checkpoint's ``meta.reference``."""
+        from portrl.trainer.checkpoint import MANIFEST, REFERENCE, sha256_file
+        from portrl.trainer.checkpoint_io import save_state
+
+        known = getattr(self, "_reference_meta", None)
+        manifest = self.ckpt.root / REFERENCE / MANIFEST
+        if known is not None and known[0] == self.ckpt.root and manifest.is_file() \
+                and sha256_file(manifest) == known[1]["manifest_sha256"]:
+            return known[1]
+        meta = self.ckpt.save_reference(lambda path: save_state(path, "ref", ref))
+        self._reference_meta = (self.ckpt.root, meta)
+        return meta
+
+    def load_checkpoint(self, path: Path, policy_only: bool = False) -> None:
+        """Load a checkpoint after verifying it (manifest sizes and sha256, format version, the model it was trained
+        from; the run's reference model when this run uses one); nothing is unpickled. A learning rate changed
+        since the checkpoint is applied and logged. ``policy_only`` (``portrl eval``): the actor and the step only,
+        not the critic, data position, RNG or KL controller of the training run."""
+        from portrl.trainer.checkpoint import CheckpointError, open_checkpoint
+        from portrl.trainer.checkpoint_io import StateFormatError, load_state
+        from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, run_identity
+
         path = Path(path)
-        self.actor.call("load_state_dict", torch.load(path / "actor.pt", weights_only=False))
-        if self.critic is not None:
-            self.critic.call("load_state_dict", torch.load(path / "critic.pt", weights_only=False))
-        state = torch.load(path / "trainer.pt", weights_only=False)
-        self.global_step = int(state["step"])
-        self.train_ds.load_state_dict(state["data"])
+        use_ref = self.use_ref and not policy_only
+        manifest = open_checkpoint(path, run_identity(self.cfg), only=MODEL_KEYS, with_reference=use_ref)
+        ref_meta = manifest["meta"].get("reference")
+        try:
+            actor = load_state(path, "actor")
+            critic = load_state(path, "critic") if self.critic is not None and not policy_only else None
+            state = None if policy_only else load_state(path, "trainer")
+            if use_ref and ref_meta is not None:  # the run's reference, written once (save_checkpoint)
+                actor["ref"] = load_state(path.parent / ref_meta["dir"], "ref")
+        except StateFormatError as exc:
+            raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
+        if policy_only:
+            actor.pop("ref", None)
+        if ref_meta is not None and getattr(self, "ckpt", None) is not None \
+                and path.parent.resolve() == self.ckpt.root.resolve():
+            self._reference_meta = (self.ckpt.root, ref_meta)  # resumed in place: no need to write it again
+        for worker_state, optim, key in ((actor, self.cfg.actor.optim, "actor.optim.lr"),
+                                         (critic, self.cfg.critic.optim, "critic.optim.lr")):
+            note = apply_lr(worker_state, float(optim.lr), key) if worker_state is not None else None
+            if note and not policy_only:
+                log.warning("%s", note)
+        self.actor.call("load_state_dict", actor)
+        if critic is not None:
+            self.critic.call("load_state_dict", critic)
+        self.global_step = int(manifest["step"])
+        if state is None:
+            return
+        try:
+            self.train_ds.load_state_dict(state["data"])
+        except ValueError as exc:  # the same data keys (run identity), but the files' contents changed
+            raise CheckpointError(f"checkpoint {path}: {exc}; the training data changed since it was written: "
+                                  f"restore them, or start a fresh run (a new trainer.output_dir)") from None
         self._train_iter = None
         set_rng_state(state["rng"])
         if self.kl_ctrl is not None and state.get("kl_coef") is not None:
@@ -288,11 +358,16 @@ class RLTrainer:
     def fit(self) -> Dict[str, Any]:
         """Run to ``trainer.total_steps``; returns the summary dict (see :func:`run_training`)."""
         from portrl.trainer.checkpoint import CheckpointManager
+        from portrl.trainer.run_dir import prepare_run_dir
+        from portrl.trainer.run_identity import run_identity
         from portrl.trainer.tracking import Tracker, read_metrics_up_to
 
         cfg, t = self.cfg, self.cfg.trainer
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", max_to_keep=int(t.max_ckpt_to_keep))
-        resume = self.ckpt.resolve_resume(str(t.resume))
+        # this run's checkpoint, a fresh start, or an error: never another run's files (portrl.trainer.run_dir)
+        resume, record = prepare_run_dir(cfg, self.out_dir, self.ckpt, run_identity(cfg),
+                                         getattr(self, "_run_id", None))
+        self._run_id = record.get("run_id")
         started = time.perf_counter()
         summary: Dict[str, Any] = {"run_dir": str(self.out_dir)}
         if resume is not None:
@@ -321,9 +396,20 @@ class RLTrainer:
         earlier = read_metrics_up_to(self.out_dir, self.global_step) if resume is not None else []
         if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:
             summary["val_before"] = earlier[0]["val/acc/mean"]
+        stop: Optional[StopSignals] = None
         try:
-            self._loop(tracker, resume, summary)
+            with stop_signals() as stop:  # SIGINT / SIGTERM: finish the step, save, raise RunStopped
+                self._loop(tracker, resume, summary, stop)
+        except RunStopped:
+            self.shutdown_workers()
+            raise
         except Exception as exc:
+            if stop is not None and stop.requested:  # the step could not finish after the signal: abandoned
+                self.shutdown_workers()
+                latest = self.ckpt.latest_valid()
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise RunStopped("portrl: " + self._stopped_message(stop.name, latest, abandoned=why),
+                                 stop.exit_code) from exc
             died = _worker_died_error()
             if died is not None and isinstance(exc, died):
                 latest = self.ckpt.latest_valid()
@@ -333,8 +419,23 @@ class RLTrainer:
             tracker.close()
         return self._finish(summary, started, earlier)
 
-    def _loop(self, tracker: Any, resume: Optional[Path], summary: Dict[str, Any]) -> None:
+    def _loop(self, tracker: Any, resume: Optional[Path], summary: Dict[str, Any], stop: StopSignals) -> None:
+        """Validation before RL, then the steps. Between steps: a stop asked for by a signal (``stop``) saves
+        the finished step and raises RunStopped; each step's time scales the workers' time limit."""
         t = self.cfg.trainer
+        last_ckpt = resume
+        stop.abort_message = lambda name: "portrl: " + self._stopped_message(name, last_ckpt, at_once=True)
+        then = "saving a checkpoint and stopping" if t.save_on_interrupt else "stopping"
+        stop.notice = lambda name: (f"portrl: {name} received: finishing step {self.global_step + 1}, then {then} "
+                                    f"(send it again to stop at once)")
+        if any(getattr(g, "use_ray", False) for g in (self.rollout, self.critic, self.actor)):
+            from portrl.workers.ray_env import terminate_local_ray
+
+            stop.on_abort = [terminate_local_ray]
+        slowest: Optional[float] = None
+        self._set_worker_timeout(worker_timeout(t.worker_timeout_s, slowest))
+        if stop.requested:  # asked while the workers started or during the warm start
+            raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
         if resume is None and t.val_before_train and self.val_prompts is not None:
             v = self.validate(0)
             summary.setdefault("val_before", v.get("val/acc/mean"))
@@ -342,6 +443,9 @@ class RLTrainer:
             tracker.log(v, step=0)
         pending: Dict[str, float] = {}
         for step in range(self.global_step + 1, int(t.total_steps) + 1):
+            if stop.requested:  # asked during the validation before training: nothing of a step to save
+                raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
+            began = time.perf_counter()
             m = self.train_step(step)
             self.global_step = step
             last = step == int(t.total_steps)
@@ -353,10 +457,47 @@ class RLTrainer:
             # from the previous checkpoint (its later lines are dropped), never past an unlogged step
             tracker.log(m, step=step)
             self.history.append(m)
-            if (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final):
+            due = (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final)
+            if due or (stop.requested and t.save_on_interrupt):
                 with_time = time.perf_counter()
-                self.save_checkpoint()
+                last_ckpt = self.save_checkpoint()
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
+            if stop.requested and not last:
+                raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
+            slowest = max(slowest or 0.0, time.perf_counter() - began)
+            self._set_worker_timeout(worker_timeout(t.worker_timeout_s, slowest))
+
+    def _stopped_message(self, signal_name: str, checkpoint: Optional[Path], at_once: bool = False,
+                         abandoned: str = "") -> str:
+        """One line: what stopped the run, after which step, and how to resume."""
+        total = int(self.cfg.trainer.total_steps)
+        if abandoned:
+            what = (f"stopped by {signal_name} during step {self.global_step + 1} of {total}, which could not "
+                    f"finish ({abandoned})")
+        elif at_once:
+            what = f"stopped at once by a second {signal_name} during step {self.global_step + 1} of {total}"
+        else:
+            when = f"after step {self.global_step}" if self.global_step else "before step 1"
+            what = f"stopped by {signal_name} {when} of {total}"
+        if checkpoint is None:
+            return f"{what}; no checkpoint was written: rerun the same command to start again"
+        how = ("rerun the same command (trainer.resume=auto)" if str(self.cfg.trainer.resume) == "auto"
+               else "rerun the same command with trainer.resume=auto")
+        return f"{what}; to resume from the checkpoint {checkpoint}, {how}"
+
+    def _set_worker_timeout(self, limit: Optional[float]) -> None:
+        """The time limit on each call to Ray workers (portrl.trainer.interrupts.worker_timeout)."""
+        for group in (self.actor, self.critic, self.rollout):
+            if group is not None and hasattr(group, "timeout_s"):
+                group.timeout_s = limit
+
+    def shutdown_workers(self) -> None:
+        """Stop the worker processes of a run that stops early: with Ray workers, Ray itself goes
+        (portrl.workers.ray_env.shutdown_ray); in-process workers need nothing."""
+        if any(getattr(g, "use_ray", False) for g in (self.rollout, self.critic, self.actor)):
+            from portrl.workers.ray_env import shutdown_ray
+
+            shutdown_ray()
 
     def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer
@@ -398,4 +539,7 @@ def run_training(cfg: Any) -> Dict[str, Any]:
     SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
     "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}`` (validation accuracies are val/acc/mean, None
     without validation; critic/pretrain_* from portrl.trainer.value_pretrain)."""
-    return RLTrainer(cfg).fit()
+    with stop_signals() as stop:  # a signal while the workers start is acted on before the first step
+        trainer = RLTrainer(cfg)
+        stop.install()  # again: ray.init replaced the SIGTERM handler
+        return trainer.fit()

@@ -14,6 +14,8 @@ finished step) and forwards the floats to the selected loggers:
 Resuming: with ``resume_step > 0`` the lines of ``metrics.jsonl`` with ``step > resume_step`` (logged
 after the checkpoint the run resumes from) are dropped first (the file is rewritten atomically), so
 the file reads as if the run had never been interrupted. ``resume_step == 0`` starts a fresh file.
+Either happens at the first :meth:`Tracker.log`, not when the Tracker is built: a launch that fails
+before its run logs anything leaves an existing ``metrics.jsonl`` as it was.
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ def _truncate_after(path: Path, resume_step: int) -> None:
     if not path.exists():
         return
     kept = read_metrics_up_to(path, resume_step)
-    tmp = path.with_name(path.name + ".tmp")
+    from portrl.user_files import temp_name
+
+    tmp = temp_name(path)
     with open(tmp, "w") as fh:
         for r in kept:
             fh.write(json.dumps(r) + "\n")
@@ -110,13 +114,7 @@ class Tracker:
         self._wandb = None
         self._mlflow = None
         self._last_step = self.resume_step
-        if "jsonl" in self.loggers:
-            path = self.output_dir / METRICS_FILE
-            if self.resume_step > 0:
-                _truncate_after(path, self.resume_step)
-                self._jsonl = open(path, "a")
-            else:
-                self._jsonl = open(path, "w")
+        self._jsonl_pending = "jsonl" in self.loggers  # opened (fresh or cut at resume_step) at the first log
         if "console" in self.loggers and progress_bar:
             from tqdm import tqdm
 
@@ -127,6 +125,13 @@ class Tracker:
             self._wandb = self._open_wandb()
         if "mlflow" in self.loggers:
             self._mlflow = self._open_mlflow()
+
+    def _open_jsonl(self):
+        path = self.output_dir / METRICS_FILE
+        if self.resume_step > 0:
+            _truncate_after(path, self.resume_step)
+            return open(path, "a")
+        return open(path, "w")
 
     # --------------------------------------------------------------------------- optional loggers
     def _names(self) -> tuple[str, str]:
@@ -185,6 +190,9 @@ class Tracker:
                 continue
             record[str(k)] = to_float(v)
         numeric = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
+        if self._jsonl_pending:
+            self._jsonl_pending = False
+            self._jsonl = self._open_jsonl()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -215,6 +223,7 @@ class Tracker:
             log.info("step %d%s %s", step, total, " ".join(f"{k}={v}" for k, v in shown.items()))
 
     def close(self) -> None:
+        self._jsonl_pending = False
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -12,7 +12,10 @@ order, metric dicts reduced by :func:`reduce_metrics`, ``None`` stays ``None``, 
 rank. ``.call_all`` / ``.call_rank0`` run the same arguments on every rank and return them uncombined.
 
 A worker process that dies makes every call raise :class:`WorkerDiedError` naming the worker (role, rank,
-node, pid); the group's other actors are killed, since their collectives can no longer complete.
+node, pid); the group's other actors are killed, since their collectives can no longer complete. With
+``timeout_s`` set (seconds; the trainer sets it from ``trainer.worker_timeout_s``), a call whose results do
+not all arrive in time raises :class:`WorkerTimeoutError` (a WorkerDiedError) naming the workers that did not
+answer, and the group is shut down the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from portrl.workers.batch import Batch
-from portrl.workers.ray_calls import WorkerDiedError, gather  # noqa: F401  (re-exported: the group's API)
+from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError, gather  # noqa: F401  (the group's API)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +151,12 @@ class WorkerHost:
     def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def execute_for_rank0(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """``execute`` on every rank (collectives need them all); only rank 0 sends its result back (a full state
+        dict from each of N ranks would cost the driver N copies)."""
+        result = getattr(self.worker, method)(*args, **kwargs)
+        return result if self.rank == 0 else None
+
     # weight sync (separated placement, see portrl.workers.weight_sync)
     def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float) -> None:
         from portrl.workers.weight_sync import WeightReceiver, WeightSender
@@ -204,6 +213,7 @@ class WorkerGroup:
         if not use_ray and num_workers > 1:
             raise ValueError(f"WorkerGroup {self.role}: {num_workers} workers need Ray (trainer.use_ray must not be false)")
         self.use_ray = bool(use_ray)
+        self.timeout_s: Optional[float] = None  # limit on each call's answers (module docstring); None = none
         self._local = None
         self.actors: List[Any] = []
         self.info: List[Dict[str, Any]] = []
@@ -252,8 +262,8 @@ class WorkerGroup:
         return f"{self.role} rank {rank} on node {i['node_ip']} (node id {str(i['node_id'])[:8]}, pid {i['pid']})"
 
     # ------------------------------------------------------------------------------ dispatch
-    def _gather(self, refs: List[Any]) -> List[Any]:
-        return gather([(self, rank, ref) for rank, ref in enumerate(refs)])
+    def _gather(self, refs: List[Any], method: str = "") -> List[Any]:
+        return gather([(self, rank, ref) for rank, ref in enumerate(refs)], method=method)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         """Data-parallel call: Batch arguments split over the ranks, results combined (module docstring)."""
@@ -261,17 +271,21 @@ class WorkerGroup:
             return combine_results([getattr(self._local, method)(*args, **kwargs)])
         per_rank = split_args(args, kwargs, self.num_workers)
         refs = [a.execute.remote(method, a_args, a_kw) for a, (a_args, a_kw) in zip(self.actors, per_rank)]
-        return combine_results(self._gather(refs))
+        return combine_results(self._gather(refs, method))
 
     def call_all(self, method: str, *args, **kwargs) -> List[Any]:
         """The same call on every rank (collective methods such as a sharded state_dict); results per rank."""
         if self._local is not None:
             return [getattr(self._local, method)(*args, **kwargs)]
-        return self._gather([a.execute.remote(method, args, kwargs) for a in self.actors])
+        return self._gather([a.execute.remote(method, args, kwargs) for a in self.actors], method)
 
     def call_rank0(self, method: str, *args, **kwargs) -> Any:
-        """Rank 0's result of a call made on every rank (every rank must join collectives)."""
-        return self.call_all(method, *args, **kwargs)[0]
+        """Rank 0's result of a call made on every rank (every rank must join collectives); the other ranks' results
+        stay in their processes. Worker state for a checkpoint comes from here, never from :meth:`call`'s metrics
+        reduction (which would, say, sum a counter over the ranks)."""
+        if self._local is not None:
+            return getattr(self._local, method)(*args, **kwargs)
+        return self._gather([a.execute_for_rank0.remote(method, args, kwargs) for a in self.actors], method)[0]
 
     def full_weights(self) -> Dict[str, Any]:
         """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""

@@ -38,12 +38,28 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` is this machine's loopback address (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def init_distributed(backend, rank: int, world_size: int, master_addr: str, master_port: int,
                      timeout_s: float = 600.0) -> None:
     """``torch.distributed.init_process_group`` with ``backend.dist_backend`` over TCP ``master_addr:master_port``.
 
     Also exports RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (and LOCAL_RANK=0 unless already set: a Ray
     worker sees only its own devices) for libraries that read them. A no-op when a group already exists with the same size.
+
+    On one machine (``master_addr`` a loopback address, as a local Ray gives) nothing listens beyond it: rank 0's
+    TCP store serves on a socket bound to ``master_addr`` (torch's own would listen on every interface), and
+    gloo's connections use the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless set, on Linux).
     """
     import torch.distributed as dist
 
@@ -57,8 +73,29 @@ def init_distributed(backend, rank: int, world_size: int, master_addr: str, mast
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                       MASTER_PORT=str(master_port))
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_loopback(master_addr):
+        dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = loopback_store(master_addr, master_port, rank == 0, world_size, timeout)
+    dist.init_process_group(backend.dist_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def loopback_store(host: str, port: int, is_master: bool, world_size: int, timeout: datetime.timedelta):
+    """A ``torch.distributed.TCPStore`` whose server (on the master) listens on ``host`` only."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
 def dp_world_size() -> int:

@@ -3,10 +3,18 @@
 :func:`gather` waits on ``(group, rank, ObjectRef)`` items; ``group`` is anything with ``describe(rank)``
 and ``shutdown()`` (a :class:`~portrl.workers.group.WorkerGroup`). Shared by the worker groups and the
 weight-sync link, so neither imports the other for it.
+
+A time limit (``timeout_s``, or the smallest ``timeout_s`` attribute of the groups involved; None = none) bounds
+the wait for the whole call: when it passes with results missing, :class:`WorkerTimeoutError` names the
+workers that did not answer (a process found stopped, e.g. by SIGSTOP, is named first and marked so) and the
+groups are shut down, as for a dead worker. While waiting, a local Ray whose own processes have ended (a
+SIGTERM sent to the whole process group reaches them) raises WorkerDiedError at once: no answer can come.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, List, Optional, Sequence
 
 
@@ -26,16 +34,104 @@ class WorkerDiedError(RuntimeError):
         return WorkerDiedError(self.worker, self.cause, str(path) if path else "")
 
 
-def gather(items: Sequence[tuple]) -> List[Any]:
+class WorkerTimeoutError(WorkerDiedError):
+    """Workers gave no answer within the time limit (``trainer.worker_timeout_s``); ``worker`` names them."""
+
+    def __init__(self, worker: str, cause: BaseException | str, checkpoint: Optional[str] = None):
+        self.worker, self.cause, self.checkpoint = worker, cause, checkpoint
+        tail = (f"; resume from the last good checkpoint {checkpoint}" if checkpoint
+                else "; no checkpoint was written yet" if checkpoint == "" else "")
+        RuntimeError.__init__(self, f"worker {worker} stopped answering: {cause}{tail}")
+
+    def with_checkpoint(self, path: Optional[str]) -> "WorkerTimeoutError":
+        return WorkerTimeoutError(self.worker, self.cause, str(path) if path else "")
+
+
+def process_state(pid: Any) -> Optional[str]:
+    """The state letter of a process on this machine (``/proc/<pid>/stat``: R, S, D, T = stopped, Z, ...),
+    None when it cannot be read (another node, no procfs, gone)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def _pid_of(group: Any, rank: int) -> Any:
+    info = getattr(group, "info", None) or []
+    return info[rank].get("pid") if rank < len(info) and isinstance(info[rank], dict) else None
+
+
+def _shutdown_all(items: Sequence[tuple]) -> None:
+    for g in {id(g): g for g, _, _ in items}.values():
+        g.shutdown()
+
+
+def _timeout_error(items: Sequence[tuple], missing: List[int], timeout_s: float, method: str) -> WorkerTimeoutError:
+    """Name the workers that did not answer; one whose process is found stopped (SIGSTOP, a debugger) first."""
+    stopped, others = [], []
+    for i in missing:
+        group, rank, _ = items[i]
+        pid = _pid_of(group, rank)
+        is_stopped = pid is not None and pid != os.getpid() and process_state(pid) == "T"
+        (stopped if is_stopped else others).append(group.describe(rank))
+    named = stopped + others
+    what = f"`{method}`" if method else "a call"
+    state = "its process is stopped (SIGSTOP or a debugger); " if stopped else ""
+    rest = f"; no answer either from {'; '.join(named[1:])}" if len(named) > 1 else ""
+    return WorkerTimeoutError(named[0], f"{state}no result from {what} within {timeout_s:.0f}s "
+                                        f"(trainer.worker_timeout_s{rest})")
+
+
+POLL_S = 1.0  # how often a wait checks that the local Ray is still running
+
+
+def local_ray_alive() -> bool:
+    """False when this process started a local Ray whose own processes (raylet, GCS, ...) have exited."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    for procs in (getattr(node, "all_processes", None) or {}).values():
+        for info in procs:
+            proc = getattr(info, "process", None)
+            if proc is not None and proc.poll() is not None:
+                return False
+    return True
+
+
+def _describe_missing(items: Sequence[tuple], pending: dict) -> str:
+    return "; ".join(items[i][0].describe(items[i][1]) for i in sorted(pending.values()))
+
+
+def _limit(items: Sequence[tuple], timeout_s: Optional[float]) -> Optional[float]:
+    if timeout_s is not None:
+        return float(timeout_s) if timeout_s > 0 else None
+    limits = [float(t) for g, _, _ in items if (t := getattr(g, "timeout_s", None)) is not None and t > 0]
+    return min(limits) if limits else None
+
+
+def gather(items: Sequence[tuple], timeout_s: Optional[float] = None, method: str = "") -> List[Any]:
     """Results of ``(group, rank, ObjectRef)`` items, in order. The first dead actor raises WorkerDiedError
     naming it (its group is shut down: the others' collectives cannot complete); the first failing call
-    re-raises the worker's error with the worker named in a note."""
+    re-raises the worker's error with the worker named in a note. Past the time limit (module docstring)
+    :class:`WorkerTimeoutError` names the workers still missing (``method`` names the call in the message)."""
     import ray
 
     pending = {ref: i for i, (_, _, ref) in enumerate(items)}
     results: List[Any] = [None] * len(items)
+    limit = _limit(items, timeout_s)
+    deadline = None if limit is None else time.monotonic() + limit
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S if left is None else min(left, POLL_S))
+        if not ready and deadline is not None and time.monotonic() >= deadline:
+            err = _timeout_error(items, sorted(pending.values()), limit, method)
+            _shutdown_all(items)
+            raise err
+        if not ready and not local_ray_alive():  # no answer can come; and removing a pool would wait forever
+            raise WorkerDiedError(_describe_missing(items, pending), RuntimeError(
+                "Ray's own processes on this node (raylet, GCS) have ended; a signal sent to the whole process "
+                "group reaches them too"))
         for ref in ready:
             i = pending.pop(ref)
             group, rank, _ = items[i]
@@ -43,8 +139,7 @@ def gather(items: Sequence[tuple]) -> List[Any]:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 err = WorkerDiedError(group.describe(rank), exc)
-                for g in {id(g): g for g, _, _ in items}.values():
-                    g.shutdown()
+                _shutdown_all(items)
                 raise err from exc
             except Exception as exc:
                 if hasattr(exc, "add_note"):

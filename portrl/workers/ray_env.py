@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -69,6 +70,66 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
     ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
              resources=resources, **common)
     log.info("started a local Ray on 127.0.0.1 (dashboard %s)", "on" if dashboard else "off")
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray, stopping a local Ray this process started and every worker of the job; a no-op when
+    Ray is not running here. For a run that stops early: unlike removing placement groups, ``ray.shutdown``
+    returns (within seconds) even when Ray's own processes are gone already, as after a SIGTERM sent to the
+    whole process group (systemd, Slurm), which reaches them too."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def terminate_local_ray(wait_s: float = 2.0) -> None:
+    """Stop the processes of a local Ray this process started (raylet, GCS, ...) with SIGTERM, waiting at most
+    ``wait_s``: for a driver about to end at once (``os._exit``), whose ``ray.shutdown`` at exit will not run.
+    The raylet stops its workers and agents on SIGTERM; killed with the driver instead, it would leave its
+    agents behind for a while."""
+    import signal
+    import sys
+
+    ray = sys.modules.get("ray")
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    procs = [info.process for infos in (getattr(node, "all_processes", None) or {}).values() for info in infos]
+    # the raylet's own children (its agents) too: they outlive a raylet that cannot finish draining
+    children = _children_of({p.pid for p in procs})
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+
+
+def _children_of(parents: set) -> List[int]:
+    """Pids whose parent is in ``parents`` (Linux /proc; empty elsewhere)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in parents:
+            out.append(int(entry))
+    return out
 
 
 def _loopback_only() -> None:

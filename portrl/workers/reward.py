@@ -6,11 +6,14 @@ sequence score sits on the last response token (verl's convention), zeros elsewh
 Reward model (``reward.model_path``): a local Hugging Face sequence-classification model scores
 the decoded (prompt, response) texts (portrl.workers.reward_model.RewardModelScorer, with its own
 tokenizer); ``acc`` is then ``score > 0``; rule rewards are not used.
+
+Rule rewards have a time limit per batch (``reward.timeout_s``, ``reward.on_timeout``:
+portrl.rewards.manager); a reward model does not.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 
@@ -22,6 +25,14 @@ def decode_responses(tokenizer: Any, batch: Batch) -> List[str]:
     lens = batch.tensors["response_mask"].sum(-1).tolist()
     ids = batch.tensors["responses"].tolist()
     return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lens)], skip_special_tokens=True)
+
+
+def _code_kwargs(code: Any) -> dict:
+    """reward.code as the ``code`` keyword of the built-in reward (portrl.rewards.registry); {} when absent."""
+    if code is None:
+        return {}
+    keys = ("continuous", "timeout_s", "memory_mb", "max_workers", "sandbox_fusion_url")
+    return {"code": {k: code.get(k) for k in keys if code.get(k) is not None}}
 
 
 class RewardWorker:
@@ -43,7 +54,9 @@ class RewardWorker:
                 custom_path=r.custom.path, custom_name=r.custom.name if r.custom.path else None,
                 overlong_buffer={"enable": bool(ob.enable), "len": int(ob.len),
                                  "penalty_factor": float(ob.penalty_factor)},
-                max_response_length=int(cfg.data.max_response_length), num_workers=int(r.num_workers))
+                max_response_length=int(cfg.data.max_response_length), num_workers=int(r.num_workers),
+                timeout_s=r.get("timeout_s"), on_timeout=str(r.get("on_timeout") or "error"),
+                reward_kwargs=None if r.custom.path else _code_kwargs(r.get("code")))
 
     def _load_reward_model(self, path: str) -> None:
         from portrl.workers.reward_model import RewardModelScorer

@@ -10,11 +10,12 @@ import torch
 
 
 def worker_backend(cfg: Any):
-    """The Backend named by ``device.name`` (``auto`` = detection)."""
+    """The Backend named by ``device.name`` (``auto`` = detection); errors name ``device.name_source``."""
     from portrl.device import resolve_backend
 
     name = cfg.device.name
-    return resolve_backend(config=None if name in (None, "auto") else str(name))
+    return resolve_backend(config=None if name in (None, "auto") else str(name),
+                           config_source=cfg.device.get("name_source"))
 
 
 def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:

@@ -68,7 +68,10 @@ def new_group(backend, master_addr: str, master_port: int, rank: int, world_size
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
+    from portrl.workers.parallel import is_loopback, loopback_store
+
+    store = (loopback_store(master_addr, master_port, rank == 0, world_size, timeout) if is_loopback(master_addr)
+             else dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout))  # one node: 127.0.0.1
     prefix = c10d.PrefixStore(name, store)
     try:
         group_name = c10d.GroupName(name) if hasattr(c10d, "GroupName") else name

@@ -1,0 +1,76 @@
+"""Checks of dataset files before a run loads anything heavy (portrl.trainer.preflight).
+
+:func:`read_verl_file` reads one verl-schema parquet the way RLDataset will and checks every row
+(:func:`portrl.data.schema.check_row`); :func:`count_fitting_prompts` counts prompts that fit
+``max_prompt_length`` (stopping once enough are found); :func:`check_sft_file` checks the columns
+``portrl sft`` needs. Every problem is a :class:`~portrl.data.schema.DataError` (a user error) naming the
+file, the config key or flag it came from and, for a row, its index.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portrl.data.schema import DataError, check_row
+
+VERL_COLUMNS = ("data_source", "prompt", "reward_model")
+VERL_HINT = ("verl parquet has columns data_source (str), prompt (chat messages), reward_model "
+             "({ground_truth}) and extra_info; `portrl preprocess` writes such files")
+
+
+def _read_table(path: str | Path, key: str):
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{key}: dataset file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise DataError(f"{key}: dataset file {str(p)!r} is not a file")
+    try:
+        return pq.read_table(p)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
+        raise DataError(f"{p}: cannot be read as parquet ({type(exc).__name__}: {exc}); {key} takes parquet files"
+                        ) from None
+
+
+def _need_columns(path, table, columns, key: str, hint: str) -> None:
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path} ({key}) has no column {missing[0]!r}; it has {', '.join(table.column_names) or 'none'}"
+                        f"; {hint}")
+
+
+def read_verl_file(path: str | Path, key: str, prompt_key: str = "prompt") -> list[tuple[list[dict], str, str, dict]]:
+    """The checked rows ``(messages, data_source, ground_truth, extra_info)`` of one verl parquet file."""
+    table = _read_table(path, key)
+    columns = tuple(prompt_key if c == "prompt" else c for c in VERL_COLUMNS)
+    _need_columns(path, table, columns, key, VERL_HINT)
+    if table.num_rows == 0:
+        raise DataError(f"{path} ({key}) has no rows")
+    return [check_row(rec, str(path), i, prompt_key) for i, rec in enumerate(table.to_pylist())]
+
+
+def count_fitting_prompts(rows, tokenizer, max_prompt_length: int, enough: int) -> int:
+    """How many rows' prompts (chat template + generation prompt, as RLDataset encodes them) have at most
+    ``max_prompt_length`` tokens; counting stops at ``enough``."""
+    from portrl.data.rl_dataset import encode_messages
+
+    fitting = 0
+    for messages, *_ in rows:
+        if len(encode_messages(tokenizer, messages)) <= max_prompt_length:
+            fitting += 1
+            if fitting >= enough:
+                break
+    return fitting
+
+
+def check_sft_file(path: str | Path, key: str = "--train-files", prompt_key: str = "prompt",
+                   response_key: str = "response") -> int:
+    """The row count of one ``portrl sft`` parquet file, checked to have the prompt and response columns."""
+    table = _read_table(path, key)
+    _need_columns(path, table, (prompt_key, response_key), key,
+                  "SFT parquet has columns prompt (chat messages) and response (str); "
+                  "`portrl preprocess arith --sft` writes such files")
+    if table.num_rows == 0:
+        raise DataError(f"{path} ({key}) has no rows")
+    return table.num_rows

@@ -1,0 +1,297 @@
+"""Code reward: run the response's program against the row's tests in the sandbox (portrl.rewards.sandbox).
+
+As verl's prime_code (data_source codecontests, apps, codeforces, taco): ``<think>...</think>`` is removed and
+the program is the text after the last "```python" up to the next "```" (a response without a fence is taken
+as the program). The ground truth is a JSON string (or dict) in one of these forms:
+
+* stdin/stdout: ``{"inputs": [str, ...], "outputs": [str, ...]}`` (an input or output given as a list of
+  lines is joined with newlines). The program reads the input on stdin; its stdout passes when, as in verl's
+  testing_util: the texts are equal after stripping (also with every line stripped); or the non-empty lines
+  equal the expected non-empty stripped lines; or the same number of lines that all parse as numbers (not
+  all integers) are close (|a-b| <= 1e-8 + 1e-5|b|).
+* call-based: the same with ``"fn_name"``. An input is the list of arguments (APPS/TACO), or a string with one
+  JSON argument per line (PRIME); the expected output is the return value (a JSON string is decoded). The
+  function is looked up in the program, or on ``Solution()`` when the program defines ``class Solution``. As
+  verl: a returned tuple compares as a list, and a value equal to the expected value's first element passes
+  (APPS wraps outputs in a list); dict keys that are all integers in text are compared as integers.
+* asserts (portrl's form for LeetCode-style data, data_source ``leetcode``): ``{"asserts": ["assert f(1) ==
+  2", ...], "entry_point"?: "Solution().f", "setup"?: "from typing import *"}``: each assert is a case, run
+  after ``setup`` and the program, with ``candidate`` bound to ``entry_point`` when given. Also
+  ``{"test": "def check(candidate): ...", "entry_point": ...}`` (HumanEval / newfacade LeetCodeDataset): one
+  case, ``check(<entry_point>)``.
+
+Every case is a separate sandbox run (``timeout_s`` 10 s: the limit verl's continuous score gives a case;
+``memory_mb`` 1024, where verl sets none) with verl's import preamble (``from math import *`` etc., so programs
+that lean on it behave as in verl). Score: ``continuous`` (verl's default for these sources) is the share
+passed of the first 10 cases -- verl's score, whose cases after the 10th never change it, so they are not
+run; otherwise 1.0 when every case passes, else 0.0 (cases not started by the first failure are dropped).
+The result: ``{"score", "acc" (all cases passed), "passed", "total", "status" (the first failing case's
+status, or "ok")}``. Cases run in parallel, ``max_workers`` at a time (portrl.rewards.sandbox.shared_pool).
+
+Deliberate differences from verl: a stdin/stdout program runs as itself (``__main__``, real stdin and
+stdout) instead of wrapped into a function with patched ``sys.stdin``; verl's last whitespace-token-set
+comparison is not mirrored (in verl it compares a list with a set and never passes); a call-based expected
+output that is not JSON is compared as the string instead of failing the case. With ``sandbox_fusion_url``
+the same cases run on a SandboxFusion service (portrl.rewards.sandbox_fusion), judged the same way (verl's
+SandboxFusion path compares stdout only after stripping trailing newlines, and raises nothing).
+A program in the same interpreter as the call-based / assert harness could forge a pass on purpose (as in
+verl); the harness's result line carries a per-run random nonce (given on stdin, not in the program's file),
+so it is never produced by accident, and a program that exits early (``exit(0)`` before the asserts) fails.
+
+A malformed ground truth is a :class:`portrl.data.schema.DataError` naming the row; a bad program only ever
+gets a score.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from portrl.data.schema import DataError
+from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program, shared_pool
+
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")  # verl's prime_code names
+LEETCODE_SOURCES = ("leetcode",)  # portrl's assert form (the LeetCode rows of verl's baseline table)
+CONTINUOUS_CASES = 10
+
+# the names verl's testing_util makes available to every program (its "from X import *" preamble)
+_PREAMBLE_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
+                     "statistics", "itertools", "functools", "operator", "io", "sys", "json", "builtins",
+                     "typing")
+PREAMBLE = ("".join(f"from {m} import *\n" for m in _PREAMBLE_MODULES)
+            + "".join(f"import {m}\n" for m in _PREAMBLE_MODULES if m not in ("builtins", "typing"))
+            + "sys.setrecursionlimit(6 * 10 ** 5)\n")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One sandbox run: the full source, its stdin, and how its stdout is judged."""
+
+    source: str
+    stdin: str
+    judge: Callable[[RunResult], bool]
+
+
+# --------------------------------------------------------------------------------------------- program
+def remove_think(text: str) -> str:
+    return re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(response: str) -> str:
+    """verl's rule: the text after the last ```python up to the next ``` (think tags removed first)."""
+    return remove_think(response).split("```python")[-1].split("```")[0]
+
+
+# ----------------------------------------------------------------------------------------- comparisons
+def _is_int_text(value: Any) -> bool:
+    return isinstance(value, int) or (isinstance(value, str) and value.isdigit())
+
+
+def stdout_matches(output: str, expected: str | Sequence[str]) -> bool:
+    """verl's stdin/stdout comparison (module docstring)."""
+    if isinstance(expected, (list, tuple)):
+        expected = "\n".join(str(x) for x in expected)
+    expected = str(expected)
+    lines = output.splitlines()
+    want = expected.strip()
+    if "\n".join(lines).strip() == want or "\n".join(x.strip() for x in lines).strip() == want:
+        return True
+    want_lines = [x.strip() for x in expected.split("\n") if x]
+    got_lines = [x for x in lines if x]
+    if got_lines == want_lines:
+        return True
+    if len(got_lines) != len(want_lines) or not got_lines:
+        return False
+    if all(_is_int_text(a) and _is_int_text(b) for a, b in zip(got_lines, want_lines)):
+        return False
+    try:
+        pairs = [(float(a), float(b)) for a, b in zip(got_lines, want_lines)]
+    except ValueError:
+        return False
+    return all(abs(a - b) <= 1e-8 + 1e-5 * abs(b) for a, b in pairs)
+
+
+# The call-based harness: runs after the program, in the same interpreter, and prints one result line.
+_CALL_HARNESS = '''
+def __portrl_call():
+    import json as _json, sys as _sys
+    _spec = _json.loads(__portrl_spec)
+    def _int_keys(value):
+        if isinstance(value, dict) and value and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in value):
+            return {int(k): v for k, v in value.items()}
+        return value
+    _args = [_int_keys(a) for a in _spec["args"]]
+    _want = _spec["expected"]
+    _target = Solution() if "Solution" in globals() and isinstance(globals()["Solution"], type) else None
+    _fn = getattr(_target, _spec["fn_name"]) if _target is not None and hasattr(_target, _spec["fn_name"]) \\
+        else globals()[_spec["fn_name"]]
+    _out = _fn(*_args)
+    if isinstance(_out, tuple):
+        _out = list(_out)
+    _ok = _out == _want or _out == _int_keys(_want)
+    if not _ok and isinstance(_want, list) and _want:
+        _ok = _out == _want[0] or _out == _int_keys(_want[0])
+        try:
+            _ok = _ok or (isinstance(_out[0], tuple) and [list(x) for x in _out] == _want[0])
+        except Exception:
+            pass
+    _sys.stdout.flush()
+    print("\\n" + __portrl_nonce + (" PASS" if _ok is True else " FAIL"), flush=True)
+__portrl_call()
+'''
+
+
+def _marker_judge(nonce: str) -> Callable[[RunResult], bool]:
+    def judge(result: RunResult) -> bool:
+        lines = result.stdout.rstrip("\n").splitlines()
+        return result.status == "ok" and bool(lines) and lines[-1] == f"{nonce} PASS"
+    return judge
+
+
+# Read before the program runs: the nonce comes on stdin, so that the program's file does not hold it.
+_NONCE_PRELUDE = "import sys as __portrl_sys\n__portrl_nonce = __portrl_sys.stdin.readline().strip()\n"
+
+
+_PASS_LINE = '\nprint("\\n" + __portrl_nonce + " PASS", flush=True)\n'
+
+
+# ------------------------------------------------------------------------------------------ test cases
+def _describe(extra_info: dict | None) -> str:
+    if isinstance(extra_info, dict) and extra_info.get("index") is not None:
+        return f"row {extra_info['index']}" + (f" ({extra_info['split']})" if extra_info.get("split") else "")
+    return "a row"
+
+
+def parse_tests(ground_truth: str | dict, extra_info: dict | None = None) -> dict:
+    """The ground truth as a dict in one of the module's forms; DataError naming the row otherwise."""
+    where = _describe(extra_info)
+    tests = ground_truth
+    if isinstance(ground_truth, (str, bytes)):
+        try:
+            tests = json.loads(ground_truth)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: reward_model.ground_truth of a code row must be JSON test cases "
+                            f"({exc.msg} at char {exc.pos}); valid: {{\"inputs\": [...], \"outputs\": [...]}} "
+                            "(+ \"fn_name\"), or {\"asserts\": [...]}") from None
+    if not isinstance(tests, dict):
+        raise DataError(f"{where}: code ground truth must be a JSON object, got {type(tests).__name__}; valid: "
+                        "{\"inputs\": [...], \"outputs\": [...]} (+ \"fn_name\"), or {\"asserts\": [...]}")
+    if "asserts" in tests:
+        asserts = tests["asserts"]
+        if not isinstance(asserts, list) or not asserts or not all(isinstance(a, str) for a in asserts):
+            raise DataError(f"{where}: code ground truth 'asserts' must be a non-empty list of strings")
+    elif "test" in tests:
+        if not isinstance(tests["test"], str) or not isinstance(tests.get("entry_point"), str):
+            raise DataError(f"{where}: code ground truth with 'test' (a check(candidate) function) needs "
+                            "'entry_point' (e.g. \"Solution().twoSum\"), both strings")
+    else:
+        inputs, outputs = tests.get("inputs"), tests.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list):
+            raise DataError(f"{where}: code ground truth needs 'inputs' and 'outputs' lists (or 'asserts'); "
+                            f"got keys {sorted(tests)}")
+        if len(inputs) != len(outputs) or not inputs:
+            raise DataError(f"{where}: code ground truth has {len(inputs)} inputs and {len(outputs)} outputs; "
+                            "they must pair up, at least one")
+        if tests.get("fn_name") is not None and not isinstance(tests["fn_name"], str):
+            raise DataError(f"{where}: code ground truth 'fn_name' must be a string")
+    for key in ("entry_point", "setup"):
+        if tests.get(key) is not None and not isinstance(tests[key], str):
+            raise DataError(f"{where}: code ground truth {key!r} must be a string")
+    return tests
+
+
+def _call_args(raw: Any) -> list:
+    if isinstance(raw, str):  # PRIME: one JSON value per line
+        return [json.loads(line) for line in raw.split("\n") if line.strip()]
+    return list(raw) if isinstance(raw, (list, tuple)) else [raw]
+
+
+def _expected_value(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def build_cases(program: str, tests: dict, limit: int | None = None, where: str = "a row") -> list[Case]:
+    """The sandbox runs for ``program`` against ``tests`` (the first ``limit`` cases)."""
+    head = PREAMBLE + (tests.get("setup") or "") + "\n" + program + "\n"
+    cases: list[Case] = []
+    if "asserts" in tests:
+        bind = f"candidate = {tests['entry_point']}\n" if tests.get("entry_point") else ""
+        for stmt in tests["asserts"][:limit]:
+            nonce = secrets.token_hex(8)  # the pass line: an exit(0) before the assert must not pass
+            cases.append(Case(_NONCE_PRELUDE + head + bind + stmt + _PASS_LINE, nonce + "\n",
+                              _marker_judge(nonce)))
+    elif "test" in tests:
+        nonce = secrets.token_hex(8)
+        cases.append(Case(_NONCE_PRELUDE + head + tests["test"] + f"\ncheck({tests['entry_point']})" + _PASS_LINE,
+                          nonce + "\n", _marker_judge(nonce)))
+    elif tests.get("fn_name"):
+        for raw_in, raw_out in list(zip(tests["inputs"], tests["outputs"]))[:limit]:
+            nonce = secrets.token_hex(8)
+            try:
+                spec = {"args": _call_args(raw_in), "expected": _expected_value(raw_out),
+                        "fn_name": tests["fn_name"]}
+                spec_text = json.dumps(spec)
+            except (TypeError, ValueError) as exc:
+                raise DataError(f"{where}: a call-based test input is not JSON ({exc}); inputs are argument lists "
+                                "or lines of JSON values") from None
+            source = _NONCE_PRELUDE + f"__portrl_spec = {spec_text!r}\n" + head + _CALL_HARNESS
+            cases.append(Case(source, nonce + "\n", _marker_judge(nonce)))
+    else:
+        for raw_in, raw_out in list(zip(tests["inputs"], tests["outputs"]))[:limit]:
+            stdin = "\n".join(map(str, raw_in)) if isinstance(raw_in, list) else str(raw_in)
+            cases.append(Case(head, stdin, lambda r, want=raw_out: r.status == "ok" and stdout_matches(r.stdout, want)))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------ score
+def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict | None = None,
+                  continuous: bool = True, timeout_s: float = 10.0, memory_mb: int = 1024, max_workers: int = 4,
+                  sandbox_fusion_url: str | None = None) -> dict:
+    """The code reward of one response (module docstring)."""
+    tests = parse_tests(ground_truth, extra_info)
+    program = extract_program(solution_str)
+    cases = build_cases(program, tests, CONTINUOUS_CASES if continuous else None, _describe(extra_info))
+    limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb))
+    if sandbox_fusion_url:
+        from portrl.rewards.sandbox_fusion import call_run_code
+
+        run: Callable[..., RunResult] = partial(call_run_code, sandbox_fusion_url)
+    else:
+        run = run_program
+    pool = shared_pool(max(1, int(max_workers)))
+    futures = [pool.submit(run, c.source, c.stdin, limits) for c in cases]
+    n_pass, first_bad = 0, "ok"
+    try:
+        for case, future in zip(cases, futures):
+            result = future.result()
+            if case.judge(result):
+                n_pass += 1
+            elif first_bad == "ok":
+                first_bad = _failure(result)
+                if not continuous:
+                    break  # all-or-nothing: the score is 0 already; cases not started yet are dropped
+    finally:
+        for future in futures:
+            future.cancel()  # also when interrupted (reward time limit)
+    total = len(cases)
+    score = n_pass / total if continuous else float(n_pass == total)
+    return {"score": float(score), "acc": float(n_pass == total), "passed": n_pass, "total": total,
+            "status": first_bad}
+
+
+def _failure(result: RunResult) -> str:
+    """The status of a failed case: a run that finished (or failed an assert) is "wrong"."""
+    if result.status == "ok" or (result.status == "runtime_error"
+                                 and result.stderr.rstrip().rsplit("\n", 1)[-1].startswith("AssertionError")):
+        return "wrong"
+    return result.status

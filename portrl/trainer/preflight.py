@@ -1,0 +1,279 @@
+"""Preflight: everything about a run that can be known before a model loads, checked before one does.
+
+``portrl train``, ``portrl sft`` and ``portrl eval`` call :func:`preflight` right after composing the config.
+It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the first problem found:
+
+* the device: ``device.name`` (or ``--device`` / ``$PORTRL_DEVICE``) is registered and usable here, named by
+  where it came from; its dtype and ``rollout.engine`` are available on it; no more workers than the node has
+  devices;
+* the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
+  Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template);
+* the data: ``data.train_files`` / ``data.val_files`` exist, are parquet with the verl columns, and every row
+  is valid (NaN or empty ground truths name the row); every data_source has a reward; the train split has
+  ``data.train_batch_size`` prompts within ``data.max_prompt_length``; a run that needs files has them;
+* the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
+  truth as the response) without raising and returns a float or a dict with "score";
+* the warm start: ``model.sft_warm_start`` is built in for ``data.name=arith`` only;
+* checkpoints: ``trainer.resume=PATH`` and ``portrl eval --checkpoint`` name a verified checkpoint;
+* loggers: the packages of ``trainer.loggers`` (tensorboard, wandb, mlflow) are installed; ``train``
+  into ``trainer.output_dir`` continues only its own run (``portrl.trainer.run_dir.check_run_dir``);
+* outputs: ``trainer.output_dir`` is not a file.
+
+The built-in tiny model (``model.path`` empty) is checked through its tokenizer, built in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from portrl.errors import UserError
+
+TRAIN, SFT, EVAL = "train", "sft", "eval"
+
+
+def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = None) -> None:
+    """Check ``cfg`` for ``command`` (train, sft or eval) before any model loads; UserError on the first problem."""
+    _check_device(cfg)
+    tokenizer = _check_model(cfg, command)
+    _check_output_dir(cfg)
+    if command == SFT:
+        return  # its data are --train-files or generated arith rows: portrl.cli.sft checks them
+    if command == TRAIN and str(cfg.data.name) != "arith":
+        if not cfg.data.train_files:
+            from portrl.trainer.resources import no_train_files_message
+
+            raise UserError(no_train_files_message(cfg))
+        if bool(cfg.model.sft_warm_start):
+            raise UserError(f"model.sft_warm_start is built in for data.name=arith only (data.name={cfg.data.name!r})"
+                            "; set model.sft_warm_start=false, or fine-tune first with `portrl sft --train-files "
+                            "SFT.parquet --output sft` and train from it with model.path=sft")
+    train_rows, val_rows = _check_data(cfg, command, tokenizer)
+    first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
+    _check_reward(cfg, first)
+    if command == TRAIN:
+        _check_resume(cfg)
+        _check_loggers(cfg)
+        from portrl.trainer.run_dir import check_run_dir
+
+        check_run_dir(cfg)  # another run's output_dir, an old-format or foreign checkpoint (no checksums here)
+    if checkpoint is not None:
+        check_checkpoint_dir(checkpoint, "--checkpoint")
+
+
+# ------------------------------------------------------------------------------------------ device
+def _check_device(cfg: Any) -> None:
+    from portrl.workers.setup import worker_backend
+
+    from portrl.workers.setup import resolve_dtype
+
+    quiet = logging.getLogger("portrl.device.registry")  # the run logs its backend when it starts; not twice
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        backend = worker_backend(cfg)  # BackendError (a UserError) naming device.name_source
+    finally:
+        quiet.setLevel(level)
+    try:
+        resolve_dtype(cfg, backend)
+    except ValueError as exc:
+        raise UserError(f"{exc} (device.dtype / model.dtype)") from None
+    engine = str(cfg.rollout.engine)
+    if engine != "auto" and engine not in backend.rollout_engines():
+        offered = ", ".join(backend.rollout_engines()) or "none"
+        raise UserError(f"rollout.engine={engine} is not available on backend {backend.name!r} here (its package is "
+                        f"not installed, or the backend does not run it); available: {offered}, or auto")
+    t = cfg.trainer
+    if backend.device_type == "cpu" or int(t.nnodes) > 1 or t.ray_address:
+        return
+    count = backend.device_count()
+    if count and int(t.num_workers) > count:
+        raise UserError(f"trainer.num_workers={t.num_workers} needs {t.num_workers} {backend.name} devices, "
+                        f"this node has {count}; set trainer.num_workers<={count} (or trainer.nnodes / ray_address "
+                        "for more nodes)")
+
+
+# ------------------------------------------------------------------------------------------- model
+def _check_model(cfg: Any, command: str):
+    """The tokenizer the run will use, after the model directories are checked (tiny: built in memory)."""
+    from portrl.models.loader import check_model_dir
+
+    m = cfg.model
+    if m.path:
+        check_model_dir(str(m.path), "model.path", tokenizer=not m.tokenizer_path)
+    if m.tokenizer_path:
+        check_model_dir(str(m.tokenizer_path), "model.tokenizer_path", config=False, tokenizer=True)
+    if command == TRAIN:
+        from portrl.trainer.advantage import needs_values
+
+        if cfg.critic.model_path and needs_values(cfg):
+            check_model_dir(str(cfg.critic.model_path), "critic.model_path")
+        if cfg.reward.model_path:
+            check_model_dir(str(cfg.reward.model_path), "reward.model_path")
+    tokenizer = _load_tokenizer(cfg)
+    if command != SFT and getattr(tokenizer, "chat_template", None) is None:
+        where = m.tokenizer_path or m.path
+        raise UserError(f"the tokenizer of {str(where)!r} has no chat_template; portrl builds prompts with it: use "
+                        "an instruct / chat model, or set model.tokenizer_path to a tokenizer that has one")
+    return tokenizer
+
+
+def _load_tokenizer(cfg: Any):
+    m = cfg.model
+    if not m.path and not m.tokenizer_path:
+        from portrl.models.tokenizer import build_tokenizer
+
+        return build_tokenizer("arith")  # what the built-in tiny model is saved with
+    from portrl.models import load_tokenizer
+
+    try:
+        return load_tokenizer(str(m.tokenizer_path or m.path))
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' many ways to reject a tokenizer directory
+        key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+        raise UserError(f"{key} {str(m.tokenizer_path or m.path)!r}: the tokenizer does not load "
+                        f"({type(exc).__name__}: {exc})".replace("\n", " ")) from exc
+
+
+def _check_output_dir(cfg: Any) -> None:
+    out = Path(str(cfg.trainer.output_dir)).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"trainer.output_dir {str(out)!r} is a file; give a directory for the run")
+
+
+# -------------------------------------------------------------------------------------------- data
+def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
+    from portrl.data.validate import count_fitting_prompts, read_verl_file
+    from portrl.trainer.resources import no_train_files_message
+
+    d = cfg.data
+    arith = str(d.name) == "arith"
+    train_files = [str(f) for f in d.train_files or []]
+    val_files = [str(f) for f in d.val_files or []]
+    if command == TRAIN and not train_files and not arith:
+        raise UserError(no_train_files_message(cfg))
+    if command == EVAL and not val_files and not arith:
+        raise UserError(f"no validation data: data.val_files is empty and only data.name=arith is generated "
+                        f"(data.name={d.name!r}); pass data.val_files=[TEST.parquet] (`portrl preprocess` writes "
+                        "test.parquet)")
+    train_rows = [] if command == EVAL else [r for f in train_files for r in read_verl_file(f, "data.train_files")]
+    val_rows = [r for f in val_files for r in read_verl_file(f, "data.val_files")]
+    _check_sources(cfg, train_files, train_rows, val_files, val_rows)
+    if command == TRAIN and not train_files and int(d.arith.num_train) < int(d.train_batch_size):
+        raise UserError(f"data.train_batch_size={d.train_batch_size} is more than the data.arith.num_train="
+                        f"{d.arith.num_train} generated problems; raise data.arith.num_train or lower the batch")
+    if command == TRAIN and train_rows:
+        want, limit = int(d.train_batch_size), int(d.max_prompt_length)
+        if len(train_rows) < want:
+            raise UserError(f"data.train_batch_size={want} is more than the {len(train_rows)} rows of "
+                            f"{', '.join(train_files)}; set data.train_batch_size<={len(train_rows)} (and "
+                            "actor.ppo_mini_batch_size to a divisor of it) or add rows")
+        if bool(d.filter_overlong_prompts):
+            fitting = count_fitting_prompts(train_rows, tokenizer, limit, want)
+            if fitting < want:
+                raise UserError(f"data.train_batch_size={want} needs {want} prompts, but only {fitting} of the "
+                                f"{len(train_rows)} rows of {', '.join(train_files)} fit data.max_prompt_length="
+                                f"{limit} tokens (longer ones are dropped: data.filter_overlong_prompts); raise "
+                                "data.max_prompt_length or lower data.train_batch_size")
+    return train_rows, val_rows
+
+
+def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> None:
+    """Every data_source has a built-in reward, unless a custom reward scores all rows."""
+    if cfg.reward.custom.path or cfg.reward.model_path:
+        return
+    from portrl.rewards.registry import UnknownDataSource, reward_kind
+
+    for files, rows in ((train_files, train_rows), (val_files, val_rows)):
+        for source in sorted({r[1] for r in rows}):
+            try:
+                reward_kind(source)
+            except UnknownDataSource as exc:
+                raise UnknownDataSource(f"{', '.join(files)}: {exc}") from None
+
+
+def _first_generated_row(cfg: Any):
+    """The first generated arith row (the data of a run without files), checked like a file's rows."""
+    if str(cfg.data.name) != "arith":
+        return None
+    from portrl.data.arith import make_arith_rows
+    from portrl.data.schema import check_row
+
+    a = cfg.data.arith
+    return check_row(make_arith_rows(1, int(a.seed), int(a.difficulty), "train")[0], "<arith>", 0)
+
+
+# ------------------------------------------------------------------------------------------ reward
+def _check_reward(cfg: Any, first_row) -> None:
+    """The custom reward imports, and scores one row (its ground truth as the response) without raising."""
+    custom = cfg.reward.custom
+    if not custom.path:
+        return
+    from portrl.rewards.custom import RewardFunctionError, load_custom_reward
+    from portrl.rewards.manager import _score_rows
+
+    load_custom_reward(str(custom.path), str(custom.name))  # RewardFileError naming the file
+    if first_row is None:
+        return
+    messages, source, truth, extra = first_row
+    from portrl.rewards.manager import RewardTimeoutError, describe_reward
+    from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
+
+    custom_fn = (str(custom.path), str(custom.name))
+    limit = float(cfg.reward.timeout_s) if cfg.reward.timeout_s else None
+    try:
+        call_with_time_limit(lambda: _score_rows(custom_fn, {}, [(0, source, truth, truth, extra)]), limit)
+    except TimeLimitReached:
+        raise RewardTimeoutError(f"{describe_reward(custom_fn)} did not score one row within reward.timeout_s="
+                                 f"{limit:g}s (preflight: the first data row scored with its ground truth as the "
+                                 "response); make it faster or raise reward.timeout_s") from None
+    except RewardFunctionError as exc:
+        raise RewardFunctionError(f"{exc} (preflight: the first data row scored with its ground truth as the "
+                                  "response); fix the function before training") from None
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+def _check_resume(cfg: Any) -> None:
+    resume = str(cfg.trainer.resume)
+    if resume in ("auto", "off"):
+        return
+    check_checkpoint_dir(resume, "trainer.resume")
+
+
+#: optional loggers -> the requirement of the ``logging`` extra (pyproject.toml)
+LOGGER_PACKAGES = {"tensorboard": "tensorboard>=2.16", "wandb": "wandb>=0.18", "mlflow": "mlflow>=2.16"}
+
+
+def _check_loggers(cfg: Any) -> None:
+    """Optional packages the run will import: the loggers' and, for LoRA, peft."""
+    from portrl.device.backend import module_available
+
+    if int(cfg.actor.lora_rank) > 0 and not module_available("peft"):
+        raise UserError(f"actor.lora_rank={cfg.actor.lora_rank} trains LoRA adapters with peft, which is not installed; "
+                        "pip install \"peft>=0.13\", or actor.lora_rank=0 for full fine-tuning")
+    for name in cfg.trainer.loggers:
+        if name in LOGGER_PACKAGES and not module_available(name):
+            raise UserError(f"trainer.loggers has {name}, which is not installed; pip install "
+                            f"\"{LOGGER_PACKAGES[name]}\" (or pip install -e \".[logging]\" in the portrl checkout), or "
+                            f"drop it: trainer.loggers=[console,jsonl]")
+
+
+def check_checkpoint_dir(path: str, key: str) -> Path:
+    """``path`` as a Path, checked to be a directory holding a checkpoint that matches its manifest."""
+    from portrl.trainer.checkpoint import verify
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        what = "no such checkpoint directory" if not p.exists() else "is not a directory"
+        raise UserError(f"{key}={path}: {what}; give a run's checkpoint, <trainer.output_dir>/checkpoints/"
+                        f"global_step_N" + (" (or trainer.resume=auto / off)" if key == "trainer.resume" else ""))
+    problem = verify(p)
+    if problem is not None:
+        raise UserError(f"{key}={path} is not a checkpoint: {problem}; give a run's checkpoint, "
+                        "<trainer.output_dir>/checkpoints/global_step_N")
+    from portrl.trainer.checkpoint import check_compatible, read_meta
+
+    check_compatible(p, read_meta(p))  # an old (pickled) or a newer format: refused before the model loads
+    return p

@@ -1,0 +1,196 @@
+"""Who owns ``trainer.output_dir``: continue this run, start a fresh one, or refuse; never mix two runs.
+
+:func:`prepare_run_dir` runs at the start of ``fit()`` (its refusals, changing nothing and computing no
+checksum, also run in ``portrl train``'s preflight before any model loads: :func:`check_run_dir`) and decides,
+from ``trainer.resume``, ``trainer.on_existing_run`` and what the directory holds (``run.json``,
+``metrics.jsonl``, checkpoints, an exported model), where the run starts:
+
+* ``resume=auto``: the newest intact checkpoint of *this* run (same identity, see
+  :mod:`portrl.trainer.run_identity`); none yet -> a fresh start. A directory of a different run (its
+  ``run.json`` or its checkpoints record another identity), or one holding a run of unknown identity
+  (files but no ``run.json``), is refused with the differing keys; when every checkpoint is unusable the
+  error lists them (CheckpointManager.resolve_auto).
+* ``resume=off``: a fresh start, into a directory that holds no earlier run; one that does is refused.
+* ``resume=PATH``: that checkpoint, which must be of this run (and, inside this run's folder, its newest: a
+  continuation from an older one would be mixed with the newer ones).
+
+``on_existing_run=move_aside`` (default ``refuse``) turns each refusal because of an earlier run into moving
+that run's directory to ``<output_dir>.old-<YYYYmmdd-HHMMSS>`` (nothing deleted) and starting fresh.
+A trainer object that calls ``fit()`` again (``own_run_id``) continues the run it started itself.
+
+Nothing in the directory is changed before the decision; a fresh start writes ``run.json`` only where none
+is (``metrics.jsonl`` is rewritten by the Tracker only when the run logs its first step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from portrl.trainer.checkpoint import CheckpointError, CheckpointManager
+from portrl.trainer.run_identity import RUN_FILE, identity_diff, read_run_record, write_run_record
+
+log = logging.getLogger(__name__)
+
+ON_EXISTING = ("refuse", "move_aside")
+#: what marks a directory as holding a run (besides checkpoints)
+RUN_MARKERS = (RUN_FILE, "metrics.jsonl", "hf_model")
+
+
+def run_contents(out_dir: Path, ckpt: CheckpointManager) -> List[str]:
+    """The run files ``out_dir`` holds, for messages (``["run.json", "metrics.jsonl", "2 checkpoints"]``)."""
+    found = [name for name in RUN_MARKERS if (out_dir / name).exists()]
+    n = len(ckpt.checkpoints())
+    if n:
+        found.append(f"{n} checkpoint{'s' if n > 1 else ''}")
+    return found
+
+
+def move_aside(out_dir: Path) -> Path:
+    """Rename ``out_dir`` to ``<out_dir>.old-<time>`` (a sibling; a number is added if taken); recreate it empty."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = out_dir.with_name(f"{out_dir.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = out_dir.with_name(f"{out_dir.name}.old-{stamp}-{n}")
+    try:
+        os.rename(out_dir, target)
+    except OSError:  # e.g. a mount point or the working directory: move its entries instead
+        target.mkdir()
+        for entry in out_dir.iterdir():
+            os.rename(entry, target / entry.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log.warning("trainer.on_existing_run=move_aside: the earlier run in %s moved to %s", out_dir, target)
+    return target
+
+
+def _refuse(out_dir: Path, why: str, resume: str) -> CheckpointError:
+    cont = " or trainer.resume=auto to continue it" if resume == "off" else ""
+    return CheckpointError(
+        f"trainer.output_dir={out_dir} {why}; nothing there is overwritten or mixed: use a fresh "
+        f"trainer.output_dir{cont}, or trainer.on_existing_run=move_aside to move it to "
+        f"{out_dir.name}.old-<time> and start a new run")
+
+
+def prepare_run_dir(cfg: Any, out_dir: Path, ckpt: CheckpointManager, identity: Dict[str, Any],
+                    own_run_id: Optional[str] = None, dry_run: bool = False) -> Tuple[Optional[Path], Dict[str, Any]]:
+    """``(checkpoint to resume from or None, the run record)`` (see the module docstring). Raises CheckpointError.
+    ``dry_run``: only the refusals, changing nothing and reading manifests without checksums (see
+    :func:`check_run_dir`); returns ``(None, {})``."""
+    t = cfg.trainer
+    resume = str(t.resume)
+    on_existing = str(getattr(t, "on_existing_run", "refuse") or "refuse")
+    if on_existing not in ON_EXISTING:
+        raise CheckpointError(f"trainer.on_existing_run={on_existing!r} is not valid; valid: {', '.join(ON_EXISTING)}")
+    out_dir = Path(out_dir)
+    rec = read_run_record(out_dir)
+    if rec and own_run_id is not None and rec.get("run_id") == own_run_id:  # fit() again on the same trainer
+        return (ckpt.resolve_resume(resume, identity) if resume != "off" else None), rec
+
+    class _MovedAside(Exception):
+        pass
+
+    def aside_or_refuse(why: str) -> None:
+        nonlocal rec
+        if on_existing != "move_aside":
+            raise _refuse(out_dir, why, resume)
+        if dry_run:
+            raise _MovedAside
+        move_aside(out_dir)
+        rec = None
+
+    try:
+        if resume == "off":
+            held = run_contents(out_dir, ckpt)
+            if held:
+                aside_or_refuse(f"holds an earlier run ({', '.join(held)}) and trainer.resume=off starts a new one")
+            path = None
+        else:
+            if rec == {}:
+                aside_or_refuse(f"holds a run whose {RUN_FILE} is unreadable")
+            elif rec is not None:
+                diff = identity_diff(rec["identity"], identity)
+                if diff:
+                    aside_or_refuse(f"holds a different run ({'; '.join(diff)})")
+            elif run_contents(out_dir, ckpt) and not ckpt.checkpoints():
+                aside_or_refuse(f"holds a run of unknown identity ({', '.join(run_contents(out_dir, ckpt))}; "
+                                f"no {RUN_FILE})")
+            if resume != "auto":
+                _check_no_newer(ckpt, Path(os.path.expanduser(resume)))
+            if dry_run:
+                _check_newest_manifest(ckpt, resume, identity, on_existing == "move_aside" and rec is None)
+                return None, {}
+            try:
+                path = ckpt.resolve_resume(resume, identity)
+            except CheckpointError as exc:
+                foreign = "different run" in str(exc)
+                if rec is not None or resume != "auto" or on_existing != "move_aside" or not foreign:
+                    raise
+                move_aside(out_dir)  # the checkpoints of another run (no run.json): moved with their directory
+                path = None
+            if path is None and rec is not None:
+                log.info("no checkpoint of this run in %s yet: starting it from the beginning", ckpt.root)
+    except _MovedAside:
+        return None, {}
+    if dry_run:
+        return None, {}
+    if rec is None:
+        rec = write_run_record(out_dir, identity)
+    return path, rec
+
+
+def _check_no_newer(ckpt: CheckpointManager, path: Path) -> None:
+    """``resume=PATH`` to an older checkpoint of this run's own folder: its newer checkpoints would later be taken
+    for the continuation (resume=auto picks the highest step) or be rotated away; refuse instead of mixing them."""
+    try:
+        if not path.is_dir() or path.resolve().parent != ckpt.root.resolve():
+            return
+    except OSError:
+        return
+    mine = [s for s, p in ckpt.checkpoints() if p.resolve() == path.resolve()]
+    newer = [p.name for s, p in ckpt.checkpoints() if mine and s > mine[0]]
+    if newer:
+        raise CheckpointError(
+            f"trainer.resume={path}: this run has newer checkpoints ({', '.join(newer)}), which a continuation from "
+            f"{path.name} would be mixed with; continue it in a fresh trainer.output_dir (keep trainer.resume={path}), "
+            f"or move the newer ones out of {ckpt.root} first")
+
+
+def _check_newest_manifest(ckpt: CheckpointManager, resume: str, identity: Dict[str, Any], may_move: bool) -> None:
+    """The format and identity of the checkpoint a resume would start from, read from its manifest alone."""
+    from portrl.trainer.checkpoint import _load_manifest, check_compatible
+
+    if resume != "auto":
+        path = Path(os.path.expanduser(resume))
+        manifest, problem = _load_manifest(path) if path.is_dir() else (None, "no such directory")
+        if manifest is not None:
+            check_compatible(path, manifest, identity)
+        return
+    for _step, path in reversed(ckpt.checkpoints()):
+        manifest, problem = _load_manifest(path)
+        if manifest is None:
+            continue
+        try:
+            check_compatible(path, manifest, identity)
+        except CheckpointError as exc:
+            if not (may_move and "different run" in str(exc)):
+                raise
+        return
+
+
+def check_run_dir(cfg: Any) -> None:
+    """What :func:`prepare_run_dir` would refuse for ``cfg`` (another run's folder, ``resume=off`` into a run, an
+    old-format or foreign checkpoint, a bad ``trainer.on_existing_run``), found before any model loads: nothing
+    is changed and no checksum is computed (``fit()`` verifies them). Raises CheckpointError."""
+    from portrl.trainer.run_identity import run_identity
+
+    out_dir = Path(os.path.expanduser(str(cfg.trainer.output_dir)))
+    ckpt = CheckpointManager(out_dir / "checkpoints", max_to_keep=max(1, int(cfg.trainer.max_ckpt_to_keep)))
+    prepare_run_dir(cfg, out_dir, ckpt, run_identity(cfg), dry_run=True)
+
+
+__all__ = ["ON_EXISTING", "check_run_dir", "prepare_run_dir", "move_aside", "run_contents"]
