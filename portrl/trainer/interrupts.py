@@ -9,8 +9,8 @@ trainer's ``fit``) and restores the previous ones after it:
   :class:`portrl.errors.RunStopped` (exit code ``128 + signal``: 130 for SIGINT, 143 for SIGTERM) whose
   message says where to resume from. A step that cannot finish is abandoned: a worker that stops answering
   is ended by the time limit below; Ray's own processes gone (a SIGTERM sent to the whole process group, as
-  systemd and Slurm do, reaches them too) are noticed within a second. The run then stops the same way,
-  naming the last checkpoint.
+  systemd and Slurm do, reaches them too) are noticed between 1 s waits (or, when Ray's client blocks, Ray
+  ends the driver after 60 s without its GCS). The run then stops the same way, naming the last checkpoint.
 * A second signal stops at once: one line on stderr (from :attr:`StopSignals.abort_message`), the
   :attr:`StopSignals.on_abort` hooks (the trainer's stops a local Ray), and ``os._exit(128 + signal)``:
   no traceback, no ``finally`` blocks. What was finished is safe: every metrics line is flushed when

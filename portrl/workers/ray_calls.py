@@ -8,7 +8,9 @@ A time limit (``timeout_s``, or the smallest ``timeout_s`` attribute of the grou
 the wait for the whole call: when it passes with results missing, :class:`WorkerTimeoutError` names the
 workers that did not answer (a process found stopped, e.g. by SIGSTOP, is named first and marked so) and the
 groups are shut down, as for a dead worker. While waiting, a local Ray whose own processes have ended (a
-SIGTERM sent to the whole process group reaches them) raises WorkerDiedError at once: no answer can come.
+SIGTERM sent to the whole process group reaches them) raises WorkerDiedError: no answer can come. This check
+runs between 1 s waits; when Ray's own client blocks inside a wait instead (seen on a loaded 2-core machine),
+Ray ends the driver itself once its GCS has been unreachable for 60 s.
 """
 
 from __future__ import annotations
