@@ -438,3 +438,22 @@ def test_optional_packages_are_checked_before_the_model_loads(inputs, no_heavy_w
     assert "actor.lora_rank=8 trains LoRA adapters with peft, which is not installed" in capsys.readouterr().err
     assert _run_in_process(_argv(["train", "trainer.loggers=[wandb]"], inputs)) == 2
     assert 'pip install "wandb>=0.18"' in capsys.readouterr().err
+
+
+def test_a_dead_worker_is_one_line_with_the_checkpoint(monkeypatch, capsys):
+    """A worker that died or stopped answering is not the user's input (exit 1, not 2), but the user still gets
+    one line naming the worker and where to resume, not a traceback; --debug adds the traceback."""
+    import portrl.cli.train as train
+    from portrl.workers.ray_calls import WorkerDiedError
+
+    def died(args):
+        raise WorkerDiedError("actor rank 1 (node 127.0.0.1, pid 4242)", RuntimeError("killed\nby the OOM killer"),
+                              checkpoint="outputs/run/checkpoints/global_step_3")
+
+    monkeypatch.setattr(train, "run", died)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("portrl train: error: worker actor rank 1 (node 127.0.0.1, pid 4242) died")
+    assert "resume from the last good checkpoint outputs/run/checkpoints/global_step_3" in err
+    assert main(["--debug", "train"]) == 1 and "Traceback" in capsys.readouterr().err

@@ -6,8 +6,10 @@ stays fast. To add a command, add a line to COMMANDS.
 
 Errors (portrl.errors): a :class:`~portrl.errors.UserError` raised by a command is printed as one line,
 ``portrl <command>: error: <message>``, exit code 2; ``--debug`` or ``PORTRL_DEBUG=1`` adds its traceback.
-A :class:`~portrl.errors.RunStopped` prints its message and exits with its code (130 / 143). Anything
-else is an internal error and keeps its traceback. Commands do not catch errors themselves.
+A :class:`~portrl.errors.RunStopped` prints its message and exits with its code (130 / 143). A worker that
+died or stopped answering (:class:`~portrl.workers.ray_calls.WorkerDiedError`, which names the worker and the
+last good checkpoint) is one line too, exit code 1. Anything else is an internal error and keeps its traceback.
+Commands do not catch errors themselves.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import os
 import sys
 import traceback
+
+EXIT_WORKER_DIED = 1  # a worker process died or hung: the run failed, but not because of the user's input
 
 # command -> (module under portrl.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = importlib.import_module(f"portrl.cli.{COMMANDS[args.command][0]}")
     from portrl.errors import RunStopped, UserError
+    from portrl.workers.ray_calls import WorkerDiedError
 
     try:
         return int(module.run(args) or 0)
@@ -107,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(_one_line(exc), file=sys.stderr)
         return exc.exit_code
+    except WorkerDiedError as exc:  # a worker process died or stopped answering: not the user's input, but one line
+        if _debug(args):
+            traceback.print_exc()
+        print(f"portrl {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_WORKER_DIED
     except KeyboardInterrupt:  # Ctrl-C where a command has no handling of its own (train's: portrl.trainer.interrupts)
         if _debug(args):
             traceback.print_exc()
