@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def temp_name(path: str | os.PathLike, suffix: str = "") -> Path:
@@ -41,6 +43,28 @@ def ordinary_permissions(path: str | os.PathLike) -> None:
     they are (a library writing into it creates them with ordinary permissions already)."""
     mode = 0o777 if Path(path).is_dir() else 0o666
     os.chmod(path, mode & ~umask())
+
+
+@contextmanager
+def new_dir(out: str | os.PathLike, tmp: str | os.PathLike | None = None,
+            aside: str | os.PathLike | None = None) -> Iterator[Path]:
+    """``with new_dir(out) as tmp:`` fill the empty folder ``tmp`` (default a :func:`temp_name` beside ``out``;
+    ordinary permissions). When the block ends without an error ``tmp`` replaces ``out`` (:func:`replace_dir`);
+    otherwise it is removed. ``out`` is always the old folder or the complete new one, never a half-written one."""
+    import shutil
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tmp) if tmp is not None else temp_name(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()  # mode 0o777 less the umask, unlike tempfile.mkdtemp's 0o700
+    try:
+        yield tmp
+        replace_dir(tmp, out, aside)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, aside: str | os.PathLike | None = None) -> None:

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from portrl.user_files import replace_dir, temp_name
+from portrl.user_files import new_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -57,16 +57,9 @@ def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str
     tokenizer files, ``tokenizer.save_pretrained`` writes them instead.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(out)
-    tmp.mkdir()  # mode 0o777 minus the umask: an ordinary directory, unlike tempfile.mkdtemp's 0o700
-    try:
+    with new_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         restore_config(tmp / "config.json", Path(source_dir) / "config.json")
         if not copy_tokenizer_files(Path(tokenizer_dir or source_dir), tmp) and tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

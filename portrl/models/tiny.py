@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 
@@ -58,16 +56,9 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
                                                bos_token_id=None)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        from portrl.user_files import ordinary_permissions, replace_dir
+    from portrl.user_files import new_dir
 
-        ordinary_permissions(tmp)  # mkdtemp made it 0700
+    with new_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from portrl.errors import UserError
-from portrl.user_files import replace_dir
+from portrl.user_files import new_dir
 
 log = logging.getLogger(__name__)
 
@@ -281,20 +281,12 @@ class CheckpointManager:
         meta = {"format": FORMAT_VERSION, "portrl_version": __version__, **dict(meta or {})}
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
-        tmp = self.root / f".tmp_{PREFIX}{int(step)}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
+        final = self.path_for(step)  # re-saving a step (e.g. after a resume) replaces the old one
+        with new_dir(final, tmp=self.root / f".tmp_{PREFIX}{int(step)}_{os.getpid()}",
+                     aside=self.root / f".old_{PREFIX}{int(step)}_{os.getpid()}") as tmp:
             write_fn(tmp)
             write_manifest(tmp, step, meta)
-            final = self.path_for(step)
-            # re-saving a step (e.g. after a resume) replaces the old one
-            replace_dir(tmp, final, aside=self.root / f".old_{PREFIX}{int(step)}_{os.getpid()}")
-            _fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _fsync_dir(self.root)
         self._intact[final] = (final / MANIFEST).stat().st_mtime
         self._rotate(keep=final)
         log.info("checkpoint saved: %s", final)
@@ -309,19 +301,12 @@ class CheckpointManager:
 
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / REFERENCE
-        tmp = self.root / f".tmp_{REFERENCE}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
+        # an existing one is another run's (moved-aside runs take theirs along) or a damaged one
+        with new_dir(final, tmp=self.root / f".tmp_{REFERENCE}_{os.getpid()}",
+                     aside=self.root / f".old_{REFERENCE}_{os.getpid()}") as tmp:
             write_fn(tmp)
             write_manifest(tmp, 0, {"format": FORMAT_VERSION, "portrl_version": __version__, "kind": REFERENCE})
-            # an existing one is another run's (moved-aside runs take theirs along) or a damaged one
-            replace_dir(tmp, final, aside=self.root / f".old_{REFERENCE}_{os.getpid()}")
-            _fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _fsync_dir(self.root)
         return {"dir": REFERENCE, "manifest_sha256": sha256_file(final / MANIFEST)}
 
     def _remove_stale_temps(self) -> None:
