@@ -10,6 +10,7 @@ output never share a half-written file. :func:`ordinary_permissions` gives a fil
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,8 +52,6 @@ def new_dir(out: str | os.PathLike, tmp: str | os.PathLike | None = None,
     """``with new_dir(out) as tmp:`` fill the empty folder ``tmp`` (default a :func:`temp_name` beside ``out``;
     ordinary permissions). When the block ends without an error ``tmp`` replaces ``out`` (:func:`replace_dir`);
     otherwise it is removed. ``out`` is always the old folder or the complete new one, never a half-written one."""
-    import shutil
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tmp) if tmp is not None else temp_name(out)
@@ -71,8 +70,6 @@ def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, aside: str | os.
     """Put the complete folder ``tmp`` at ``out``. An existing ``out`` is renamed to ``aside`` (default a
     :func:`temp_name` beside it) first and removed after, so ``out`` is never half-written: it is missing only
     between two renames on one filesystem."""
-    import shutil
-
     tmp, out = Path(tmp), Path(out)
     if not out.exists():
         os.replace(tmp, out)

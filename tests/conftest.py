@@ -2,7 +2,7 @@
 
 import os
 
-# No vendor plugin may autoload into torch on a CPU test machine (DESIGN.md).
+# No vendor plugin may autoload into torch on a CPU test machine.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Spinning OpenMP threads slow CPU training by up to 10x when the cores are shared (see portrl.cli).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

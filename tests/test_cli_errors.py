@@ -430,10 +430,10 @@ def test_install_commands_are_pinned_to_a_compatibility_row_and_spelled_as_the_r
 
 def test_optional_packages_are_checked_before_the_model_loads(inputs, no_heavy_work, monkeypatch, capsys):
     """LoRA without peft and a logger whose package is missing stop in the preflight (faked as missing here)."""
-    import portrl.device.backend as backend_mod
+    import portrl.trainer.preflight as preflight_mod
 
-    real = backend_mod.module_available
-    monkeypatch.setattr(backend_mod, "module_available", lambda m: False if m in ("peft", "wandb") else real(m))
+    real = preflight_mod.module_available
+    monkeypatch.setattr(preflight_mod, "module_available", lambda m: False if m in ("peft", "wandb") else real(m))
     assert _run_in_process(_argv(["train", "actor.lora_rank=8"], inputs)) == 2
     assert "actor.lora_rank=8 trains LoRA adapters with peft, which is not installed" in capsys.readouterr().err
     assert _run_in_process(_argv(["train", "trainer.loggers=[wandb]"], inputs)) == 2

@@ -130,8 +130,9 @@ def test_two_plugins_claiming_one_name_is_an_error(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "portrl_test_dup", raising=False)
     clear_cache()
+    assert "cpu" not in backend_names() and "cuda" in backend_names()  # the others still work
     with pytest.raises(BackendError, match=r"two plugins claim backend 'cpu'"):
-        backend_names()
+        get_backend("cpu")
 
 
 def test_entry_point_name_must_match_class_name(tmp_path, monkeypatch):
@@ -139,8 +140,9 @@ def test_entry_point_name_must_match_class_name(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "portrl_test_bad", raising=False)
     clear_cache()
+    assert "gpu2" not in backend_names() and "cpu" in backend_names()  # the others still work
     with pytest.raises(BackendError, match=r"declares name 'xpu'"):
-        backend_names()
+        get_backend("gpu2")
 
 
 def test_import_and_discovery_do_not_import_torch():

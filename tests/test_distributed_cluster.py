@@ -15,7 +15,7 @@ from portrl.config.schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
 from portrl.workers.group import WorkerGroup  # noqa: E402
-from portrl.workers.ray_env import ResourcePool, init_ray, node_bundles  # noqa: E402
+from portrl.workers.ray_env import ResourcePool, init_ray  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -32,6 +32,13 @@ class SumWorker:
         t = batch["x"].sum().double()
         dist.all_reduce(t)
         return {"total": float(t), "rows": [len(batch)], "rank": [self.rank]}
+
+
+def node_bundles(pool: ResourcePool) -> list:
+    """Node id of each bundle (in rank order), from Ray's placement-group table."""
+    table = ray.util.placement_group_table(pool.create())
+    by_index = table.get("bundles_to_node_id", {})
+    return [by_index.get(i, "") for i in range(pool.num_workers)]
 
 
 def test_pool_spans_two_nodes_of_a_joined_cluster():
@@ -51,7 +58,7 @@ def test_pool_spans_two_nodes_of_a_joined_cluster():
         assert len(set(node_bundles(pool))) == 2
         assert len({i["node_id"] for i in group.info}) == 2  # one worker on each node
         x = torch.arange(10.0).view(10, 1)
-        out = group.call("total", Batch({"x": x}))
+        out = group.metrics("total", Batch({"x": x}))
         assert out["total"] == float(x.sum()) and out["rows"] == [5, 5] and out["rank"] == [0, 1]
         assert "on node" in group.describe(1) and group.info[1]["node_id"][:8] in group.describe(1)
         group.shutdown()

@@ -2,6 +2,7 @@
 (FSDP2 and DDP), weight broadcast in buckets between Ray actors, what each worker sees (env, devices), and a
 killed worker stopping the caller with a named error."""
 
+import copy
 import os
 import signal
 import sys
@@ -129,14 +130,14 @@ def test_two_ray_workers_match_one_worker(cfg, dp_group, strategy):
         c.actor.strategy = "ddp"
         group = WorkerGroup(TinyLMWorker, c, 2, get_backend("cpu"), role="actor_ddp")
     try:
-        wrapper, param_type = group.call_rank0("wrapper")
+        wrapper, param_type = group.rank0("wrapper")
         assert (wrapper, param_type) == (("FSDPQwen2ForCausalLM", "DTensor") if strategy == "auto"
                                          else ("DistributedDataParallel", "Parameter"))
-        metrics = group.call("update", batch)
+        metrics = group.metrics("update", batch)
         assert metrics["rows"] == [3, 3] and metrics["num_tokens"] == float(batch["loss_mask"][:, 1:].sum())
         assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
         assert ref_metrics["grad_norm"] > 0.5  # clipping was active on both sides
-        got = dict(group.call_rank0("named_weights"))
+        got = dict(group.rank0("named_weights"))
         want = dict(ref.named_weights())
         assert set(got) == set(want)
         for k in want:
@@ -147,11 +148,13 @@ def test_two_ray_workers_match_one_worker(cfg, dp_group, strategy):
 
 
 def test_weight_broadcast_in_buckets_between_ray_actors(cfg, dp_group):
-    rollout = WorkerGroup(TinyLMWorker, cfg, 1, get_backend("cpu"), role="rollout", use_ray=True,
+    one_on_ray = copy.deepcopy(cfg)
+    one_on_ray.trainer.use_ray = True  # one worker runs in-process unless the config asks for Ray
+    rollout = WorkerGroup(TinyLMWorker, one_on_ray, 1, get_backend("cpu"), role="rollout",
                           pool=ResourcePool("rollout", 1, get_backend("cpu"), cpus_per_worker=0.5))
     try:
-        trained = dict(dp_group.call_rank0("named_weights"))  # FSDP2 shards, updated by the test above
-        before = dict(rollout.call_rank0("named_weights"))
+        trained = dict(dp_group.rank0("named_weights"))  # FSDP2 shards, updated by the test above
+        before = dict(rollout.rank0("named_weights"))
         assert any(not torch.equal(before[k], trained[k]) for k in trained)
         link = WeightSyncLink(dp_group, rollout, bucket_mb=1536 / 2**20)  # 1.5 KiB buckets
         stats = link.sync()
@@ -159,7 +162,7 @@ def test_weight_broadcast_in_buckets_between_ray_actors(cfg, dp_group):
         assert sizes[-1] > 1536 and sizes[0] < 768  # some tensors span a bucket alone, small ones share
         assert stats["tensors"] == len(trained) and len(trained) > stats["buckets"] > 2
         assert stats["bytes"] == sum(sizes)
-        after = dict(rollout.call_rank0("named_weights"))
+        after = dict(rollout.rank0("named_weights"))
         for k in trained:
             torch.testing.assert_close(after[k], trained[k], rtol=0, atol=0, msg=k)
         assert link.sync()["buckets"] == stats["buckets"]  # the link is reusable step after step
@@ -180,14 +183,14 @@ def test_workers_see_env_presets_and_their_own_devices(cfg):
     own = WorkerGroup(EnvWorker, cfg, 2, FakeGPU(), role="own", pool=pool, share=2)
     shared = WorkerGroup(EnvWorker, cfg, 2, FakeGPU(), role="shared", pool=pool, share=2, share_devices=True)
     try:
-        seen = own.call_all("env", names)
+        seen = own.gather("env", names)
         assert [e["TORCH_DEVICE_BACKEND_AUTOLOAD"] for e in seen] == ["0", "0"]  # backend presets
         assert [e["PORTRL_TEST_FLAG"] for e in seen] == ["on", "on"]  # device.env
         ids = [i["accelerator_ids"] for i in own.info]
         assert [e["CUDA_VISIBLE_DEVICES"] for e in seen] == [x[0] for x in ids]  # each sees only its own device
         assert sorted(x[0] for x in ids) == ["0", "1"] and [e["world"] for e in seen] == [2, 2]
         assert [e["LOCAL_RANK"] for e in seen] == ["0", "0"]
-        sh = shared.call_all("env", names)
+        sh = shared.gather("env", names)
         assert all(e["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1" for e in sh)
         assert all(e["CUDA_VISIBLE_DEVICES"] is None for e in sh)  # Ray left it as the node had it (unset)
         # colocated: the two groups' rank r share a bundle, so they were given the same device id
@@ -203,8 +206,8 @@ def test_killed_worker_raises_error_naming_it(cfg, dp_group):
     rank1 = dp_group.info[1]
     os.kill(rank1["pid"], signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as err:
-        dp_group.call("update", make_batch())
+        dp_group.metrics("update", make_batch())
     msg = str(err.value)
     assert "actor rank 1 on node 127.0.0.1" in msg and f"pid {rank1['pid']}" in msg
     assert "global_step_3" in str(err.value.with_checkpoint("/run/global_step_3"))
-    assert dp_group.actors == []  # the group was shut down
+    assert dp_group.launcher.actors == []  # the group was shut down

@@ -78,7 +78,7 @@ def test_rollouts_of_two_ranks_merge(group):
     # rank 0 gets the short prompts, rank 1 the long ones: the ranks' batches have different widths
     ids = [[5, 6], [7, 8], [9, 10, 11, 12, 13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23]]
     prompts = Batch(meta={"prompt_ids": ids, "uid": ["a", "b", "c", "d"]})
-    out = group.call("generate_from", prompts, SAMPLING)
+    out = group.concat("generate_from", prompts, SAMPLING)
     assert len(out) == 16 and out["uid"] == [u for u in "abcd" for _ in range(4)]
     P = out["prompts"].shape[1]
     assert P == 8 and out["input_ids"].shape[1] == P + out["responses"].shape[1]
@@ -88,21 +88,21 @@ def test_rollouts_of_two_ranks_merge(group):
         assert out["attention_mask"][r, :P].sum() == len(ids[r // 4])
     assert torch.equal(out["attention_mask"][:, P:], out["response_mask"])
     # each rank's engine (a full copy under FSDP2) generated with the policy's weights
-    lp = group.call("compute_log_probs", out)["old_log_probs"]
+    lp = group.concat("compute_log_probs", out)["old_log_probs"]
     torch.testing.assert_close(lp * out["response_mask"], out["rollout_log_probs"], atol=1e-4, rtol=0)
 
 
 def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
     cfg = _cfg(path)
-    assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+    assert group.gather("__getattribute__", "strategy") == ["fsdp", "fsdp"]
     ref = ActorRolloutWorker(cfg)  # one rank, the whole batch
     b = _batch(1)
     old = ref.compute_log_probs(b)
-    torch.testing.assert_close(group.call("compute_log_probs", b)["old_log_probs"], old["old_log_probs"],
+    torch.testing.assert_close(group.concat("compute_log_probs", b)["old_log_probs"], old["old_log_probs"],
                                atol=1e-5, rtol=0)
     b.union(Batch({"old_log_probs": old["old_log_probs"]}))
     m1 = ref.update_actor(b)
-    m2 = group.call("update_actor", b)
+    m2 = group.metrics("update_actor", b)
     assert m1["actor/grad_norm"] > 0.5  # clipping was active on both sides
     assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4)
     assert m2["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], rel=1e-4, abs=1e-6)
@@ -110,10 +110,10 @@ def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
     _assert_same_weights(group.full_weights(), want)
 
     # after the sync, each rank's engine copy samples with the updated policy
-    group.call("sync_weights")
+    group.run("sync_weights")
     prompts = Batch(meta={"prompt_ids": [[5, 6, 7], [8, 9]], "uid": ["a", "b"]})
-    out = group.call("generate_from", prompts, SAMPLING)
-    lp = group.call("compute_log_probs", out)["old_log_probs"]
+    out = group.concat("generate_from", prompts, SAMPLING)
+    lp = group.concat("compute_log_probs", out)["old_log_probs"]
     torch.testing.assert_close(lp * out["response_mask"], out["rollout_log_probs"], atol=1e-4, rtol=0)
 
     # a 2-rank checkpoint (full tensors, optimizer state included) resumes in 1 worker ...
@@ -121,16 +121,16 @@ def test_two_workers_match_one_then_checkpoints_move_between_sizes(path, group):
     b2.union(Batch({"old_log_probs": ref.compute_log_probs(b2)["old_log_probs"]}))
     ref_state = copy.deepcopy(ref.state_dict())  # the live tensors change with the next update
     one = ActorRolloutWorker(cfg)
-    one.load_state_dict(group.call("state_dict"))
+    one.load_state_dict(group.rank0("state_dict"))
     _assert_same_weights(dict(one.named_weights()), want)
     ref.update_actor(b2)
     one.update_actor(b2)
     after = {k: v.detach().clone() for k, v in ref.named_weights()}
     _assert_same_weights(dict(one.named_weights()), after)
     # ... and a 1-worker checkpoint resumes in 2 ranks (the group first moves away from it)
-    group.call("update_actor", _batch(3))
-    group.call("load_state_dict", ref_state)
-    group.call("update_actor", b2)
+    group.metrics("update_actor", _batch(3))
+    group.run("load_state_dict", ref_state)
+    group.metrics("update_actor", b2)
     _assert_same_weights(group.full_weights(), after)
 
 
@@ -140,13 +140,13 @@ def test_bf16_under_fsdp_trains_float32_shards_and_checkpoints_move_to_one_worke
     cfg = _cfg(path, **{"device.dtype": "bfloat16", "actor.ppo_epochs": 1})
     group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_bf16")
     try:
-        assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+        assert group.gather("__getattribute__", "strategy") == ["fsdp", "fsdp"]
         ref = ActorRolloutWorker(cfg)
         assert ref.master.active and next(ref.module.parameters()).dtype == torch.bfloat16
         b = _batch(5)
-        m1, m2 = ref.update_actor(b), group.call("update_actor", b)
+        m1, m2 = ref.update_actor(b), group.metrics("update_actor", b)
         assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=0.02)
-        state = group.call_rank0("state_dict")
+        state = group.rank0("state_dict")
         floats = {k: v for k, v in state["model"].items() if v.is_floating_point()}
         assert floats and all(v.dtype == torch.float32 for v in floats.values())
         want = ref.state_dict()["model"]
@@ -169,10 +169,10 @@ def test_lora_under_fsdp_with_checkpointing_matches_one_worker(path):
                         "model.gradient_checkpointing": True, "actor.ppo_epochs": 1})
     group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_lora")
     try:
-        assert group.call_all("__getattribute__", "strategy") == ["fsdp", "fsdp"]
+        assert group.gather("__getattribute__", "strategy") == ["fsdp", "fsdp"]
         ref = ActorRolloutWorker(cfg)
         b = _batch(6)
-        m1, m2 = ref.update_actor(b), group.call("update_actor", b)
+        m1, m2 = ref.update_actor(b), group.metrics("update_actor", b)
         assert m1["actor/grad_norm"] > 0
         assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4)
         _assert_same_weights(group.full_weights(), {k: v.detach().clone() for k, v in ref.named_weights()})
@@ -184,10 +184,10 @@ def test_ddp_real_workers_match_one(path):
     cfg = _cfg(path, **{"actor.strategy": "ddp"})
     group = WorkerGroup(ActorRolloutWorker, cfg, 2, get_backend("cpu"), role="actor_ddp")
     try:
-        assert group.call_all("__getattribute__", "strategy") == ["ddp", "ddp"]
+        assert group.gather("__getattribute__", "strategy") == ["ddp", "ddp"]
         ref = ActorRolloutWorker(cfg)
         b = _batch(4)
-        m1, m2 = ref.update_actor(b), group.call("update_actor", b)  # on-policy: old = logp.detach()
+        m1, m2 = ref.update_actor(b), group.metrics("update_actor", b)  # on-policy: old = logp.detach()
         assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-4) and m1["actor/grad_norm"] > 0.5
         _assert_same_weights(group.full_weights(), {k: v.detach().clone() for k, v in ref.named_weights()})
     finally:
@@ -241,7 +241,7 @@ def test_sft_warm_start_on_two_workers(path, group):
     rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "response": str(a + b)}
             for a in range(6) for b in range(4)]
     before = {k: v.detach().clone() for k, v in group.full_weights().items()}
-    metrics = group.call_all("run_sft", rows, 3, 1e-2, 4)
+    metrics = group.gather("run_sft", rows, 3, 1e-2, 4)
     assert len(metrics) == 2 and all(torch.isfinite(torch.tensor(m["sft/loss_last"])) for m in metrics)
     after = group.full_weights()
     assert any(not torch.equal(after[k], before[k]) for k in before)

@@ -58,9 +58,9 @@ def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, 
     trainer = RLTrainer(cfg)
     try:
         actor, rollout = trainer.actor, trainer.rollout
-        assert rollout is not None and rollout.pool is not actor.pool  # a resource pool of its own
+        assert rollout is not None and rollout.launcher.pool is not actor.launcher.pool  # a resource pool of its own
         assert {i["pid"] for i in actor.info}.isdisjoint(i["pid"] for i in rollout.info)
-        assert actor.call_all("__getattribute__", "engine") == [None]  # the actor generates nothing
+        assert actor.gather("__getattribute__", "engine") == [None]  # the actor generates nothing
         summary = trainer.fit()  # generation (train and validation) went through the rollout worker
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert summary["steps"] == 2 and "val/acc/mean" in rows[-1] and rows[-1]["timing_s/sync"] > 0
@@ -69,18 +69,18 @@ def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, 
         # one more update with random advantages (the policy surely moves), then one sync
         prompts = Batch(meta={"prompt_ids": [[5, 6, 7], [8, 9]], "uid": ["a", "b"]})
         sampling = {"n": 4, "temperature": 1.0, "max_new_tokens": 5, "seed": 1}
-        b = rollout.call("generate_from", prompts, sampling)
+        b = rollout.concat("generate_from", prompts, sampling)
         b["advantages"] = torch.randn(b["response_mask"].shape, generator=torch.Generator().manual_seed(0))
         b["advantages"] *= b["response_mask"]
         before = actor.full_weights()
-        assert actor.call("update_actor", b)["actor/grad_norm"] > 0
+        assert actor.metrics("update_actor", b)["actor/grad_norm"] > 0
         after = actor.full_weights()
         assert any(not torch.equal(before[k], after[k]) for k in after)
         stats = trainer.weight_link.sync()
         assert stats["tensors"] == len(after) and stats["buckets"] >= 1  # bucket splitting: test_distributed_ray
         _same(rollout.full_weights(), after)
-        b2 = rollout.call("generate_from", prompts, sampling)
-        lp = actor.call("compute_log_probs", b2)["old_log_probs"]
+        b2 = rollout.concat("generate_from", prompts, sampling)
+        lp = actor.concat("compute_log_probs", b2)["old_log_probs"]
         torch.testing.assert_close(lp * b2["response_mask"], b2["rollout_log_probs"], atol=1e-4, rtol=0)
     finally:
         trainer.rollout.shutdown()

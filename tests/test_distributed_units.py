@@ -12,7 +12,7 @@ from portrl.config.schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.device.backend import Backend  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
-from portrl.workers.group import WorkerDiedError, combine_results, reduce_metrics, split_args  # noqa: E402
+from portrl.workers.group import WorkerDiedError, concat_batches, reduce_metrics, split_args  # noqa: E402
 from portrl.workers.parallel import clip_grad_norm, resolve_strategy, wrap_model  # noqa: E402
 from portrl.workers.ray_env import local_device_index, worker_env  # noqa: E402
 from portrl.workers.weight_sync import plan_buckets  # noqa: E402
@@ -49,9 +49,8 @@ def test_split_args_and_combine():
     per = split_args((b, 3), {"other": b}, 2)
     assert [len(a[0]) for a, _ in per] == [3, 2] and [a[1] for a, _ in per] == [3, 3]
     assert per[1][1]["other"]["uid"] == ["d", "e"]
-    back = combine_results([a[0] for a, _ in per])
+    back = concat_batches([a[0] for a, _ in per])
     assert torch.equal(back["x"], b["x"]) and back["uid"] == b["uid"]
-    assert combine_results([None, None]) is None and combine_results([1, 2]) == [1, 2]
     with pytest.raises(ValueError, match="batch of 1 rows over 2"):
         split_args((b.slice(0, 1),), {}, 2)
 
@@ -194,7 +193,7 @@ def test_apply_lora_rejects_bad_config():
 
 # ------------------------------------------------------------------------------ reward model
 def test_reward_model_scores_pairs(tmp_path):
-    from portrl.workers.reward_model import RewardModelScorer
+    from portrl.trainer.reward_model_scorer import RewardModelScorer
 
     from portrl.models.tokenizer import build_char_tokenizer
 

@@ -86,7 +86,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
     assert [list(p) for p in next(ds.batches(4)).prompt_ids] == want
     summary = trainer.fit()
     assert summary["steps"] == 2
-    worker = trainer.actor.worker
+    worker = trainer.actor.local_worker
 
     out = Path(summary["export_dir"])
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -19,11 +19,13 @@ def tiny(tmp_path_factory):
 
 def _rollout(model, n=3, max_new=9, seed=4):
     engine = make_engine("hf", model=model, backend="cpu")
-    engine.record_forward = True
+    assert engine.can_record_forward() and engine.shares_module(model)
+    engine.start_recording()
     out = engine.generate(PROMPTS, SamplingParams(n=n, max_new_tokens=max_new, seed=seed, stop_token_ids=(20, 21, 22)))
-    assert engine.last_tape is not None
+    tape = engine.stop_recording()
+    assert tape is not None
     batch = build_rollout_batch(PROMPTS, out.response_ids, pad_token_id=0, n=n)
-    return engine.last_tape, batch, out
+    return tape, batch, out
 
 
 def _logprobs_and_grads(model, batch, rows=None, tape=None):
@@ -94,8 +96,8 @@ def test_engine_records_only_when_asked(tiny):
     engine = make_engine("hf", model=model, backend="cpu")
     params = SamplingParams(n=2, max_new_tokens=5, seed=1)
     plain = engine.generate(PROMPTS, params)
-    assert engine.last_tape is None
-    engine.record_forward = True
+    assert engine.stop_recording() is None
+    engine.start_recording()
     recorded = engine.generate(PROMPTS, params)
-    assert engine.last_tape is not None
+    assert engine.stop_recording() is not None
     assert recorded.response_ids == plain.response_ids  # recording changes nothing in the sampling

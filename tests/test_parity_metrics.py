@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
+from _logprob_rank import first_divergence, rank_check
 from portrl.parity.compare import compare_reports
-from portrl.parity.logprob_rank import first_divergence, rank_check
 from portrl.parity.metrics import compare_outputs, compare_tensors
 from portrl.parity.tolerances import FIELD_SOURCES, SOURCES, TOLERANCES, ratio_verdict, tolerance, worst
 

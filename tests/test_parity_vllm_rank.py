@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from portrl.parity.logprob_rank import rank_check
+from _logprob_rank import rank_check
 
 pytestmark = pytest.mark.vllm
 

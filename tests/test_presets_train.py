@@ -124,7 +124,7 @@ def _probe_reward(trainer) -> float:
     """Mean reward of PROBE_SAMPLES samples per training prompt, always drawn with PROBE_SEED."""
     sampling = {"n": PROBE_SAMPLES, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
                 "max_new_tokens": int(trainer.cfg.data.max_response_length), "seed": PROBE_SEED}
-    batch = trainer.gen.call("generate_from", trainer.val_prompts, sampling)
+    batch = trainer.gen.concat("generate_from", trainer.val_prompts, sampling)
     return float(trainer.reward.compute_reward(batch).tensors["seq_scores"].mean())
 
 

@@ -147,7 +147,7 @@ def test_malformed_ground_truth_is_a_data_error_naming_the_row():
 def test_registered_data_sources_route_to_the_code_reward():
     from portrl.rewards import code
 
-    assert CODE_SOURCES == code.CODE_SOURCES + code.LEETCODE_SOURCES
+    assert CODE_SOURCES is code.CODE_SOURCES  # one list: the registry routes the code reward's own sources
     for source in CODE_SOURCES:
         assert reward_kind(source) == "code"
     for source in ("codecontests", "apps", "codeforces", "taco", "leetcode"):
@@ -296,15 +296,15 @@ def test_sandbox_fusion_retries_a_gateway_timeout_and_names_a_dead_service(fusio
 
 def test_reward_code_config_reaches_the_code_reward():
     from portrl.config.composition import compose
-    from portrl.workers.reward import RewardWorker
+    from portrl.trainer.reward_scoring import RewardScorer
 
     cfg = compose(overrides=["reward.code.continuous=false", "reward.code.timeout_s=2", "reward.code.memory_mb=256"])
-    worker = RewardWorker(cfg, tokenizer=None)
+    worker = RewardScorer(cfg, tokenizer=None)
     assert worker.manager.reward_kwargs == {"code": {"continuous": False, "timeout_s": 2.0, "memory_mb": 256,
                                                      "max_workers": 4}}
     partly = "a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n"
     assert worker.manager.score([fenced(partly)], ["apps"], [ADD]).scores.tolist() == [0.0]  # all-or-nothing
-    default = RewardWorker(compose(overrides=["reward.code.memory_mb=256"]), tokenizer=None)
+    default = RewardScorer(compose(overrides=["reward.code.memory_mb=256"]), tokenizer=None)
     assert default.manager.score([fenced(partly)], ["apps"], [ADD]).scores.tolist() == [0.5]  # verl's share
 
 

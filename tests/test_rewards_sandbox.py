@@ -17,8 +17,8 @@ from portrl.rewards.sandbox import (
     RunResult,
     SandboxLimits,
     live_processes,
-    run_many,
     run_program,
+    shared_pool,
 )
 
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
@@ -193,7 +193,8 @@ def test_file_size_and_open_file_limits():
 def test_pool_runs_cases_in_parallel_within_its_bound():
     src = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time())\n"
     t0 = time.monotonic()
-    results = run_many([(src, "")] * 6, SandboxLimits(timeout_s=5.0, memory_mb=256), max_workers=3)
+    limits = SandboxLimits(timeout_s=5.0, memory_mb=256)
+    results = [f.result() for f in [shared_pool(3).submit(run_program, src, "", limits) for _ in range(6)]]
     wall = time.monotonic() - t0
     assert [r.status for r in results] == ["ok"] * 6
     spans = [tuple(map(float, r.stdout.split())) for r in results]

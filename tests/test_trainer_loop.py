@@ -146,19 +146,18 @@ def test_value_pretraining_trains_the_critic_alone(tiny_model, tmp_path):
     critic's LR schedule or the RL step count; the run then trains its own total_steps."""
     import torch
 
-    from portrl.trainer.groups import first
     from portrl.trainer.rl_trainer import RLTrainer
     from portrl.trainer.value_pretrain import pretrain_critic
 
     trainer = RLTrainer(_pretrain_cfg(tiny_model, tmp_path, **{"critic.pretrain_steps": 3}))
-    actor0 = {k: v.clone() for k, v in first(trainer.actor.call("state_dict"))["model"].items()}
-    critic0 = first(trainer.critic.call("state_dict"))
+    actor0 = {k: v.clone() for k, v in trainer.actor.rank0("state_dict")["model"].items()}
+    critic0 = trainer.critic.rank0("state_dict")
     heads0 = {k: v.clone() for k, v in critic0["model"].items()}
     out = pretrain_critic(trainer)
     assert out["critic/pretrain_steps"] == 3 and math.isfinite(out["critic/pretrain_ev"])
-    actor1 = first(trainer.actor.call("state_dict"))["model"]
+    actor1 = trainer.actor.rank0("state_dict")["model"]
     assert all(torch.equal(actor0[k], actor1[k]) for k in actor0)
-    critic1 = first(trainer.critic.call("state_dict"))
+    critic1 = trainer.critic.rank0("state_dict")
     assert not torch.equal(heads0["value_head.weight"], critic1["model"]["value_head.weight"])
     assert critic1["scheduler"]["last_epoch"] == critic0["scheduler"]["last_epoch"]
     assert trainer.global_step == 0

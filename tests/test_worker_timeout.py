@@ -50,15 +50,15 @@ def _gone(pid, within_s=20.0):
 
 
 def test_frozen_worker_is_named_within_the_timeout(cfg):
-    group = WorkerGroup(EchoWorker, cfg, 2, get_backend("cpu"), role="actor", use_ray=True)
+    group = WorkerGroup(EchoWorker, cfg, 2, get_backend("cpu"), role="actor")
     group.timeout_s = 3.0
-    assert group.call_all("echo", 1) == [(0, 1), (1, 1)]
+    assert group.gather("echo", 1) == [(0, 1), (1, 1)]
     pid = group.info[1]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError) as err:
-            group.call_all("echo", 2)
+            group.gather("echo", 2)
         waited = time.monotonic() - t0
         assert 3.0 <= waited < 8.0, waited
         msg = str(err.value)
@@ -69,7 +69,7 @@ def test_frozen_worker_is_named_within_the_timeout(cfg):
         named = str(err.value.with_checkpoint("/run/checkpoints/global_step_4"))
         assert "actor rank 1" in named and named.endswith("resume from the last good checkpoint "
                                                           "/run/checkpoints/global_step_4")
-        assert group.actors == []  # shut down
+        assert group.launcher.actors == []  # shut down
         assert _gone(pid), f"the frozen worker {pid} was left behind ({process_state(pid)})"
     finally:
         if process_state(pid) == "T":
@@ -80,9 +80,9 @@ def test_a_local_run_listens_on_loopback_only(cfg):
     """Two workers joined in a gloo process group (rank 0 serves the TCP store) plus Ray's own processes: every
     listening socket is on 127.0.0.1."""
     psutil = pytest.importorskip("psutil")
-    group = WorkerGroup(EchoWorker, cfg, 2, get_backend("cpu"), role="actor", use_ray=True)
+    group = WorkerGroup(EchoWorker, cfg, 2, get_backend("cpu"), role="actor")
     try:
-        assert group.call_all("echo", 0) == [(0, 0), (1, 0)]
+        assert group.gather("echo", 0) == [(0, 0), (1, 0)]
         node = ray._private.worker._global_node
         pids = [i["pid"] for i in group.info] + [p.process.pid for ps in node.all_processes.values() for p in ps]
         listening = {}

@@ -103,7 +103,7 @@ def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     trainer = RLTrainer(_cfg(tiny_model, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"}))
-    worker = trainer.actor.worker
+    worker = trainer.actor.local_worker
     lora0, base0 = _split(worker)
     summary = trainer.fit()
     assert summary["steps"] == 2

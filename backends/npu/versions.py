@@ -1,6 +1,6 @@
 """Ascend version facts: the torch / torch_npu / CANN rows, the vllm-ascend rows, and how to read them here.
 
-Rows from shared/VENDOR_APIS.md (torch_npu's and vllm-ascend's release notes). The installed
+Rows from the release notes of torch_npu and vllm-ascend. The installed
 CANN version is read from the toolkit's install record
 ``<toolkit home>/<arch>-linux/ascend_toolkit_install.info`` (line ``version=...``), the path
 CANN's installation guide documents; nothing is imported or executed.

@@ -1,6 +1,6 @@
 """The AMD ROCm backend (Instinct MI300 and later): HIP through ``torch.cuda``, RCCL collectives.
 
-Facts (shared/VENDOR_APIS.md): a ROCm build of torch reuses ``torch.cuda`` and the device
+Facts (PyTorch ROCm and Ray documentation): a ROCm build of torch reuses ``torch.cuda`` and the device
 string "cuda"; it is told apart from a CUDA build by ``torch.version.hip``. The process group is
 "nccl", served by RCCL. Ray (>= 2.50) gives AMD GPUs the resource "GPU", sets
 ``HIP_VISIBLE_DEVICES`` per worker (opt-out ``RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES``) and

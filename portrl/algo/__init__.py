@@ -1,8 +1,9 @@
-"""Algorithm core: advantage estimators, policy losses, KL, value loss, aggregation, DAPO, DPO/SPPO.
+"""Algorithm core: advantage estimators, objectives, policy losses, KL, value loss, aggregation, DAPO, DPO/SPPO.
 
-Pure tensor functions, any device and dtype, registered by name (verl's names) in four registries:
-``adv_estimator``, ``policy_loss``, ``loss_agg_mode``, ``kl_penalty`` (see ``registered(kind)``).
-Importing registers the built-in entries; nothing else runs at import.
+Pure tensor functions, any device and dtype, registered by name (verl's names) in five registries:
+``adv_estimator`` and ``objective`` (records of what each algorithm needs: ``portrl/algo/spec.py``),
+``policy_loss``, ``loss_agg_mode``, ``kl_penalty`` (see ``registered(kind)``). Importing registers the
+built-in entries; nothing else runs at import.
 """
 
 from portrl.algo.advantages import compute_advantage, get_adv_estimator
@@ -13,15 +14,22 @@ from portrl.algo.kl import (AdaptiveKLController, FixedKLController, apply_kl_pe
                             get_kl_controller, kl_penalty)
 from portrl.algo.masked import (clip_by_value, entropy_from_logits, get_response_mask, masked_mean, masked_sum,
                                 masked_var, masked_whiten)
+import portrl.algo.objectives  # noqa: F401  (registers the built-in objectives)
 from portrl.algo.policy_loss_registry import get_policy_loss
 from portrl.algo.preference import dpo_loss, online_dpo_preference, positive_lm_loss, sppo_advantage, sppo_loss
 from portrl.algo.registry import UnknownNameError, registered
+from portrl.algo.spec import (AlgorithmSpec, EstimatorSpec, ObjectiveSpec, algorithm_spec, critic_enabled, estimator,
+                              estimator_spec, objective_spec, reference_enabled, register_estimator,
+                              register_objective)
 from portrl.algo.trl_aliases import TRL_LOSS_TYPE_TO_AGG_MODE, register_trl_aliases, trl_loss_type_to_agg_mode
 from portrl.algo.value import compute_entropy_loss, compute_value_loss, explained_variance
 
 register_trl_aliases()
 
 __all__ = [
+    "AlgorithmSpec", "EstimatorSpec", "ObjectiveSpec", "algorithm_spec", "critic_enabled", "estimator",
+    "estimator_spec", "objective_spec", "reference_enabled", "register_estimator",
+    "register_objective",
     "AdaptiveKLController", "FixedKLController", "TRL_LOSS_TYPE_TO_AGG_MODE", "UnknownNameError", "agg_loss",
     "apply_kl_penalty", "clip_by_value", "compute_advantage", "compute_decoupled_gae", "compute_entropy_loss",
     "compute_kl_loss", "compute_value_loss", "dpo_loss", "entropy_from_logits", "explained_variance",

@@ -2,7 +2,8 @@
 
 Registered names: gae, vcppo_gae, vapo_gae (``gae``), grpo, grpo_passk, reinforce_plus_plus_baseline,
 rloo, opo, gpg (``advantages_outcome``), reinforce_plus_plus, remax, optimal_token_baseline
-(``advantages_return``). Each estimator takes the keyword arguments it needs; ``compute_advantage``
+(``advantages_return``), each with its record of needs (``portrl.algo.spec.EstimatorSpec``), and any an
+outside package adds with ``portrl.algo.spec.register_estimator``. Each estimator takes the keyword arguments it needs; ``compute_advantage``
 passes each only the arguments its signature names, so e.g. ``gamma`` reaches gae and
 reinforce_plus_plus but not grpo (as verl's dispatcher does).
 """
@@ -21,8 +22,8 @@ from portrl.algo.registry import ADV_ESTIMATORS
 
 
 def get_adv_estimator(name: str) -> Callable:
-    """The registered estimator ``name``; unknown names raise, listing the registered ones."""
-    return ADV_ESTIMATORS.get(name)
+    """The function of the registered estimator ``name``; unknown names raise, listing the registered ones."""
+    return ADV_ESTIMATORS.get(name).fn
 
 
 def compute_advantage(
@@ -34,6 +35,7 @@ def compute_advantage(
     values: Optional[torch.Tensor] = None,
     reward_baselines: Optional[torch.Tensor] = None,
     old_log_probs: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
     sum_pi_squared: Optional[torch.Tensor] = None,
     gamma=1.0,
     lam=1.0,
@@ -54,7 +56,8 @@ def compute_advantage(
     fn = get_adv_estimator(estimator)
     offered = dict(
         token_level_rewards=token_level_rewards, response_mask=response_mask, index=index, values=values,
-        reward_baselines=reward_baselines, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+        reward_baselines=reward_baselines, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+        sum_pi_squared=sum_pi_squared,
         gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, lam_actor=lam_actor,
         lam_critic=lam_critic, vapo_alpha=vapo_alpha, epsilon=epsilon, rollout_is_weights=rollout_is_weights,
     )

@@ -11,10 +11,10 @@ import torch
 
 from portrl.algo.groups import all_equal, broadcast, check_rewards, group_rows, scores
 from portrl.algo.masked import masked_whiten
-from portrl.algo.registry import ADV_ESTIMATORS
+from portrl.algo.spec import estimator
 
 
-@ADV_ESTIMATORS.register("grpo")
+@estimator("grpo", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
                                    norm_adv_by_std_in_grpo=True):
@@ -40,7 +40,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, ep
     return out, out
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@estimator("grpo_passk", needs_groups=True)
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
                                          norm_adv_by_std_in_grpo=True):
@@ -77,7 +77,7 @@ def _group_centered(s: torch.Tensor, index, who: str) -> torch.Tensor:
     return c
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline", needs_groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index):
     """REINFORCE++ with group baseline (Hu 2025, arXiv 2501.03262): ``a_i = s_i − mean_g`` (singleton: mean 0),
@@ -88,7 +88,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
     return out, out
 
 
-@ADV_ESTIMATORS.register("rloo")
+@estimator("rloo", needs_groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
     """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): ``a_i = s_i − mean_{j≠i} s_j = n/(n−1)·(s_i − mean_g)``.
@@ -107,7 +107,7 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index):
     return out, out
 
 
-@ADV_ESTIMATORS.register("opo")
+@estimator("opo", needs_groups=True)
 @torch.no_grad()
 def compute_opo_outcome_advantage(token_level_rewards, response_mask, index):
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): length-weighted baseline
@@ -125,7 +125,7 @@ def compute_opo_outcome_advantage(token_level_rewards, response_mask, index):
     return out, out
 
 
-@ADV_ESTIMATORS.register("gpg")
+@estimator("gpg", needs_groups=True)
 @torch.no_grad()
 def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index, f_norm=1.0):
     """GPG (Chu et al. 2025, arXiv 2504.02546): ``a_i = α (s_i − mean_g)/f_norm`` with

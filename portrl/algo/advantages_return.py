@@ -11,7 +11,7 @@ import torch
 
 from portrl.algo.groups import check_rewards, group_rows
 from portrl.algo.masked import compute_dtype, masked_whiten
-from portrl.algo.registry import ADV_ESTIMATORS
+from portrl.algo.spec import estimator
 
 
 def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -19,7 +19,7 @@ def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.flip(torch.cumsum(torch.flip(x, dims=[-1]), dim=-1), dims=[-1])
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@estimator("reinforce_plus_plus", per_token_rewards=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma=1.0):
     """REINFORCE++ (Hu 2025, arXiv 2501.03262). Discounted returns, backwards over t:
@@ -39,7 +39,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
     return masked_whiten(returns, m), returns
 
 
-@ADV_ESTIMATORS.register("remax")
+@estimator("remax", needs_greedy_baseline=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_remax_outcome_advantage(token_level_rewards, response_mask, reward_baselines):
     """ReMax (Li et al. 2023, arXiv 2310.10505): ``G_t = Σ_{t'≥t} r_t' m_t'``, ``A = (G − b_i)·m`` where
@@ -58,7 +58,7 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, reward_b
     return adv, returns
 
 
-@ADV_ESTIMATORS.register("optimal_token_baseline")
+@estimator("optimal_token_baseline", needs_old_log_probs=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
                                              sum_pi_squared, rollout_is_weights: Optional[torch.Tensor] = None,

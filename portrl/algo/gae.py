@@ -22,7 +22,7 @@ import torch
 
 from portrl.algo.groups import check_rewards
 from portrl.algo.masked import compute_dtype, masked_whiten
-from portrl.algo.registry import ADV_ESTIMATORS
+from portrl.algo.spec import estimator
 
 Coef = Union[float, torch.Tensor]
 
@@ -63,7 +63,7 @@ def gae_advantage_return_raw(token_level_rewards, values, response_mask, gamma: 
     return torch.where(m, adv, zero), returns
 
 
-@ADV_ESTIMATORS.register("gae")
+@estimator("gae", needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                                  lam_actor: Optional[Coef] = None, lam_critic: Optional[Coef] = None,
@@ -107,7 +107,7 @@ def compute_decoupled_gae(token_level_rewards, values, response_mask, gamma: Coe
     return masked_whiten(adv, response_mask), returns
 
 
-@ADV_ESTIMATORS.register("vcppo_gae")
+@estimator("vcppo_gae", needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_vcppo_gae(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                       lam_actor: Optional[Coef] = None, lam_critic: Optional[Coef] = None):
@@ -116,7 +116,7 @@ def compute_vcppo_gae(token_level_rewards, values, response_mask, gamma: Coef = 
                                  lam_actor=lam_actor, lam_critic=lam_critic)
 
 
-@ADV_ESTIMATORS.register("vapo_gae")
+@estimator("vapo_gae", needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_vapo_gae(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                      lam_critic: Optional[Coef] = None, vapo_alpha: Optional[float] = None):

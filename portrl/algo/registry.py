@@ -1,10 +1,12 @@
-"""Name -> function registries for the algorithm core.
+"""Name -> entry registries for the algorithm core.
 
-Four registries exist: ``adv_estimator``, ``policy_loss``, ``loss_agg_mode`` and ``kl_penalty``
-(plus any a caller creates). A registry maps a name to one function:
+Five registries exist: ``adv_estimator`` and ``objective`` (records of ``portrl.algo.spec``: what an
+algorithm needs and which function computes it), ``policy_loss``, ``loss_agg_mode`` and ``kl_penalty``
+(functions). A registry maps a name to one entry:
 
-* registering the *same* function twice under a name is allowed (idempotent re-import);
-* registering a *different* function under a taken name is a ``ValueError``;
+* registering the *same* entry twice under a name is allowed (idempotent re-import; equal records count
+  as the same);
+* registering a *different* entry under a taken name is a ``ValueError``;
 * asking for an unknown name is a ``KeyError`` whose message lists every registered name;
 * aliases (other spellings of the same entry, e.g. ``k1`` for ``kl``) resolve to their target
   and are listed separately from the canonical names.
@@ -12,7 +14,7 @@ Four registries exist: ``adv_estimator``, ``policy_loss``, ``loss_agg_mode`` and
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -22,27 +24,32 @@ class UnknownNameError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def _describe(entry: Any) -> str:
+    fn = getattr(entry, "fn", entry)  # a spec record names its function
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 class Registry:
-    """A registry of functions of one kind (e.g. ``"policy_loss"``)."""
+    """A registry of entries of one kind (e.g. ``"policy_loss"``): functions, or spec records."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._fns: Dict[str, Callable] = {}
+        self._fns: Dict[str, Any] = {}
         self._aliases: Dict[str, str] = {}
 
-    def register(self, name: str, fn: Optional[Callable] = None):
+    def register(self, name: str, fn: Optional[Any] = None):
         """Register ``fn`` under ``name``; usable as ``@reg.register("name")``."""
 
-        def _add(f: Callable) -> Callable:
+        def _add(f: Any) -> Any:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{self.kind}: a registry name must be a non-empty string, got {name!r}")
             if name in self._aliases:
                 raise ValueError(f"{self.kind}: {name!r} is already an alias of {self._aliases[name]!r}")
             old = self._fns.get(name)
-            if old is not None and old is not f:
+            if old is not None and old is not f and old != f:
                 raise ValueError(
-                    f"{self.kind}: {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
-                    f"refusing to replace it with {f.__module__}.{f.__qualname__}"
+                    f"{self.kind}: {name!r} is already registered to {_describe(old)}; "
+                    f"refusing to replace it with {_describe(f)}"
                 )
             self._fns[name] = f
             return f
@@ -67,7 +74,7 @@ class Registry:
             return self._aliases[name]
         raise self._unknown(name)
 
-    def get(self, name: str) -> Callable:
+    def get(self, name: str) -> Any:
         return self._fns[self.resolve(name)]
 
     def names(self, include_aliases: bool = False) -> List[str]:
@@ -87,16 +94,17 @@ class Registry:
         )
 
 
-ADV_ESTIMATORS = Registry("adv_estimator")
+ADV_ESTIMATORS = Registry("adv_estimator")  # EstimatorSpec records (portrl.algo.spec.register_estimator)
+OBJECTIVES = Registry("objective")  # ObjectiveSpec records (portrl.algo.spec.register_objective)
 POLICY_LOSSES = Registry("policy_loss")
 LOSS_AGG_MODES = Registry("loss_agg_mode")
 KL_PENALTIES = Registry("kl_penalty")
 
-_KINDS = {r.kind: r for r in (ADV_ESTIMATORS, POLICY_LOSSES, LOSS_AGG_MODES, KL_PENALTIES)}
+_KINDS = {r.kind: r for r in (ADV_ESTIMATORS, OBJECTIVES, POLICY_LOSSES, LOSS_AGG_MODES, KL_PENALTIES)}
 
 
 def get_registry(kind: str) -> Registry:
-    """The registry of ``kind`` ("adv_estimator", "policy_loss", "loss_agg_mode", "kl_penalty")."""
+    """The registry of ``kind`` ("adv_estimator", "objective", "policy_loss", "loss_agg_mode", "kl_penalty")."""
     try:
         return _KINDS[kind]
     except KeyError:

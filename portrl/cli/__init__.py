@@ -21,6 +21,9 @@ import os
 import sys
 import traceback
 
+from portrl import __version__
+from portrl.errors import RunStopped, UserError
+
 EXIT_WORKER_DIED = 1  # a worker process died or hung: the run failed, but not because of the user's input
 
 # command -> (module under portrl.cli, one-line help)
@@ -50,12 +53,6 @@ def _command_in(argv: list[str]) -> tuple[int, str | None]:
     return len(argv), None
 
 
-def _version() -> str:
-    from portrl import __version__
-
-    return __version__
-
-
 def _debug(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("PORTRL_DEBUG", "") not in ("", "0")
 
@@ -66,7 +63,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of user errors too (same as PORTRL_DEBUG=1)")
-    parser.add_argument("--version", action="version", version=f"portrl {_version()}")
+    parser.add_argument("--version", action="version", version=f"portrl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -97,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     module = importlib.import_module(f"portrl.cli.{COMMANDS[args.command][0]}")
-    from portrl.errors import RunStopped, UserError
+    # here, not at the top: the worker layer is imported only once a command runs (`portrl --help` stays fast)
     from portrl.workers.ray_calls import WorkerDiedError
 
     try:

@@ -2,16 +2,18 @@
 
 ``portrl config list`` prints the shipped presets of each group. Overrides are ``key=value``
 (dotted keys, or ``algorithm=`` / ``data=`` / ``model=`` / ``device=`` / ``preset=`` to pick presets).
+
+Heavy modules are imported when the command runs, so that ``portrl --help`` and ``portrl config list``
+stay fast (``list`` reads only the preset file names; ``show`` composes a config with omegaconf).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
 def _options_parser(prog: str = "portrl config show"):
-    import argparse
-
     p = argparse.ArgumentParser(prog=prog, description="Print the resolved run config as YAML.")
     p.add_argument("--device", default=None, help="backend name (see `portrl devices`; or auto) or a device preset")
     p.add_argument("--preset", default=None, help="device preset (configs/device; `portrl config list`), e.g. h100")
@@ -24,8 +26,6 @@ REST_AFTER = 1  # everything after the command and its action is parsed by this 
 
 
 def add_arguments(parser) -> None:
-    import argparse
-
     parser.add_argument("action", choices=["show", "list"], help="show: print the resolved config; list: the presets")
     # Options and key=value overrides may be interleaved, which one argparse pass cannot parse: the rest
     # of the line is parsed by _options_parser() (see `portrl config show --help`).
@@ -34,13 +34,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.config import GROUPS, compose, list_presets, to_yaml
+    from portrl.config.presets import GROUPS, list_presets
 
     if args.action == "list":
         for group in GROUPS:
             print(f"{group}: {', '.join(list_presets(group))}")
         return 0
-    opts = _options_parser().parse_intermixed_args(args.rest)
+    opts = _options_parser().parse_intermixed_args(args.rest)  # before the import: `config show --help` stays fast
+    from portrl.config.composition import compose, to_yaml
+
     cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
                   overrides=opts.overrides, check=not opts.no_check)
     sys.stdout.write(to_yaml(cfg))

@@ -1,31 +1,47 @@
-"""``portrl devices``: every registered backend, usable or not and why.
+"""``portrl devices``: every registered backend, usable or not and why, and every plugin that failed to load.
 
 The table has one row per backend (name, usable, device count, device name, installed versions); the reason
 a backend is not usable (with the command that fixes it) follows on its own line, so that nothing copied
-from it runs into the versions column.
+from it runs into the versions column. A backend or rollout-engine plugin that failed to load
+(:func:`portrl.device.broken_backends`, :func:`portrl.rollout.broken_engines`) is listed after the table with its
+error. ``--json``: a list of rows; backend rows have ``"kind": "backend"``, broken plugins ``"kind": "backend"``
+or ``"rollout_engine"`` with ``"usable": false`` and their ``"error"``.
 """
 
 from __future__ import annotations
 
 import json
 
+from portrl.device import all_backends, broken_backends
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
-    from portrl.device import all_backends
+def _broken_rows() -> list[dict]:
+    # lazy: the rollout package imports torch, which only this part of the command needs
+    from portrl.rollout import broken_engines
 
+    rows = [{"kind": "backend", "name": name, "usable": False, "plugin": value, "error": error,
+             "reason": f"plugin {value} failed to load: {error}"} for name, (value, error) in broken_backends().items()]
+    rows += [{"kind": "rollout_engine", "name": name, "usable": False, "error": error, "reason": error}
+             for name, error in broken_engines().items()]
+    return rows
+
+
+def run(args) -> int:
     rows = []
     for backend in all_backends():
         r = backend.probe()
         rows.append({
-            "name": backend.name, "usable": r.usable, "reason": r.reason, "device_type": backend.device_type,
-            "device_count": r.device_count, "device_name": r.device_name, "versions": dict(r.versions),
+            "kind": "backend", "name": backend.name, "usable": r.usable, "reason": r.reason,
+            "device_type": backend.device_type, "device_count": r.device_count, "device_name": r.device_name,
+            "versions": dict(r.versions),
         })
+    broken = _broken_rows()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + broken, indent=2))
         return 0
     width = max([6] + [len(r["device_name"] or "") for r in rows])
     print(f"{'backend':<8} {'usable':<7} {'count':>5}  {'device':<{width}}  versions")
@@ -35,4 +51,9 @@ def run(args) -> int:
               f"{row['device_name'] or '-':<{width}}  {versions}")
         if not row["usable"]:
             print(f"         not usable: {row['reason']}")
+    if broken:
+        print("plugins that failed to load:")
+        for row in broken:
+            kind = "backend" if row["kind"] == "backend" else "rollout engine"
+            print(f"  {kind} {row['name']}: {row['reason']}")
     return 0

@@ -6,6 +6,8 @@ Ray device isolation; the backend's known traps (:meth:`Backend.doctor_checks`);
 every registered backend's packages set for the whole host (:meth:`Backend.host_checks`).
 Each line is ok / warn / fail with the fix; the exit status is 1 when any check fails (2 for an unknown
 ``--device``, like every user error).
+
+The device layer is imported when the command runs, so that ``portrl --help`` and ``portrl doctor --help`` stay fast.
 """
 
 from __future__ import annotations

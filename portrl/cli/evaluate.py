@@ -5,6 +5,9 @@ otherwise) on ``data.val_files`` (or the generated arith test split), scores wit
 and prints accuracy and score per data source. ``--model`` is a transformers directory (for example
 the ``hf`` export of a run); ``--checkpoint`` is a ``global_step_N`` directory of a run, loaded on top
 of ``model.path``.
+
+Heavy modules (torch, transformers, the trainer) are imported when the command runs, so that ``portrl --help``
+and ``portrl eval --help`` stay fast.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 from pathlib import Path
 
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
+from portrl.errors import UserError
+from portrl.user_files import temp_name
 
 PROG = "portrl eval"
 EXTRA = [
@@ -34,15 +39,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.errors import UserError
+    opts = parse_run_options(options_parser(PROG, "Accuracy of a model on a dataset.", EXTRA), args.rest)  # --help exits
+    from portrl.models.loader import check_model_dir
     from portrl.trainer import RLTrainer
     from portrl.trainer.preflight import EVAL, preflight
 
-    opts = parse_run_options(options_parser(PROG, "Accuracy of a model on a dataset.", EXTRA), args.rest)
     extra = list(EVAL_OVERRIDES)
     if opts.model:
-        from portrl.models.loader import check_model_dir
-
         check_model_dir(opts.model, "--model")  # named as the user gave it (it becomes model.path)
         extra.append(f"model.path={opts.model}")
     cfg = compose_from(opts, extra)  # bad input anywhere below: a UserError, printed by portrl.cli.main
@@ -58,8 +61,6 @@ def run(args) -> int:
     for key in sorted(k for k in metrics if k.startswith("val/")):
         print(f"{key:<40} {metrics[key]:.4f}")
     if opts.report:
-        from portrl.user_files import temp_name
-
         tmp = temp_name(opts.report)
         with open(tmp, "w") as f:
             json.dump(metrics, f, indent=2)

@@ -2,14 +2,18 @@
 
 Exit status: 0 when every verdict is pass or warn, 1 when any fails, 2 for bad input (argparse's usage errors,
 and a device, golden, envelope or report that cannot be used: one line, portrl.errors.UserError).
+
+Each subcommand imports its parity modules and the device layer when it runs (they load torch and the models).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+from portrl.errors import UserError
 from portrl.parity.tolerances import TOLERANCES
 
 
@@ -60,8 +64,6 @@ def _backend(name):
 
 def _reading(fn, *args, **kwargs):
     """``fn(*args)``, which reads a file the user named: a missing or malformed one is a UserError."""
-    from portrl.errors import UserError
-
     try:
         return fn(*args, **kwargs)
     except (OSError, ValueError) as exc:
@@ -69,7 +71,6 @@ def _reading(fn, *args, **kwargs):
 
 
 def _ops(args) -> int:
-    from portrl.errors import UserError
     from portrl.parity.ops_cases import SIZES
     from portrl.parity.report import write_json
     from portrl.parity.runner import GROUPS, run_ops_parity
@@ -97,10 +98,8 @@ def _record(args) -> int:
 
 
 def _replay(args) -> int:
-    from portrl.parity.golden import replay_golden
+    from portrl.parity.golden import read_golden, replay_golden
     from portrl.parity.report import write_json
-
-    from portrl.parity.golden import read_golden
 
     backend = _backend(args.device)
     _reading(read_golden, args.golden)  # a missing or foreign golden is bad input, found before the replay
@@ -136,11 +135,10 @@ def _e2e(args) -> int:
 
 def _compare(args) -> int:
     from portrl.parity.compare import compare_files
+    from portrl.parity.report import write_json, write_text
 
     md, summary = _reading(compare_files, args.reports, reference=args.reference)
     if args.output:
-        from portrl.parity.report import write_json, write_text
-
         write_text(args.output, md)
         write_json(Path(args.output).with_suffix(".json"), summary)
     else:
@@ -150,8 +148,6 @@ def _compare(args) -> int:
 
 def _check_envelope(path: Path) -> None:
     """The envelope exists, is JSON and was measured with this portrl's run settings (before any run starts)."""
-    import json
-
     from portrl.parity.e2e import RUN_OVERRIDES
 
     if not path.is_file():

@@ -1,8 +1,13 @@
-"""``portrl plot RUN_DIR``: PNG curves (reward, accuracy, KL, entropy, length) from ``RUN_DIR/metrics.jsonl``."""
+"""``portrl plot RUN_DIR``: PNG curves (reward, accuracy, KL, entropy, length) from ``RUN_DIR/metrics.jsonl``.
+
+The plotting module is imported when the command runs, so that ``portrl --help`` and ``portrl plot --help`` stay fast.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from portrl.errors import UserError
 
 
 def add_arguments(parser) -> None:
@@ -10,7 +15,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.errors import UserError
     from portrl.trainer.plot import plot_run
 
     metrics = Path(args.run_dir) / "metrics.jsonl"

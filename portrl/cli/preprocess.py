@@ -1,4 +1,8 @@
-"""``portrl preprocess {gsm8k,math,dapo_math,arith,code}``: local raw files -> verl-schema train/test parquet."""
+"""``portrl preprocess {gsm8k,math,dapo_math,arith,code}``: local raw files -> verl-schema train/test parquet.
+
+Heavy modules (pyarrow, the converters) are imported when the command runs, so that ``portrl --help`` and
+``portrl preprocess --help`` stay fast.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +27,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    import pyarrow.parquet as pq
+
     from portrl.data.preprocess import preprocess
 
     paths = preprocess(args.task, args.output_dir, input_path=args.input, test_input=args.test_input,
                        test_fraction=args.test_fraction, seed=args.seed, n=args.n, difficulty=args.difficulty,
                        sft=args.sft, data_source=args.data_source)  # bad input: DataError (a UserError)
-    import pyarrow.parquet as pq
-
     for name, path in paths.items():
         print(f"{name}: {pq.read_metadata(path).num_rows} rows -> {path}")
     return 0

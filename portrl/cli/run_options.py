@@ -3,6 +3,8 @@
 ``[--device D] [--preset P] [--config FILE] [key=value ...]``: options and overrides may be
 interleaved, which one argparse pass with subparsers cannot parse, so the command keeps the rest of
 the line and parses it here.
+
+The config composition (omegaconf) is imported when a config is built, so that ``portrl <command> --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ for ``portrl train model.path=DIR``. Steps, learning rate and batch size default
 (``model.sft_steps``, ``model.sft_lr``, ``model.sft_batch_size``) and, like the warm start, it ends early
 once ``model.sft_target_answer_p`` is reached (the tiny preset sets 0.45; ``model.sft_target_answer_p=null``
 runs every step).
+
+Heavy modules (torch, transformers, the trainer) are imported when the command runs, so that ``portrl --help``
+and ``portrl sft --help`` stay fast.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def _check_options(opts) -> None:
 
 
 def run(args) -> int:
+    opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)  # --help exits
     from portrl.models import load_causal_lm, load_tokenizer
     from portrl.models.export import export_pretrained
     from portrl.trainer import run_sft
@@ -73,7 +77,6 @@ def run(args) -> int:
     from portrl.workers.master_weights import MasterWeights, load_dtype
     from portrl.workers.setup import resolve_dtype, setup_process, use_gradient_checkpointing, worker_backend
 
-    opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)
     cfg = compose_from(opts)  # bad input here and below: a UserError, printed as one line by portrl.cli.main
     _check_options(opts)
     if not opts.train_files and str(cfg.data.name) != "arith":

@@ -3,6 +3,9 @@
 With no argument on a CPU machine this is the built-in demo: a tiny Qwen2 model (cached under
 ~/.cache/portrl), a short SFT warm start on the arith task, then GRPO on arith, ending with a
 summary (accuracy before and after, time, tokens/s, the run directory and the plot).
+
+Heavy modules (torch, transformers, the trainer) are imported when the command runs, so that ``portrl --help``
+and ``portrl train --help`` stay fast.
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ def format_summary(summary: dict) -> str:
 
 
 def run(args) -> int:
-    from portrl.trainer import run_training
+    opts = parse_run_options(options_parser(PROG, "RL post-training."), args.rest)  # --help exits here
+    cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
+    from portrl.trainer import run_training  # after the config: a config error is reported without loading these
     from portrl.trainer.preflight import TRAIN, preflight
 
-    opts = parse_run_options(options_parser(PROG, "RL post-training."), args.rest)
-    cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
     preflight(cfg, TRAIN)  # everything that can be checked before a model loads
     summary = run_training(cfg)
     print(format_summary(summary))

@@ -11,6 +11,8 @@ Public API (imported lazily so that ``import portrl.config`` does no work)::
 
 from __future__ import annotations
 
+import importlib
+
 _EXPORTS = {
     "compose": "portrl.config.composition",
     "to_yaml": "portrl.config.composition",
@@ -30,7 +32,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'portrl.config' has no attribute {name!r}")

@@ -1,9 +1,13 @@
 """Checks of a composed config that types alone cannot express.
 
 * choices: names that must come from a fixed set (truncation, scheduler, loggers, registered rollout engines);
-* registries: ``algorithm.adv_estimator``, ``actor.policy_loss.loss_mode``, ``actor.loss_agg_mode``,
-  ``actor.kl_loss_type`` and ``algorithm.kl_penalty`` must be registered in ``portrl.algo``;
-* consistency: batch sizes divide, group-based estimators get ``rollout.n > 1``, bounds hold;
+* registries: ``algorithm.objective``, ``algorithm.adv_estimator``, ``actor.policy_loss.loss_mode``,
+  ``actor.loss_agg_mode``, ``actor.kl_loss_type`` and ``algorithm.kl_penalty`` must be registered in
+  ``portrl.algo`` (an estimator another package registered counts);
+* consistency: batch sizes divide, bounds hold, and the algorithm gets what its record
+  (``portrl.algo.spec.algorithm_spec``) needs: ``rollout.n > 1`` for group comparisons, an even
+  ``rollout.n`` for pairs, the critic / reference it reads not switched off (``critic.enable`` / ``ref.enable``),
+  a critic for value pretraining; estimator options go to estimators that take them;
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers /
   max_ckpt_to_keep >= 1, save_freq / test_freq >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0
@@ -20,12 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, registered
 from portrl.config.presets import ConfigError
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.filter_groups.metric": ("acc", "seq_reward", "seq_final_reward"),
-    "algorithm.objective": ("policy_gradient", "sppo", "dpo"),
     "algorithm.dpo_loss_type": ("sigmoid", "ipo"),
     "data.truncation": ("error", "left", "right"),
     "actor.optim.scheduler": ("constant", "cosine", "linear"),
@@ -37,11 +41,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "device.dtype": (None, "float32", "bfloat16", "float16"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-#: estimators whose baseline is the prompt group: one response per prompt gives no signal
-GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "gpg", "opo",
-                    "reinforce_plus_plus_baseline", "gdpo")
-GAE_ESTIMATORS = ("gae", "vcppo_gae", "vapo_gae")
 REGISTRY_KEYS = {
+    "algorithm.objective": "objective",
     "algorithm.adv_estimator": "adv_estimator",
     "actor.policy_loss.loss_mode": "policy_loss",
     "actor.loss_agg_mode": "loss_agg_mode",
@@ -74,8 +75,6 @@ def check_choices(cfg) -> list[str]:
 
 
 def check_registries(cfg) -> list[str]:
-    from portrl.algo import registered
-
     problems = []
     for key, kind in REGISTRY_KEYS.items():
         value = _get(cfg, key)
@@ -97,15 +96,7 @@ def check_consistency(cfg) -> list[str]:
         problems.append("actor.ppo_micro_batch_size_per_device must be >= 1")
     if r.n < 1:
         problems.append(f"rollout.n={r.n} must be >= 1")
-    if cfg.algorithm.objective == "policy_gradient" and cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
-        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares responses within a "
-                        f"prompt group and needs rollout.n > 1 (got {r.n})")
-    gae_only = [k for k in ("lam_actor", "lam_critic", "vapo_alpha") if cfg.algorithm[k] is not None]
-    if gae_only and cfg.algorithm.adv_estimator not in GAE_ESTIMATORS:
-        problems.append(f"algorithm.{', algorithm.'.join(gae_only)} only apply to the GAE estimators "
-                        f"{', '.join(GAE_ESTIMATORS)}, not {cfg.algorithm.adv_estimator!r}")
-    if cfg.algorithm.objective == "dpo" and r.n % 2:
-        problems.append(f"algorithm.objective='dpo' pairs sampled responses: rollout.n must be even (got {r.n})")
+    problems += _algorithm_needs(cfg)
     if a.clip_ratio_c <= 1:
         problems.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
     if not 0 < r.gpu_memory_utilization <= 1:
@@ -127,12 +118,46 @@ def check_consistency(cfg) -> list[str]:
     if c.pretrain_target_ev is not None and not (c.pretrain_target_ev < 1 and c.pretrain_steps > 0):
         problems.append(f"critic.pretrain_target_ev={c.pretrain_target_ev} needs critic.pretrain_steps > 0 (the cap) "
                         "and a value < 1 (explained variance is at most 1)")
-    if c.pretrain_steps > 0:
-        from portrl.trainer.advantage import needs_values
+    if c.pretrain_steps > 0 and _known_algorithm(cfg) and not critic_enabled(cfg):
+        critics = [n for n in registered("adv_estimator") if estimator_spec(n).needs_critic]
+        problems.append(f"critic.pretrain_steps={c.pretrain_steps} pretrains a critic, but none runs: set "
+                        f"critic.enable=true or use an estimator with a critic ({', '.join(critics)})")
+    return problems
 
-        if not needs_values(cfg):
-            problems.append(f"critic.pretrain_steps={c.pretrain_steps} pretrains a critic, but none runs: set "
-                            "critic.enable=true or use a GAE estimator (gae, vcppo_gae, vapo_gae)")
+
+def _known_algorithm(cfg) -> bool:
+    """Both names are registered (unknown ones are reported by :func:`check_registries`)."""
+    a = cfg.algorithm
+    return a.objective in registered("objective") and a.adv_estimator in registered("adv_estimator")
+
+
+def _algorithm_needs(cfg) -> list[str]:
+    """What the algorithm's record needs of the rest of the config; estimator options it cannot take."""
+    if not _known_algorithm(cfg):
+        return []
+    a, n = cfg.algorithm, cfg.rollout.n
+    spec = algorithm_spec(a)
+    problems = []
+    what = f"algorithm.adv_estimator={a.adv_estimator!r}" if spec.estimator is not None \
+        else f"algorithm.objective={a.objective!r}"
+    if spec.needs_groups and n < 2:
+        problems.append(f"{what} compares responses within a prompt group and needs rollout.n > 1 (got {n})")
+    if spec.needs_pairs and n % 2:
+        problems.append(f"algorithm.objective={a.objective!r} pairs sampled responses: rollout.n must be even "
+                        f"(got {n})")
+    if cfg.critic.enable is False and spec.needs_critic:
+        problems.append(f"critic.enable=false, but {what} reads the critic's values: set critic.enable=null (auto) "
+                        "or true, or use an estimator without a critic")
+    if cfg.ref.enable is False and (spec.needs_reference or cfg.actor.use_kl_loss):
+        problems.append("ref.enable=false, but the reference policy is needed (actor.use_kl_loss, "
+                        "algorithm.use_kl_in_reward or the objective reads ref_log_probs): set ref.enable=null "
+                        "(auto) or true")
+    est = estimator_spec(a.adv_estimator)
+    for option in ("lam_actor", "lam_critic", "vapo_alpha"):
+        if a[option] is not None and not est.takes(option):
+            takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes(option)]
+            problems.append(f"algorithm.{option} only applies to the estimators that take it "
+                            f"({', '.join(takers)}), not {a.adv_estimator!r}")
     return problems
 
 

@@ -27,13 +27,22 @@ usable is reported with its origin (portrl.device.resolve_backend).
 
 from __future__ import annotations
 
+import copy
 import os
+import tempfile
 import typing
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from portrl.config.checks import validate
 from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
+from portrl.config.schema import default_config
+from portrl.user_files import ordinary_permissions
 
 SHORTHANDS = ("algorithm", "data", "model", "device", "preset")
 DEFAULT_PRESETS = {"algorithm": "grpo", "data": "arith", "model": "tiny"}
@@ -51,8 +60,6 @@ def _register_resolvers() -> None:
     global _RESOLVERS_DONE
     if _RESOLVERS_DONE:
         return
-    from omegaconf import OmegaConf
-
     def scale(x, f) -> int:
         return int(float(x) * float(f))
 
@@ -96,9 +103,6 @@ def _wrap_scalars_for_lists(data: Any, prefix: str = "") -> Any:
 
 def _merge(cfg, data: Mapping[str, Any], source: str):
     """Merge a plain mapping into the structured config with readable key/type errors."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     check_keys(data, source)
     try:
         return OmegaConf.merge(cfg, _wrap_scalars_for_lists(data))
@@ -121,8 +125,6 @@ def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
 
 def _parse_override(key: str, value: str) -> dict[str, Any]:
     """``a.b.c=v`` -> ``{"a": {"b": {"c": parsed v}}}``; values are parsed as YAML (``null``, ``[1,2]``, ``true``)."""
-    import yaml
-
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as exc:
@@ -168,8 +170,6 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     ``device`` is a backend name (``portrl devices``; or auto) or a device preset name; ``preset`` a
     device preset (``configs/device``). ``check`` runs :func:`portrl.config.checks.validate`.
     """
-    from omegaconf import OmegaConf
-
     _register_resolvers()
     selections, dotted = split_overrides(overrides)
     device_from = f"override device={selections['device']}" if "device" in selections else "--device"
@@ -230,15 +230,11 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
         raise ConfigError(f"cannot resolve an interpolation: {exc}") from None
     _expand_paths(cfg)
     if check:
-        from portrl.config.checks import validate
-
         validate(cfg)
     return cfg
 
 
 def _read_user_yaml(config_file: str | os.PathLike) -> dict:
-    import yaml
-
     path = os.path.expanduser(os.fspath(config_file))
     if not os.path.isfile(path):
         raise ConfigError(f"--config {config_file}: no such file")
@@ -268,15 +264,11 @@ def _given(sources: list, dotted: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _default_template():
-    from portrl.config.schema import default_config
-
     return default_config()
 
 
 def _defaults():
     """A fresh copy of the structured defaults (building them from the dataclasses costs ~0.1 s; a copy ~10x less)."""
-    import copy
-
     return copy.deepcopy(_default_template())
 
 
@@ -288,8 +280,6 @@ def _derive(cfg, explicit: set[str]) -> None:
 
 
 def _expand_paths(cfg) -> None:
-    from omegaconf import OmegaConf
-
     for dotted in PATH_KEYS:
         value = OmegaConf.select(cfg, dotted)
         if isinstance(value, str):
@@ -300,15 +290,11 @@ def _expand_paths(cfg) -> None:
 
 def to_yaml(cfg) -> str:
     """The config as YAML text (interpolations resolved)."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
 def save_yaml(cfg, path: str | os.PathLike) -> None:
     """Write the config as YAML atomically (temp file in the same folder, then rename)."""
-    import tempfile
-
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -316,8 +302,6 @@ def save_yaml(cfg, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(to_yaml(cfg))
-        from portrl.user_files import ordinary_permissions
-
         ordinary_permissions(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:

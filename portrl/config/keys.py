@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from portrl.config.presets import ConfigError
+from portrl.config.schema import PortRLConfig
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -22,8 +23,6 @@ def _is_dataclass_type(tp: Any) -> bool:
 @lru_cache(maxsize=1)
 def schema_keys() -> dict[str, Any]:
     """Dotted path -> annotated type, for every field (groups and leaves) of PortRLConfig."""
-    from portrl.config.schema import PortRLConfig
-
     out: dict[str, Any] = {}
 
     def walk(cls: type, prefix: str) -> None:

@@ -12,10 +12,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-GROUPS = ("device", "algorithm", "data", "model")
-
-
 from portrl.errors import UserError
+
+GROUPS = ("device", "algorithm", "data", "model")
 
 
 class ConfigError(UserError, ValueError):
@@ -50,7 +49,7 @@ def load_preset(group: str, name: str) -> dict[str, Any]:
 
     An unknown name is a :class:`ConfigError` listing the presets of the group.
     """
-    import yaml
+    import yaml  # here, not at the top: `portrl config list` imports this module and reads only file names
 
     if _is_path(name):
         text = Path(name).expanduser().read_text()

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+
 
 # --------------------------------------------------------------------------------- algorithm
 @dataclass
@@ -341,6 +343,4 @@ class PortRLConfig:
 
 def default_config() -> Any:
     """The defaults as a structured (type-checked, closed) omegaconf object."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.structured(PortRLConfig)

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from portrl.data.schema import DataError, make_row
+from portrl.rewards.code import CODE_SOURCES, parse_tests
 
 BUILTIN_PROBLEMS = Path(__file__).with_name("code_problems.jsonl")
 DEFAULT_DATA_SOURCE = "codecontests"
@@ -26,9 +27,6 @@ CODE_INSTRUCTION = ("Write a complete Python 3 program that solves the problem. 
 
 def convert(records: list[tuple[str, int, dict]], split: str, data_source: str | None = None) -> list[dict]:
     """verl rows from (file, row index, raw record) triples; DataError naming the row when one is bad."""
-    from portrl.rewards.code import parse_tests
-    from portrl.rewards.registry import CODE_SOURCES
-
     if data_source is not None and data_source not in CODE_SOURCES:
         raise DataError(f"--data-source {data_source!r} is not a code data source; valid: {', '.join(CODE_SOURCES)}")
     rows = []

@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from portrl.data import code, dapo_math, gsm8k, hendrycks_math
+from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 from portrl.data.schema import DataError
+from portrl.user_files import ordinary_permissions
 
 log = logging.getLogger(__name__)
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -29,8 +35,6 @@ def read_records(path: str | Path) -> list[dict]:
         raise DataError(f"input file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(path).to_pylist()
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
@@ -70,9 +74,6 @@ def find_split_files(directory: Path) -> dict[str, list[Path]]:
 
 def write_split(rows: list[dict], path: str | Path) -> Path:
     """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(list(rows))
@@ -80,8 +81,6 @@ def write_split(rows: list[dict], path: str | Path) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
-        from portrl.user_files import ordinary_permissions
-
         ordinary_permissions(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
@@ -101,18 +100,9 @@ def split_records(records: list, test_fraction: float, seed: int) -> tuple[list,
     return ([r for i, r in enumerate(records) if i not in test_idx], [r for i, r in enumerate(records) if i in test_idx])
 
 
-def _converter(task: str) -> Callable[..., list[dict]]:
-    if task == "gsm8k":
-        from portrl.data.gsm8k import convert
-    elif task == "math":
-        from portrl.data.hendrycks_math import convert
-    elif task == "dapo_math":
-        from portrl.data.dapo_math import convert
-    elif task == "code":
-        from portrl.data.code import convert
-    else:
-        raise DataError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
-    return convert
+_CONVERTERS: dict[str, Callable[..., list[dict]]] = {
+    "gsm8k": gsm8k.convert, "math": hendrycks_math.convert, "dapo_math": dapo_math.convert, "code": code.convert,
+}  # arith is generated, not converted
 
 
 def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
@@ -142,8 +132,6 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     if task == "arith":
         if input_path is not None or test_input is not None:
             raise DataError("arith generates its problems; it takes no --input")
-        from portrl.data.arith import make_arith_rows, make_arith_sft_rows
-
         total = n or 2000  # difficulty 1 has about 2,850 distinct problems
         n_test = round(total * test_fraction)
         kw = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
@@ -160,9 +148,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     if data_source is not None and task != "code":
         raise DataError("--data-source applies to code only (the other tasks write their dataset's own name)")
     if input_path is None and task == "code":
-        from portrl.data.code import BUILTIN_PROBLEMS
-
-        input_path = BUILTIN_PROBLEMS  # the small problem set shipped with portrl
+        input_path = code.BUILTIN_PROBLEMS  # the small problem set shipped with portrl
     if input_path is None:
         raise DataError(f"{task} needs --input (a raw file or a folder with train*/test* files)")
     src = Path(input_path)
@@ -177,7 +163,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
         test_raw = []
     if test_input is not None:
         test_raw = _load([Path(test_input)], n)
-    convert = _converter(task)
+    convert = _CONVERTERS[task]  # task is one of TASKS (checked above) and not arith (returned above)
     kw = {"max_level": difficulty} if task == "math" else {"data_source": data_source} if task == "code" else {}
     train = convert(train_raw, split="train", **kw)
     test = convert(test_raw, split="test", **kw)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import pyarrow.parquet as pq
 import torch
 
 from portrl.data.schema import DataError, MissingDataFile, check_row
@@ -88,8 +89,6 @@ class RLDataset:
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 1024,
                  filter_overlong_prompts: bool = True, truncation: str = "error", shuffle: bool = True,
                  seed: int = 0, prompt_key: str = "prompt", pad_to_max_length: bool = False):
-        import pyarrow.parquet as pq
-
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         if max_prompt_length <= 0:
@@ -133,9 +132,6 @@ class RLDataset:
 
     def __len__(self) -> int:
         return len(self._rows)
-
-    def steps_per_epoch(self, batch_size: int) -> int:
-        return len(self._rows) // batch_size
 
     def order(self, epoch: int) -> list[int]:
         """The row order of one epoch."""

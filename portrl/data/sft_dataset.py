@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import pyarrow.parquet as pq
 import torch
 
 from portrl.data.rl_dataset import as_file_list, encode_messages, pad_token_id
@@ -39,8 +40,6 @@ class SFTDataset:
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_length: int,
                  prompt_key: str = "prompt", response_key: str = "response", truncation: str = "error"):
-        import pyarrow.parquet as pq
-
         if truncation not in ("error", "right"):
             raise ValueError(f"SFT truncation must be 'error' or 'right', got {truncation!r}")
         if tokenizer.eos_token_id is None:

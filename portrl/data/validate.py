@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from portrl.data.rl_dataset import encode_messages
 from portrl.data.schema import DataError, check_row
 
 VERL_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -19,8 +22,6 @@ VERL_HINT = ("verl parquet has columns data_source (str), prompt (chat messages)
 
 
 def _read_table(path: str | Path, key: str):
-    import pyarrow.parquet as pq
-
     p = Path(path)
     if not p.exists():
         raise DataError(f"{key}: dataset file {str(p)!r} does not exist")
@@ -53,8 +54,6 @@ def read_verl_file(path: str | Path, key: str, prompt_key: str = "prompt") -> li
 def count_fitting_prompts(rows, tokenizer, max_prompt_length: int, enough: int) -> int:
     """How many rows' prompts (chat template + generation prompt, as RLDataset encodes them) have at most
     ``max_prompt_length`` tokens; counting stops at ``enough``."""
-    from portrl.data.rl_dataset import encode_messages
-
     fitting = 0
     for messages, *_ in rows:
         if len(encode_messages(tokenizer, messages)) <= max_prompt_length:

@@ -5,6 +5,7 @@ from portrl.device.registry import (
     BackendError,
     all_backends,
     backend_names,
+    broken_backends,
     clear_cache,
     detect,
     get_backend,
@@ -12,6 +13,6 @@ from portrl.device.registry import (
 )
 
 __all__ = [
-    "Backend", "BackendError", "CompatRow", "ProbeResult", "all_backends", "backend_names", "clear_cache",
-    "detect", "get_backend", "import_optional", "module_available", "package_version", "resolve_backend",
+    "Backend", "BackendError", "CompatRow", "ProbeResult", "all_backends", "backend_names", "broken_backends",
+    "clear_cache", "detect", "get_backend", "import_optional", "module_available", "package_version", "resolve_backend",
 ]

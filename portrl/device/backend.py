@@ -4,7 +4,7 @@ A backend is mostly *data* (identity, Ray facts, env presets, compatibility rows
 small methods. Heavy parts (the torch device module, vendor kernels) are resolved lazily, so
 constructing a backend or calling :meth:`Backend.probe` never initialises a device runtime.
 
-Method families (DESIGN.md, "The Backend contract"):
+Method families:
 
 * identity: ``name``, ``device_type``, ``dist_backend``, ``ray_resource``,
   ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
@@ -14,7 +14,7 @@ Method families (DESIGN.md, "The Backend contract"):
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
-* rollout engines: :meth:`rollout_engines`, :meth:`rollout_fixups`
+* rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
 * environment: :meth:`env_presets`
 * compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
   together with :meth:`doctor_checks` (this backend's known traps) and :meth:`host_checks`
@@ -185,9 +185,15 @@ class Backend:
         """Rollout engine names this backend offers, best first ("hf" runs everywhere)."""
         return ("hf",)
 
-    def rollout_fixups(self, engine: str) -> dict[str, Any]:
-        """Engine keyword arguments this backend needs (e.g. ``enforce_eager``); empty by default."""
-        return {}
+    def check_and_update_engine_options(self, engine: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Adjust the constructor options of rollout engine ``engine`` for this platform and return them.
+
+        ``options`` are already in the engine's own terms (its translation of
+        :class:`portrl.rollout.settings.RolloutSettings`, then the caller's keywords); what this returns is final.
+        Override to force or refuse what the platform needs (raise ``UserError`` naming the option); the default
+        returns them unchanged.
+        """
+        return options
 
     # --- environment --------------------------------------------------------------------------
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:

@@ -16,6 +16,10 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
 * ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
 * a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
   q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output.
+
+transformers' attention and mask plumbing is imported where it is used, when a model is built or run: it
+loads transformers' modeling stack (~2 s), and this package is imported by ``portrl.trainer.preflight``,
+which checks a run's inputs before any model loads.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
                    attention_mask=None, **kwargs):
     """The mask our attention function expects: None or a 2-D padding mask when there is no cache offset,
     the SDPA 4-D mask otherwise (decoding)."""
-    from transformers.masking_utils import causal_mask_function, flash_attention_mask, sdpa_mask
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask, sdpa_mask  # see docstring
 
     mask_function = mask_function or causal_mask_function
     if q_length == kv_length:
@@ -67,7 +71,7 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
             raise ValueError(f"portrl varlen attention has no logit softcap; got {softcap}")
         batch, _, seq, _ = query.shape
         if key.shape[2] != seq or (attention_mask is not None and attention_mask.dim() == 4):
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # see module docstring
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, sliding_window=sliding_window, is_causal=is_causal,
@@ -102,7 +106,7 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
 
 def register_attention(backend_name: str, impl_name: str, varlen_fn: Callable) -> str:
     """Register ``varlen_fn`` with transformers; return the ``attn_implementation`` name to load models with."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # see module docstring
     from transformers.masking_utils import AttentionMaskInterface
 
     name = f"{PREFIX}_{backend_name}_{impl_name}"

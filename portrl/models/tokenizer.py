@@ -10,6 +10,8 @@ class transformers picks for a Qwen2 model directory, so it loads back identical
 
 from __future__ import annotations
 
+from transformers import Qwen2Tokenizer
+
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -39,8 +41,6 @@ def byte_symbols() -> list[str]:
 
 def build_char_tokenizer(model_max_length: int = 2048):
     """A Qwen2Tokenizer over single bytes (the "arith" vocabulary above); call save_pretrained to store it."""
-    from transformers import Qwen2Tokenizer
-
     vocab = {sym: i for i, sym in enumerate(byte_symbols())}
     for tok in (PAD, IM_START, IM_END):
         vocab[tok] = len(vocab)

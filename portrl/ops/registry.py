@@ -14,9 +14,15 @@ here?": ``True`` means yes; ``False`` or a non-empty string (the reason) means n
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from portrl.device import get_backend, resolve_backend
+from portrl.ops.attention import attention_varlen
+from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
+from portrl.ops.logprobs import logprobs_entropy
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +86,16 @@ def unregister(op: str, impl: str) -> None:
         _impls[op].pop(impl, None)
 
 
-def _ensure_native() -> None:
-    if _impls["attention_varlen"].get(NATIVE) is not None:
-        return
-    from portrl.ops.attention import attention_varlen
-    from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
-    from portrl.ops.logprobs import logprobs_entropy
-
-    for op, fn in (("attention_varlen", attention_varlen), ("linear_prepacked", linear_prepacked),
-                   ("logprobs_entropy", logprobs_entropy), ("rms_norm", rms_norm), ("rotary", apply_rotary),
-                   ("swiglu", swiglu)):
-        register(op, NATIVE, fn)
+# the pure-torch implementation of every op, always available
+for _op, _fn in (("attention_varlen", attention_varlen), ("linear_prepacked", linear_prepacked),
+                 ("logprobs_entropy", logprobs_entropy), ("rms_norm", rms_norm), ("rotary", apply_rotary),
+                 ("swiglu", swiglu)):
+    register(_op, NATIVE, _fn)
+del _op, _fn
 
 
 def _resolve_backend(backend: Any):
     """A Backend instance, a registered name, or None (resolve the current backend)."""
-    from portrl.device import get_backend, resolve_backend
-
     if backend is None:
         return resolve_backend()
     if isinstance(backend, str):
@@ -106,8 +105,6 @@ def _resolve_backend(backend: Any):
 
 def load_backend_kernels(backend: Any) -> None:
     """Call ``backend.register_kernels`` once per backend name (it registers into this module)."""
-    import sys
-
     name = backend.name
     with _lock:
         if name in _backends_loaded:
@@ -119,7 +116,6 @@ def load_backend_kernels(backend: Any) -> None:
 def implementations(op: str) -> dict[str, str | None]:
     """Registered implementations of ``op``: name -> None when it can run here, else the reason it cannot."""
     _check_op(op)
-    _ensure_native()
     return {name: impl.why_not() for name, impl in sorted(_impls[op].items())}
 
 
@@ -135,7 +131,6 @@ def select(op: str, impl: str | None = None, backend: Any = None) -> tuple[str, 
     are registered on first use. Returns ``(impl_name, fn)``.
     """
     _check_op(op)
-    _ensure_native()
     be = _resolve_backend(backend)
     load_backend_kernels(be)
     table = _impls[op]

@@ -42,11 +42,13 @@ def rl_batch(g: torch.Generator) -> dict:
 
 
 def _advantage(name):
+    critic = algo.estimator_spec(name).needs_critic  # the critic (GAE) family is checked with discounting
+
     def run(x):
         adv, ret = algo.compute_advantage(
             name, token_level_rewards=x["token_level_rewards"], response_mask=x["response_mask"], index=INDEX,
             values=x["values"], reward_baselines=x["reward_baselines"], old_log_probs=x["old_log_prob"],
-            sum_pi_squared=x["sum_pi_squared"], gamma=0.99 if "gae" in name else 1.0, lam=0.95)
+            sum_pi_squared=x["sum_pi_squared"], gamma=0.99 if critic else 1.0, lam=0.95)
         return {"advantages": adv, "returns": ret}
     return run
 

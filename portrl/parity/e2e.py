@@ -20,7 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from portrl.config.composition import compose
 from portrl.parity.report import environment
+from portrl.trainer.rl_trainer import run_training
 
 METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean", "actor/grad_norm")
 K_STD = 3.0
@@ -44,9 +46,6 @@ def default_envelope_path(backend_name: str = "cpu") -> Path:
 
 def run_curve(backend, seed: int, work_dir, preset: str | None = None) -> dict[str, list[float]]:
     """Train with ``seed``; the per-step values of ``METRICS`` from the run's metrics.jsonl."""
-    from portrl.config import compose
-    from portrl.trainer.rl_trainer import run_training
-
     out = Path(work_dir) / f"seed{seed}"
     cfg = compose(device=backend.name, preset=preset or backend.name, algorithm="grpo", data="arith", model="tiny",
                   overrides=(*RUN_OVERRIDES, f"trainer.seed={seed}", f"trainer.output_dir={out}"))

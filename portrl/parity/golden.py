@@ -30,7 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from portrl import algo
+from portrl.data.arith import make_arith_rows
+from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer, write_tiny_model
 from portrl.parity.metrics import compare_tensors
 from portrl.parity.report import environment, write_json
 from portrl.parity.tolerances import worst
@@ -41,8 +45,6 @@ STEP = {"seed": 0, "prompts": 4, "samples": 2, "max_new_tokens": 24, "temperatur
 
 
 def _sample_batch(model, tokenizer, step: dict) -> dict[str, torch.Tensor]:
-    from portrl.data.arith import make_arith_rows
-
     rows = make_arith_rows(step["prompts"], seed=step["seed"])
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True) for r in rows]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
@@ -75,9 +77,6 @@ def _sample_batch(model, tokenizer, step: dict) -> dict[str, torch.Tensor]:
 
 def compute_step(model, batch: dict[str, torch.Tensor], step: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Log-probs, advantages, one policy update; returns (tensors, scalars). The model is updated in place."""
-    from portrl import algo
-    from portrl.models import compute_logprobs
-
     T = batch["response_mask"].shape[1]
     ids, am, rm = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
     with torch.no_grad():
@@ -112,10 +111,6 @@ def compute_step(model, batch: dict[str, torch.Tensor], step: dict) -> tuple[dic
 
 def record_golden(out_dir, backend, seed: int = 0) -> Path:
     """Record the golden step on ``backend`` in float32 into ``out_dir`` (written atomically)."""
-    from safetensors.torch import save_file
-
-    from portrl.models import load_causal_lm, load_tokenizer, write_tiny_model
-
     out = Path(out_dir)
     step = {**STEP, "seed": seed}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +138,6 @@ def record_golden(out_dir, backend, seed: int = 0) -> Path:
 
 def read_golden(golden_dir) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(golden.json, batch tensors, expected tensors), with a clear error for a missing or foreign dir."""
-    from safetensors.torch import load_file
-
     d = Path(golden_dir)
     need = ["golden.json", "batch.safetensors", "expected.safetensors", "model/config.json"]
     missing = [n for n in need if not (d / n).exists()]
@@ -159,8 +152,6 @@ def read_golden(golden_dir) -> tuple[dict, dict[str, torch.Tensor], dict[str, to
 
 def replay_golden(golden_dir, backend, dtype: str = "float32") -> dict[str, Any]:
     """Recompute the golden step on ``backend`` in ``dtype``; a report with per-quantity metrics and verdict."""
-    from portrl.models import load_causal_lm
-
     meta, batch, expected = read_golden(golden_dir)
     step = meta["step"]
     backend.manual_seed(step["seed"])

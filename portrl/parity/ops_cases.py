@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from portrl.ops import registry
-from portrl.ops.attention import cu_seqlens_from_lengths
+from portrl.ops.attention import attention_varlen, cu_seqlens_from_lengths
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
+from portrl.ops.logprobs import logprobs_entropy
 from portrl.parity.case import Case
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -122,9 +123,6 @@ def op_specs(size: str = "standard") -> dict[str, tuple]:
 
 
 def _native(op: str):
-    from portrl.ops.attention import attention_varlen
-    from portrl.ops.logprobs import logprobs_entropy
-
     return {"attention_varlen": attention_varlen, "linear_prepacked": linear_prepacked,
             "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm,
             "rotary": apply_rotary, "swiglu": swiglu}[op]

@@ -6,8 +6,11 @@ import json
 import os
 import platform
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+import torch
 
 #: bumped when the report layout changes; ``compare`` refuses other versions
 REPORT_VERSION = 1
@@ -15,14 +18,10 @@ REPORT_VERSION = 1
 
 def environment(backend) -> dict[str, Any]:
     """Backend name, device name and the versions of its stack (no device runtime needed beyond probe)."""
-    import torch
-
     probe = backend.probe()
     versions = dict(probe.versions or backend.installed_versions())
     versions.setdefault("torch", torch.__version__)
     try:
-        from importlib.metadata import version
-
         versions.setdefault("portrl", version("portrl"))
     except Exception:  # running from a source tree without metadata
         versions.setdefault("portrl", "unknown")

@@ -79,9 +79,6 @@ FIELD_SOURCES = {
     "hf_sdpa": "transformers", "ratio_floor": "portrl", "ratio_abs_floor": "portrl",
 }
 
-#: the float64 reference's own check (torch.testing.assert_close's float64 defaults)
-FLOAT64_ASSERT_CLOSE = (1e-7, 1e-7)
-
 #: cross-backend ratio limits: metric -> (pass at most, warn at most) (msprobe_ratio)
 RATIO_LIMITS = {
     "rmse": (1.0, 2.0),

@@ -54,9 +54,10 @@ from typing import Any
 
 from portrl.data.schema import DataError
 from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program, shared_pool
+from portrl.rewards.sandbox_fusion import call_run_code
 
-CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")  # verl's prime_code names
-LEETCODE_SOURCES = ("leetcode",)  # portrl's assert form (the LeetCode rows of verl's baseline table)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco",  # verl's prime_code names
+                "leetcode")  # portrl's assert form (the LeetCode rows of verl's baseline table)
 CONTINUOUS_CASES = 10
 
 # the names verl's testing_util makes available to every program (its "from X import *" preamble)
@@ -263,8 +264,6 @@ def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict 
     cases = build_cases(program, tests, CONTINUOUS_CASES if continuous else None, _describe(extra_info))
     limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb))
     if sandbox_fusion_url:
-        from portrl.rewards.sandbox_fusion import call_run_code
-
         run: Callable[..., RunResult] = partial(call_run_code, sandbox_fusion_url)
     else:
         run = run_program

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from concurrent.futures import wait as wait_futures
 from concurrent.futures import ProcessPoolExecutor
@@ -26,9 +27,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from portrl.algo import overlong_penalty
+from portrl.errors import UserError
 from portrl.rewards.custom import RewardFileError, RewardFunctionError, load_custom_reward
 from portrl.rewards.registry import compute_score
-from portrl.algo import overlong_penalty
 from portrl.rewards.shaping import overlong_buffer_settings
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit, check_deadline
 
@@ -106,8 +108,6 @@ class RewardManager:
         self.parallel_threshold = int(parallel_threshold)
         self.reward_kwargs = dict(reward_kwargs or {})
         self._pool: ProcessPoolExecutor | None = None
-        from portrl.errors import UserError
-
         if timeout_s is not None and float(timeout_s) < 0:
             raise UserError(f"reward.timeout_s={timeout_s} is negative; give seconds > 0 (0 or null: no limit)")
         self.timeout_s = float(timeout_s) if timeout_s else None
@@ -214,8 +214,6 @@ class RewardManager:
 
 def _ignore_sigint() -> None:
     """Reward pool processes leave Ctrl-C to the trainer (the terminal sends it to the whole process group)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

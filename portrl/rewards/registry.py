@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from portrl.data.schema import ground_truth_text
 from portrl.errors import UserError
+from portrl.rewards import arith, code, dapo_math, gsm8k, math_reward
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (
@@ -34,7 +36,7 @@ MATH_SOURCES = (
 DAPO_SOURCES = ("math_dapo", "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "BytedTsinghua-SIA/AIME-2024")
 DAPO_PREFIXES = ("aime",)
 ARITH_SOURCES = ("arith",)
-CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco", "leetcode")  # as portrl.rewards.code
+CODE_SOURCES = code.CODE_SOURCES
 
 
 class UnknownDataSource(UserError, ValueError):
@@ -60,16 +62,10 @@ def reward_kind(data_source: str) -> str:
     )
 
 
-def _scorer(kind: str) -> Callable[..., Any]:
-    if kind == "gsm8k":
-        from portrl.rewards.gsm8k import compute_score
-    elif kind == "math":
-        from portrl.rewards.math_reward import compute_score
-    elif kind == "dapo_math":
-        from portrl.rewards.dapo_math import compute_score
-    else:
-        from portrl.rewards.arith import compute_score
-    return compute_score
+_SCORERS: dict[str, Callable[..., Any]] = {
+    "gsm8k": gsm8k.compute_score, "math": math_reward.compute_score, "dapo_math": dapo_math.compute_score,
+    "arith": arith.compute_score,
+}  # "code" takes its settings separately (compute_score below)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
@@ -77,11 +73,9 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     """The rule reward of one response: a dict with "score", "acc" and "pred"."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
-    from portrl.data.schema import ground_truth_text  # 57.0 scores as "57"
-
     code_settings = kwargs.pop("code", None) or {}
-    if reward_kind(data_source) == "code":
-        from portrl.rewards.code import compute_score as code_score
-
-        return code_score(solution_str, ground_truth_text(ground_truth), extra_info, **dict(code_settings))
-    return _scorer(reward_kind(data_source))(solution_str, ground_truth_text(ground_truth), **kwargs)
+    kind = reward_kind(data_source)
+    truth = ground_truth_text(ground_truth)  # 57.0 scores as "57"
+    if kind == "code":
+        return code.compute_score(solution_str, truth, extra_info, **dict(code_settings))
+    return _SCORERS[kind](solution_str, truth, **kwargs)

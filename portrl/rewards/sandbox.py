@@ -57,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,16 +474,3 @@ def shared_pool(max_workers: int) -> ThreadPoolExecutor:
             _pools[max_workers] = ThreadPoolExecutor(max_workers, thread_name_prefix="portrl-sandbox")
         return _pools[max_workers]
 
-
-def run_many(jobs: Sequence[tuple[str, str]], limits: SandboxLimits = SandboxLimits(),
-             max_workers: int = 4) -> list[RunResult]:
-    """``run_program(source, stdin, limits)`` for each (source, stdin) in ``jobs``, at most ``max_workers`` at
-    a time (a thread pool shared per size in this process); results in the order of ``jobs``."""
-    if max_workers < 1:
-        raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    futures = [shared_pool(max_workers).submit(run_program, source, stdin, limits) for source, stdin in jobs]
-    try:
-        return [f.result() for f in futures]
-    finally:
-        for f in futures:
-            f.cancel()  # when interrupted (reward time limit): runs not started yet never start

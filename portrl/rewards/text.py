@@ -7,6 +7,7 @@ megabyte of model output cannot stall the reward worker.
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 
 # A signed number with optional thousands commas and decimals: "-1,234.50", "7", ".5".
 # The quantifiers are over disjoint character classes, so matching never backtracks badly.
@@ -30,8 +31,6 @@ def last_number(text: str) -> str | None:
 
 def canonical_number(text: str) -> str | None:
     """``text`` as a canonical decimal string ("18.00" -> "18", "-0" -> "0", "1,000" -> "1000"), else None."""
-    from decimal import Decimal, InvalidOperation
-
     s = text.strip().replace(",", "").replace("$", "")
     if s.endswith("."):
         s = s[:-1]

@@ -1,18 +1,52 @@
 """The RolloutEngine contract every engine implements (the ``hf`` engine here; others in ``backends/``).
 
-An engine turns prompt token ids into sampled responses with per-token log-probs
-(:mod:`portrl.rollout.types` states the log-prob convention), takes the trainer's weights after
-every update, and can release its memory between rollouts.
+Required: :meth:`RolloutEngine.generate` turns prompt token ids into sampled responses with per-token
+log-probs (:mod:`portrl.rollout.types` states the log-prob convention) and
+:meth:`RolloutEngine.update_weights` takes the trainer's weights after every update.
+
+Optional capabilities, declared in the class attribute ``capabilities`` (an :class:`EngineCapabilities`) and
+queried by the workers through the methods below, never through an engine's own attributes. An engine that
+declares none still works: it gets its weights by ``update_weights``, is never asked to record, and is never
+put to sleep.
+
+* ``in_process_weights``: built with ``model=`` (the trainer's module), the engine decodes that module itself,
+  so a weight sync moves nothing (:meth:`RolloutEngine.shares_module`);
+* ``forward_recording``: a rollout can leave a :class:`portrl.models.forward_tape.ForwardTape` the trainer's
+  forward on the same weights replays (:meth:`RolloutEngine.can_record_forward`,
+  :meth:`RolloutEngine.start_recording`, :meth:`RolloutEngine.stop_recording`);
+* ``sleep_wake``: :meth:`RolloutEngine.sleep` frees memory between rollouts, :meth:`RolloutEngine.wake` undoes it.
+
+Constructor options: the engine class translates the engine-neutral
+:class:`portrl.rollout.settings.RolloutSettings` into its own keywords (:meth:`RolloutEngine.translate_settings`).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
+from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine class can do beyond generate / update_weights (default: nothing optional)."""
+
+    in_process_weights: bool = False  # built with model=, it decodes that module itself (no weight sync)
+    forward_recording: bool = False  # a rollout can be recorded for the trainer's replay
+    sleep_wake: bool = False  # sleep() frees memory between rollouts
+
+
+# the methods an engine must override for each capability it declares (checked when the class is defined)
+_CAPABILITY_METHODS = {
+    "in_process_weights": ("shares_module",),
+    "forward_recording": ("can_record_forward", "start_recording", "stop_recording"),
+    "sleep_wake": ("sleep", "wake"),
+}
 
 
 class RolloutEngine(abc.ABC):
@@ -24,6 +58,31 @@ class RolloutEngine(abc.ABC):
 
     #: registry name ("hf", ...); set by subclasses
     name: str = ""
+    #: the optional capabilities this class implements (see the module docstring)
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        caps = cls.capabilities
+        if not isinstance(caps, EngineCapabilities):
+            raise TypeError(f"{cls.__qualname__}.capabilities must be an EngineCapabilities, got {caps!r}")
+        for flag, methods in _CAPABILITY_METHODS.items():
+            missing = [m for m in methods if getattr(caps, flag) and getattr(cls, m) is getattr(RolloutEngine, m)]
+            if missing:
+                raise TypeError(f"{cls.__qualname__} declares {flag} but does not implement {', '.join(missing)}")
+
+    @classmethod
+    def translate_settings(cls, settings: RolloutSettings) -> dict[str, Any]:
+        """This engine's constructor options for the run's :class:`RolloutSettings` (default: none; the engine
+        keeps its own defaults). The backend adjusts the result before the engine is built."""
+        return {}
+
+    @classmethod
+    def runs_on(cls, backend: Any) -> bool:
+        """Whether this engine runs on ``backend`` although the backend does not list it in its
+        ``rollout_engines()`` (a third-party engine says so here instead of changing the backends; the built-in
+        engines are listed by the backends and keep the default, False)."""
+        return False
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
@@ -35,6 +94,24 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the trainer's weights (HF parameter names) into the engine; later ``generate`` calls use them."""
+
+    # --- optional capabilities (defaults: not supported) -----------------------------------------
+    def shares_module(self, module: torch.nn.Module) -> bool:
+        """True when ``generate`` decodes ``module`` itself (in this process), so that ``update_weights`` with
+        its weights would move nothing."""
+        return False
+
+    def can_record_forward(self) -> bool:
+        """True when the next ``generate`` calls can be recorded (:meth:`start_recording`)."""
+        return False
+
+    def start_recording(self) -> None:
+        """Record the forward of the following ``generate`` calls (only where :meth:`can_record_forward`)."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} engine cannot record its forward")
+
+    def stop_recording(self) -> Any:
+        """Stop recording and return the last ``generate`` call's ForwardTape (None when it left none)."""
+        return None
 
     def sleep(self) -> None:
         """Free the memory the engine holds between rollouts, where it can (default: nothing to free)."""

@@ -26,8 +26,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from portrl.rollout.decode_rows import DecodeRows, left_pad
-from portrl.rollout.engine import RolloutEngine, check_prompts
+from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.sampling import sample_next
+from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
 from portrl.rollout.weights import load_named_tensors
 
@@ -74,12 +75,20 @@ class HFEngine(RolloutEngine):
             forward of :mod:`portrl.rollout.fast_decode` (same math, far less Python per token);
             other models always take the generic loop below.
 
-    ``record_forward`` (attribute, default False): generate calls on the fast path in one chunk leave a
-    :class:`portrl.models.forward_tape.ForwardTape` in ``last_tape`` (else None), which the trainer's
-    forward on the same weights can replay instead of recomputing the matmuls.
+    Capabilities: ``in_process_weights`` (built with ``model=`` it decodes that module);
+    ``forward_recording`` (between :meth:`start_recording` and :meth:`stop_recording`, a generate call on the
+    fast path in one chunk leaves a :class:`portrl.models.forward_tape.ForwardTape`, which the trainer's
+    forward on the same weights can replay instead of recomputing the matmuls); ``sleep_wake`` (an engine
+    that owns its model on an accelerator moves it to host memory).
     """
 
     name = "hf"
+    capabilities = EngineCapabilities(in_process_weights=True, forward_recording=True, sleep_wake=True)
+
+    @classmethod
+    def translate_settings(cls, settings: RolloutSettings) -> dict[str, Any]:
+        """``dtype`` (used for a model loaded from ``model_path``); the other settings do not apply here."""
+        return {"dtype": settings.dtype}
 
     def __init__(
         self,
@@ -116,9 +125,9 @@ class HFEngine(RolloutEngine):
         from portrl.rollout.fast_decode import fast_decoder_for
 
         self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
-        # record_forward: the next generate calls leave their ForwardTape in last_tape (fast path, one chunk)
-        self.record_forward = False
-        self.last_tape = None
+        # while recording, each generate call leaves its ForwardTape in _last_tape (fast path, one chunk)
+        self._recording = False
+        self._last_tape = None
 
     # --- contract -----------------------------------------------------------------------------
     @property
@@ -135,8 +144,8 @@ class HFEngine(RolloutEngine):
         stop = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         per_chunk = len(prompts) if self.max_batch_rows is None else max(1, self.max_batch_rows // params.n)
         out = RolloutOutput()
-        self.last_tape = None
-        record = self.record_forward and self._fast is not None and per_chunk >= len(prompts)
+        self._last_tape = None
+        record = self._recording and self._fast is not None and per_chunk >= len(prompts)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -154,6 +163,23 @@ class HFEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         counts = load_named_tensors(self.model, named_tensors)
         log.debug("hf engine update_weights: %(copied)d copied, %(shared)d already shared", counts)
+
+    def shares_module(self, module: torch.nn.Module) -> bool:
+        return self.colocated and self.model is module
+
+    def can_record_forward(self) -> bool:
+        """Only the fast decode path records (Llama-family models, ``fast_decode=True``)."""
+        return self._fast is not None
+
+    def start_recording(self) -> None:
+        if self._fast is None:
+            raise RuntimeError("the hf engine records only on its fast decode path (fast_decode=True, a "
+                               "Llama-family model); check can_record_forward() first")
+        self._recording = True
+
+    def stop_recording(self):
+        tape, self._last_tape, self._recording = self._last_tape, None, False
+        return tape
 
     def sleep(self) -> None:
         """An engine that owns its model moves it to host memory; a colocated one has nothing of its own to free."""
@@ -185,7 +211,7 @@ class HFEngine(RolloutEngine):
 
             out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
                                record=record)
-            self.last_tape, self._fast.tape = self._fast.tape, None
+            self._last_tape, self._fast.tape = self._fast.tape, None
             return out
         from transformers import DynamicCache
 

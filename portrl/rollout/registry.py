@@ -1,37 +1,58 @@
-"""Choosing a rollout engine: ``make_engine(name, ...)``.
+"""Choosing and building a rollout engine: :func:`choose_engine` (the one place that decides which engine a run
+uses) and :func:`make_engine`.
 
-Engine classes are found by name in the entry-point group ``portrl.rollout_engines`` (the
-built-in ``hf`` engine and the engines under ``backends/`` are registered there in
-pyproject.toml, exactly as a third-party engine would be) or through :func:`register_engine`.
-A name must also be offered by the backend (``backend.rollout_engines()``, which reflects what is
-installed); otherwise the error lists the engines that are available. The choice is logged.
+Where engines come from (nothing else registers one):
+
+* ``_BUILTIN`` below: the ``hf`` engine (``portrl/rollout/hf_engine.py``), found even when the installed package
+  metadata is older than the source tree;
+* the entry-point group ``portrl.rollout_engines``: pyproject.toml declares ``hf`` and the engines under
+  ``backends/`` there, exactly as a third-party engine would;
+* :func:`register_engine` calls (a program or test registering a factory at run time).
+
+Entry points load one at a time, on first use: a plugin that fails to import or is not a RolloutEngine is
+recorded with its error (:func:`broken_engines`, listed by ``portrl devices``); asking for it by name is a
+one-line :class:`RolloutEngineError`, and the other engines still work. A name must also be offered on the
+backend (:func:`offered_engines`: the backend's ``rollout_engines()``, which reflects what is installed, and any
+engine whose class says it runs there); otherwise the error lists the engines that are available. The choice
+is logged.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
-from portrl.rollout.engine import RolloutEngine
+import torch
+
+from portrl.device import get_backend, resolve_backend
+from portrl.errors import UserError
+from portrl.rollout.engine import EngineCapabilities, RolloutEngine
+from portrl.rollout.settings import RolloutSettings
 
 ENTRY_POINT_GROUP = "portrl.rollout_engines"
 AUTO = "auto"
+#: below this many parameters a model on the CPU device decodes with ``hf`` even under ``auto`` (a separate engine
+#: only pays off for real models; tiny ones share the trainer's module)
+SMALL_MODEL_PARAMS = 50_000_000
 
 log = logging.getLogger(__name__)
 
-_registered: dict[str, Callable[..., RolloutEngine]] = {}
-# Core engines, found even when the installed package metadata is older than the source tree.
+_registered: dict[str, Callable[..., RolloutEngine]] = {}  # loaded entry points and register_engine calls
+_broken: dict[str, str] = {}  # name -> "plugin <value> failed to load: <error>"
 _BUILTIN = {"hf": "portrl.rollout.hf_engine:HFEngine"}
 
+NumParams = Union[int, Callable[[], int], None]
 
-class RolloutEngineError(RuntimeError):
-    """An engine name is unknown or not available on this backend."""
+
+class RolloutEngineError(UserError, RuntimeError):
+    """An engine name is unknown, broken or not available on this backend (a user error: exit code 2, one line)."""
 
 
 def register_engine(name: str, factory: Callable[..., RolloutEngine]) -> None:
     """Register ``factory`` (an engine class or a callable taking the make_engine keywords) under ``name``."""
     _registered[name] = factory
+    _broken.pop(name, None)
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -41,25 +62,60 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
 
 
 def engine_names() -> list[str]:
-    """Every engine name known here (registered or declared), whether or not a backend offers it."""
+    """Every engine name known here (registered or declared, broken ones included), installed or not."""
     return sorted(set(_registered) | set(_entry_points()))
 
 
-def engine_factory(name: str) -> Callable[..., RolloutEngine]:
-    """The factory registered for ``name`` (loading its entry point); unknown names list the known ones."""
-    if name in _registered:
-        return _registered[name]
-    eps = _entry_points()
-    if name not in eps:
-        raise RolloutEngineError(f"unknown rollout engine {name!r}; known engines: {', '.join(engine_names()) or 'none'}")
-    factory = eps[name].load()
+def _load(name: str, ep: importlib.metadata.EntryPoint) -> None:
+    """Load one entry point into ``_registered``, or record why it cannot be used in ``_broken``."""
+    try:
+        factory = ep.load()
+    except Exception as exc:  # a third-party plugin may fail in any way on import; it must not stop the others
+        _broken[name] = f"plugin {ep.value} failed to load: {type(exc).__name__}: {exc}"
+        return
+    if not callable(factory) or (isinstance(factory, type) and not issubclass(factory, RolloutEngine)):
+        _broken[name] = f"plugin {ep.value} is not a portrl RolloutEngine subclass or factory"
+        return
     _registered[name] = factory
-    return factory
+
+
+def engine_factory(name: str) -> Callable[..., RolloutEngine]:
+    """The factory registered for ``name`` (loading its entry point); unknown or broken names raise
+    :class:`RolloutEngineError`."""
+    if name not in _registered and name not in _broken:
+        eps = _entry_points()
+        if name not in eps:
+            raise RolloutEngineError(f"unknown rollout engine {name!r}; known engines: "
+                                     f"{', '.join(engine_names()) or 'none'}")
+        _load(name, eps[name])
+    if name in _broken:
+        raise RolloutEngineError(f"rollout engine {name!r}: {_broken[name]}")
+    return _registered[name]
+
+
+def broken_engines() -> dict[str, str]:
+    """Declared engines whose plugin cannot be used, with the reason (loads every declared engine once)."""
+    for name, ep in _entry_points().items():
+        if name not in _registered and name not in _broken:
+            _load(name, ep)
+    return dict(_broken)
+
+
+def engine_capabilities(name: str) -> EngineCapabilities:
+    """What engine ``name`` declares it can do (a plain factory declares nothing)."""
+    caps = getattr(engine_factory(name), "capabilities", None)
+    return caps if isinstance(caps, EngineCapabilities) else EngineCapabilities()
+
+
+def _usable(name: str) -> bool:
+    try:
+        engine_factory(name)
+    except RolloutEngineError:
+        return False
+    return True
 
 
 def _resolve_backend(backend: Any):
-    from portrl.device import get_backend, resolve_backend
-
     if backend is None:
         return resolve_backend()
     if isinstance(backend, str):
@@ -67,11 +123,60 @@ def _resolve_backend(backend: Any):
     return backend
 
 
+def offered_engines(backend: Any) -> list[str]:
+    """The engines offered on ``backend``, best first: the backend's own ``rollout_engines()``, then any other
+    declared engine whose class says it runs there (:meth:`RolloutEngine.runs_on`), so that a third-party engine
+    needs no change to the backends it supports."""
+    offered = list(backend.rollout_engines())
+    for name in engine_names():
+        if name not in offered and _usable(name):
+            runs_on = getattr(engine_factory(name), "runs_on", None)
+            if runs_on is not None and runs_on(backend):
+                offered.append(name)
+    return offered
+
+
 def available_engines(backend: Any = None) -> list[str]:
-    """Engines this backend offers that are also registered, best first."""
+    """Engines offered on this backend (:func:`offered_engines`) that are registered and load, best first."""
     backend = _resolve_backend(backend)
     known = set(engine_names())
-    return [e for e in backend.rollout_engines() if e in known]
+    return [e for e in offered_engines(backend) if e in known and _usable(e)]
+
+
+def choose_engine(requested: str | None, backend: Any = None, *, num_params: NumParams = None) -> str:
+    """The engine a run uses: the one place this is decided.
+
+    ``requested`` "auto" (or None): the backend's first available engine (:func:`available_engines`: offered
+    by the backend, registered, loading), except ``hf`` when the backend's device is the CPU and the model has
+    fewer than SMALL_MODEL_PARAMS parameters. ``num_params`` is the count, or a callable that returns it (called
+    only when the rule needs it); None = unknown, which never counts as small. Any other name is returned when the
+    backend offers it and it loads; otherwise a one-line :class:`RolloutEngineError` says why and what is
+    available. ``backend`` is a Backend, a backend name, or None (resolved as the CLI does).
+    """
+    backend = _resolve_backend(backend)
+    available = available_engines(backend)
+    if requested in (None, AUTO):
+        if not available:
+            raise RolloutEngineError(f"backend {backend.name!r} offers no usable rollout engine (offers: "
+                                     f"{', '.join(offered_engines(backend)) or 'none'}; broken: "
+                                     f"{', '.join(f'{n}: {e}' for n, e in broken_engines().items()) or 'none'})")
+        if available[0] != "hf" and "hf" in available and backend.device_type == "cpu":
+            count = num_params() if callable(num_params) else num_params
+            if count is not None and count < SMALL_MODEL_PARAMS:
+                return "hf"
+        return available[0]
+    name = str(requested)
+    known = name in engine_names()
+    if known:
+        engine_factory(name)  # a broken plugin: its own error
+    if name not in offered_engines(backend):
+        why = " (it is a known engine, but its package is not installed for this backend)" if known else ""
+        raise RolloutEngineError(f"rollout engine {name!r} is not available on backend {backend.name!r}{why}; "
+                                 f"available: {', '.join(available) or 'none'}, or auto")
+    if not known:
+        raise RolloutEngineError(f"backend {backend.name!r} offers rollout engine {name!r}, but no engine of that "
+                                 f"name is registered; known engines: {', '.join(engine_names())}")
+    return name
 
 
 def make_engine(
@@ -81,33 +186,27 @@ def make_engine(
     model_path: str | None = None,
     tokenizer: Any = None,
     backend: Any = None,
+    settings: RolloutSettings | None = None,
+    num_params: NumParams = None,
     **engine_kwargs: Any,
 ) -> RolloutEngine:
-    """Build the rollout engine ``name`` ("auto" or None: the backend's first available) for ``backend``.
+    """Build the rollout engine ``name`` (see :func:`choose_engine`; a ``model`` module supplies ``num_params``
+    when it is not given) for ``backend``.
 
-    ``backend`` is a Backend, a backend name, or None (resolved as the CLI does). The backend's
-    ``rollout_fixups(name)`` are applied first; ``engine_kwargs`` override them.
+    Options: the engine class's translation of ``settings`` (:meth:`RolloutEngine.translate_settings`), then
+    ``engine_kwargs``, then the backend's ``check_and_update_engine_options(name, options)``, whose result is
+    final (it sees everything and adjusts what the platform needs).
     """
     backend = _resolve_backend(backend)
-    offered = list(backend.rollout_engines())
-    available = available_engines(backend)
-    if name in (None, AUTO):
-        if not available:
-            raise RolloutEngineError(f"backend {backend.name!r} offers no registered rollout engine (offers: {offered})")
-        name = available[0]
-        source = "auto"
-    else:
-        source = "requested"
-    if name not in offered:
-        known = " (it is a known engine, but its package is not installed for this backend)" if name in engine_names() else ""
-        raise RolloutEngineError(
-            f"rollout engine {name!r} is not available on backend {backend.name!r}{known}; "
-            f"available: {', '.join(available) or 'none'}"
-        )
+    if num_params is None and isinstance(model, torch.nn.Module):
+        num_params = lambda: sum(p.numel() for p in model.parameters())  # noqa: E731 (counted only if needed)
+    source = "auto" if name in (None, AUTO) else "requested"
+    name = choose_engine(name, backend, num_params=num_params)
     factory = engine_factory(name)
-    kwargs = {**backend.rollout_fixups(name), **engine_kwargs}
-    log.info(
-        "rollout engine %s (%s) on backend %s; available: %s; options: %s",
-        name, source, backend.name, ", ".join(available), kwargs or "{}",
-    )
-    return factory(model=model, model_path=model_path, tokenizer=tokenizer, backend=backend, **kwargs)
+    translate = getattr(factory, "translate_settings", None)
+    options = dict(translate(settings) if settings is not None and translate is not None else {})
+    options.update(engine_kwargs)
+    options = backend.check_and_update_engine_options(name, options)
+    log.info("rollout engine %s (%s) on backend %s; available: %s; options: %s",
+             name, source, backend.name, ", ".join(available_engines(backend)), options or "{}")
+    return factory(model=model, model_path=model_path, tokenizer=tokenizer, backend=backend, **options)

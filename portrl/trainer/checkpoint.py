@@ -35,7 +35,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from portrl import __version__
 from portrl.errors import UserError
+from portrl.trainer.checkpoint_io import FORMAT_VERSION, LEGACY_FILES
+from portrl.trainer.run_identity import identity_diff
 from portrl.user_files import new_dir
 
 log = logging.getLogger(__name__)
@@ -166,9 +169,6 @@ def check_compatible(path: Path, manifest: dict, identity: Optional[Dict[str, An
     """Raise CheckpointError when the (verified) checkpoint at ``path`` has another format version than this
     portrl reads, or (with ``identity``) was written by a different run. ``only``: compare just the identity
     keys starting with these prefixes (``portrl eval`` checks the model only)."""
-    from portrl import __version__
-    from portrl.trainer.checkpoint_io import FORMAT_VERSION, LEGACY_FILES
-
     meta = manifest.get("meta", {})
     fmt = meta.get("format")
     if fmt is None:
@@ -185,8 +185,6 @@ def check_compatible(path: Path, manifest: dict, identity: Optional[Dict[str, An
             f"run (a new trainer.output_dir)")
     if identity is None:
         return
-    from portrl.trainer.run_identity import identity_diff
-
     saved = meta.get("identity")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {path} records no run identity (manifest meta.identity); start a fresh "
@@ -275,9 +273,6 @@ class CheckpointManager:
     def save(self, step: int, write_fn: Callable[[Path], None], meta: Optional[dict] = None) -> Path:
         """Write a checkpoint for ``step`` atomically and return its final path. The manifest's meta gets
         ``format`` (the checkpoint format version) and ``portrl_version`` unless ``meta`` sets them."""
-        from portrl import __version__
-        from portrl.trainer.checkpoint_io import FORMAT_VERSION
-
         meta = {"format": FORMAT_VERSION, "portrl_version": __version__, **dict(meta or {})}
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
@@ -296,9 +291,6 @@ class CheckpointManager:
         """Write the run's frozen reference policy once to ``<root>/reference`` (atomically, with its own manifest)
         and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256"}``. Checkpoints
         then pin it instead of each holding a copy; rotation never removes it."""
-        from portrl import __version__
-        from portrl.trainer.checkpoint_io import FORMAT_VERSION
-
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / REFERENCE
         # an existing one is another run's (moved-aside runs take theirs along) or a damaged one

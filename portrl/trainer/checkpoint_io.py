@@ -26,6 +26,10 @@ from typing import Any, Dict, Mapping
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from portrl.user_files import ordinary_permissions
 
 #: 1: safetensors + JSON (portrl 0.2.0). Before it: pickled ``*.pt`` files, no ``meta.format``.
 FORMAT_VERSION = 1
@@ -105,16 +109,12 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 def save_state(directory: str | os.PathLike, name: str, state: Mapping[str, Any]) -> list[Path]:
     """Write ``state`` as ``<name>.safetensors`` + ``<name>.json`` in ``directory``; returns the paths."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     tensors: Dict[str, torch.Tensor] = {}
     tree = _encode(dict(state), "", tensors, {})
     st, js = directory / f"{name}.safetensors", directory / f"{name}.json"
     save_file(tensors, str(st))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(st, 0o666 & ~umask)  # safetensors creates the file 0600; a checkpoint is an ordinary user file
+    ordinary_permissions(st)  # safetensors creates the file 0600; a checkpoint is an ordinary user file
     with open(js, "w") as fh:
         json.dump(tree, fh)
     return [st, js]
@@ -122,9 +122,6 @@ def save_state(directory: str | os.PathLike, name: str, state: Mapping[str, Any]
 
 def load_state(directory: str | os.PathLike, name: str) -> Dict[str, Any]:
     """The state :func:`save_state` wrote (tensors on the CPU). Raises StateFormatError when it does not decode."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     st, js = directory / f"{name}.safetensors", directory / f"{name}.json"
     for p in (st, js):

@@ -32,6 +32,8 @@ import signal
 import threading
 from typing import Callable, Iterator, Optional
 
+from portrl.errors import UserError
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _active: Optional["StopSignals"] = None
@@ -154,8 +156,6 @@ def worker_timeout(base_s: Optional[float], slowest_step_s: Optional[float]) -> 
     limit is ``FIRST_STEP_FACTOR x base_s``; after it, ``max(base_s, STEP_FACTOR x the slowest step so far)``,
     so runs whose steps take minutes are not cut short while a frozen worker in a fast run is found quickly.
     """
-    from portrl.errors import UserError
-
     if base_s is None:
         return None
     base = float(base_s)

@@ -19,6 +19,7 @@ from typing import Dict, Iterator
 
 import torch
 
+from portrl.algo import explained_variance
 from portrl.workers.batch import Batch
 
 
@@ -43,8 +44,6 @@ def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
         if key in t:
             out.update(_stats(name, t[key][mask]))
     if "values" in t and "returns" in t:
-        from portrl.algo import explained_variance
-
         ev = float(explained_variance(t["returns"], t["values"], mask))
         if math.isfinite(ev):
             out["critic/vf_explained_var"] = ev

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from portrl.trainer.tracking import read_metrics
+from portrl.user_files import temp_name
 
 #: panel name -> (title, y label, metric keys to draw when present)
 PANELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -34,8 +35,6 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _save(fig, path: Path) -> None:
-    from portrl.user_files import temp_name
-
     tmp = temp_name(path, suffix=path.suffix)  # savefig picks the format from the extension
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
     os.replace(tmp, path)
@@ -43,6 +42,8 @@ def _save(fig, path: Path) -> None:
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     """Write the curves of a run; returns the PNG paths written (``curves.png`` last)."""
+    # matplotlib here, not at the top: its file-only Agg backend must be chosen before pyplot loads, and
+    # importing this module (the trainer does) must not switch the backend of a notebook that imports portrl
     import matplotlib
 
     matplotlib.use("Agg", force=True)

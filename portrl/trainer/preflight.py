@@ -28,7 +28,24 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from portrl.algo import critic_enabled
+from portrl.data.arith import make_arith_rows
+from portrl.data.schema import check_row
+from portrl.data.validate import count_fitting_prompts, read_verl_file
+from portrl.device.backend import module_available
 from portrl.errors import UserError
+from portrl.models import load_tokenizer
+from portrl.models.loader import check_model_dir
+from portrl.models.tokenizer import build_tokenizer
+from portrl.rewards.custom import RewardFunctionError, load_custom_reward
+from portrl.rewards.manager import RewardTimeoutError, _score_rows, describe_reward
+from portrl.rewards.registry import UnknownDataSource, reward_kind
+from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
+from portrl.rollout import engine_factory, offered_engines
+from portrl.trainer.checkpoint import check_compatible, read_meta, verify
+from portrl.trainer.resources import no_train_files_message
+from portrl.trainer.run_dir import check_run_dir
+from portrl.workers.setup import resolve_dtype, worker_backend
 
 TRAIN, SFT, EVAL = "train", "sft", "eval"
 
@@ -42,8 +59,6 @@ def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = Non
         return  # its data are --train-files or generated arith rows: portrl.cli.sft checks them
     if command == TRAIN and str(cfg.data.name) != "arith":
         if not cfg.data.train_files:
-            from portrl.trainer.resources import no_train_files_message
-
             raise UserError(no_train_files_message(cfg))
         if bool(cfg.model.sft_warm_start):
             raise UserError(f"model.sft_warm_start is built in for data.name=arith only (data.name={cfg.data.name!r})"
@@ -55,8 +70,6 @@ def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = Non
     if command == TRAIN:
         _check_resume(cfg)
         _check_loggers(cfg)
-        from portrl.trainer.run_dir import check_run_dir
-
         check_run_dir(cfg)  # another run's output_dir, an old-format or foreign checkpoint (no checksums here)
     if checkpoint is not None:
         check_checkpoint_dir(checkpoint, "--checkpoint")
@@ -64,10 +77,6 @@ def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = Non
 
 # ------------------------------------------------------------------------------------------ device
 def _check_device(cfg: Any) -> None:
-    from portrl.workers.setup import worker_backend
-
-    from portrl.workers.setup import resolve_dtype
-
     quiet = logging.getLogger("portrl.device.registry")  # the run logs its backend when it starts; not twice
     level = quiet.level
     quiet.setLevel(logging.WARNING)
@@ -80,8 +89,10 @@ def _check_device(cfg: Any) -> None:
     except ValueError as exc:
         raise UserError(f"{exc} (device.dtype / model.dtype)") from None
     engine = str(cfg.rollout.engine)
-    if engine != "auto" and engine not in backend.rollout_engines():
-        offered = ", ".join(backend.rollout_engines()) or "none"
+    if engine != "auto":
+        engine_factory(engine)  # a broken engine plugin: RolloutEngineError (a UserError) naming it and its error
+    if engine != "auto" and engine not in offered_engines(backend):
+        offered = ", ".join(offered_engines(backend)) or "none"
         raise UserError(f"rollout.engine={engine} is not available on backend {backend.name!r} here (its package is "
                         f"not installed, or the backend does not run it); available: {offered}, or auto")
     t = cfg.trainer
@@ -97,17 +108,13 @@ def _check_device(cfg: Any) -> None:
 # ------------------------------------------------------------------------------------------- model
 def _check_model(cfg: Any, command: str):
     """The tokenizer the run will use, after the model directories are checked (tiny: built in memory)."""
-    from portrl.models.loader import check_model_dir
-
     m = cfg.model
     if m.path:
         check_model_dir(str(m.path), "model.path", tokenizer=not m.tokenizer_path)
     if m.tokenizer_path:
         check_model_dir(str(m.tokenizer_path), "model.tokenizer_path", config=False, tokenizer=True)
     if command == TRAIN:
-        from portrl.trainer.advantage import needs_values
-
-        if cfg.critic.model_path and needs_values(cfg):
+        if cfg.critic.model_path and critic_enabled(cfg):
             check_model_dir(str(cfg.critic.model_path), "critic.model_path")
         if cfg.reward.model_path:
             check_model_dir(str(cfg.reward.model_path), "reward.model_path")
@@ -122,11 +129,7 @@ def _check_model(cfg: Any, command: str):
 def _load_tokenizer(cfg: Any):
     m = cfg.model
     if not m.path and not m.tokenizer_path:
-        from portrl.models.tokenizer import build_tokenizer
-
         return build_tokenizer("arith")  # what the built-in tiny model is saved with
-    from portrl.models import load_tokenizer
-
     try:
         return load_tokenizer(str(m.tokenizer_path or m.path))
     except UserError:
@@ -145,9 +148,6 @@ def _check_output_dir(cfg: Any) -> None:
 
 # -------------------------------------------------------------------------------------------- data
 def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
-    from portrl.data.validate import count_fitting_prompts, read_verl_file
-    from portrl.trainer.resources import no_train_files_message
-
     d = cfg.data
     arith = str(d.name) == "arith"
     train_files = [str(f) for f in d.train_files or []]
@@ -184,8 +184,6 @@ def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> No
     """Every data_source has a built-in reward, unless a custom reward scores all rows."""
     if cfg.reward.custom.path or cfg.reward.model_path:
         return
-    from portrl.rewards.registry import UnknownDataSource, reward_kind
-
     for files, rows in ((train_files, train_rows), (val_files, val_rows)):
         for source in sorted({r[1] for r in rows}):
             try:
@@ -198,9 +196,6 @@ def _first_generated_row(cfg: Any):
     """The first generated arith row (the data of a run without files), checked like a file's rows."""
     if str(cfg.data.name) != "arith":
         return None
-    from portrl.data.arith import make_arith_rows
-    from portrl.data.schema import check_row
-
     a = cfg.data.arith
     return check_row(make_arith_rows(1, int(a.seed), int(a.difficulty), "train")[0], "<arith>", 0)
 
@@ -211,16 +206,10 @@ def _check_reward(cfg: Any, first_row) -> None:
     custom = cfg.reward.custom
     if not custom.path:
         return
-    from portrl.rewards.custom import RewardFunctionError, load_custom_reward
-    from portrl.rewards.manager import _score_rows
-
     load_custom_reward(str(custom.path), str(custom.name))  # RewardFileError naming the file
     if first_row is None:
         return
     messages, source, truth, extra = first_row
-    from portrl.rewards.manager import RewardTimeoutError, describe_reward
-    from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
-
     custom_fn = (str(custom.path), str(custom.name))
     limit = float(cfg.reward.timeout_s) if cfg.reward.timeout_s else None
     try:
@@ -248,8 +237,6 @@ LOGGER_PACKAGES = {"tensorboard": "tensorboard>=2.16", "wandb": "wandb>=0.18", "
 
 def _check_loggers(cfg: Any) -> None:
     """Optional packages the run will import: the loggers' and, for LoRA, peft."""
-    from portrl.device.backend import module_available
-
     if int(cfg.actor.lora_rank) > 0 and not module_available("peft"):
         raise UserError(f"actor.lora_rank={cfg.actor.lora_rank} trains LoRA adapters with peft, which is not installed; "
                         "pip install \"peft>=0.13\", or actor.lora_rank=0 for full fine-tuning")
@@ -262,8 +249,6 @@ def _check_loggers(cfg: Any) -> None:
 
 def check_checkpoint_dir(path: str, key: str) -> Path:
     """``path`` as a Path, checked to be a directory holding a checkpoint that matches its manifest."""
-    from portrl.trainer.checkpoint import verify
-
     p = Path(path).expanduser()
     if not p.is_dir():
         what = "no such checkpoint directory" if not p.exists() else "is not a directory"
@@ -273,7 +258,5 @@ def check_checkpoint_dir(path: str, key: str) -> Path:
     if problem is not None:
         raise UserError(f"{key}={path} is not a checkpoint: {problem}; give a run's checkpoint, "
                         "<trainer.output_dir>/checkpoints/global_step_N")
-    from portrl.trainer.checkpoint import check_compatible, read_meta
-
     check_compatible(p, read_meta(p))  # an old (pickled) or a newer format: refused before the model loads
     return p

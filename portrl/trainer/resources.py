@@ -14,7 +14,13 @@ import os
 from pathlib import Path
 from typing import Any, List, Tuple
 
+from omegaconf import OmegaConf
+
+from portrl.data.arith import GENERATOR_VERSION, make_arith_rows, make_arith_sft_rows
+from portrl.data.preprocess import write_split
 from portrl.errors import UserError
+from portrl.models import write_tiny_model
+from portrl.models.loader import check_model_dir
 
 PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
 
@@ -39,13 +45,7 @@ def _key(d: dict) -> str:
 def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
-        from portrl.models.loader import check_model_dir
-
         return str(check_model_dir(str(cfg.model.path), "model.path"))
-    from omegaconf import OmegaConf
-
-    from portrl.models import write_tiny_model
-
     t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
     out = cache_dir() / "models" / f"tiny-arith-{_key(t)}"
     if not (out / "config.json").is_file():
@@ -63,11 +63,7 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
         return train, val
     if str(cfg.data.name) != "arith":
         raise UserError(no_train_files_message(cfg))
-    from portrl.data import make_arith_rows, write_split
-
     a = cfg.data.arith
-    from portrl.data.arith import GENERATOR_VERSION
-
     spec = {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty), "seed": int(a.seed),
             "generator": GENERATOR_VERSION}
     out = cache_dir() / "data" / f"arith-{_key(spec)}"
@@ -81,7 +77,5 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
 
 def arith_sft_rows(cfg: Any, n: int) -> list:
     """Rows (prompt messages + response) of the arith train split for the SFT warm start."""
-    from portrl.data import make_arith_sft_rows
-
     a = cfg.data.arith
     return make_arith_sft_rows(n, int(a.seed), int(a.difficulty), "train")

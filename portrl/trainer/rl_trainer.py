@@ -1,4 +1,4 @@
-"""RLTrainer: the single-controller RL loop (DESIGN.md "Trainer").
+"""RLTrainer: the single-controller RL loop (the path of one step through the files: docs/ARCHITECTURE.md).
 
 One step::
 
@@ -14,7 +14,7 @@ Before step 1 of a fresh run: the SFT warm start (``model.sft_warm_start``), the
 
 Validation (greedy by default, mean@k accuracy per data source) runs before training and every
 ``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL
-controller) every ``trainer.save_freq`` steps through CheckpointManager; ``trainer.resume`` =
+controller) every ``trainer.save_freq`` steps (portrl.trainer.run_checkpoints); ``trainer.resume`` =
 auto | off | PATH. Generation seeds derive from (trainer.seed, step), so a resumed run samples
 what an uninterrupted run samples.
 
@@ -34,17 +34,32 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from portrl.trainer.advantage import (apply_reward_kl, compute_batch_advantages, needs_reference, needs_values,
-                                      seq_metric)
+from omegaconf import OmegaConf
+
+from portrl.algo import algorithm_spec, critic_enabled, filter_groups, get_kl_controller, reference_enabled
+from portrl.data import RLDataset
 from portrl.errors import RunStopped
-from portrl.trainer.groups import first, make_group
+from portrl.models import load_tokenizer
+from portrl.rewards import per_source_metrics
+from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, seq_metric
+from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.interrupts import StopSignals, stop_signals, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
+from portrl.trainer.plot import plot_run
 from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve_model_path
+from portrl.trainer.reward_scoring import RewardScorer
+from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
+from portrl.trainer.run_dir import prepare_run_dir
+from portrl.trainer.run_identity import run_identity
+from portrl.trainer.tracking import Tracker, read_metrics_up_to
+from portrl.trainer.value_pretrain import pretrain_critic
 from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch, concat_rollouts
+from portrl.workers.critic import CriticWorker
+from portrl.workers.group import WorkerDiedError, WorkerGroup
+from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
+from portrl.workers.rollout_worker import separated_rollout
 from portrl.workers.setup import setup_process, worker_backend
-from portrl.workers.training import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +74,6 @@ class RLTrainer:
     """Builds workers, data, reward, tracker and checkpoints from ``cfg``; :meth:`fit` runs the loop."""
 
     def __init__(self, cfg: Any):
-        from omegaconf import OmegaConf
-
-        from portrl.data import RLDataset
-        from portrl.models import load_tokenizer
-        from portrl.workers.reward import RewardWorker
-
         cfg = copy.deepcopy(cfg)
         OmegaConf.set_readonly(cfg, False)
         self.backend = worker_backend(cfg)
@@ -81,36 +90,29 @@ class RLTrainer:
                                   filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
                                   shuffle=bool(d.shuffle), seed=int(d.seed))
         self.val_prompts = self._val_prompts(val_files)
-        self.actor = make_group(ActorRolloutWorker, cfg, self.backend)
+        self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
         if str(cfg.rollout.placement) == "separated":
-            from portrl.workers.rollout_worker import separated_rollout
-
             self.rollout, self.weight_link = separated_rollout(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
-        if needs_values(cfg):
-            from portrl.workers.critic import CriticWorker
-
-            self.critic = make_group(CriticWorker, cfg, self.backend)
-        self.reward = RewardWorker(cfg, self.tokenizer)
-        self.use_ref = needs_reference(cfg)
+        if critic_enabled(cfg):
+            self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
+        self.reward = RewardScorer(cfg, self.tokenizer)
+        self.use_ref = reference_enabled(cfg)
         self.kl_ctrl = None
         if cfg.algorithm.use_kl_in_reward:
-            from portrl.algo import get_kl_controller
-
             k = cfg.algorithm.kl_ctrl
             self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
         self.global_step = 0
         self._train_iter = None
+        self.reference_copy = ReferenceCopy()  # the run's reference policy, written once (run_checkpoints)
         self.history: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------------------------- data
     def _val_prompts(self, files: List[str]) -> Optional[Batch]:
         if not files or int(self.cfg.trainer.test_freq) <= 0 and not self.cfg.trainer.val_before_train:
             return None
-        from portrl.data import RLDataset
-
         d = self.cfg.data
         ds = RLDataset(files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
                        filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
@@ -150,18 +152,16 @@ class RLTrainer:
             with timer("gen"):
                 sampling = self._sampling(self._gen_seed(step, gen_batches))
                 extra = {"for_update": for_update} if self.gen is self.actor else {}
-                batch = self.gen.call("generate_from", prompts, sampling, **extra)
+                batch = self.gen.concat("generate_from", prompts, sampling, **extra)
             gen_batches += 1
             with timer("reward"):
                 batch.union(self.reward.compute_reward(batch))
-                if str(cfg.algorithm.adv_estimator) == "remax" and str(cfg.algorithm.objective) == "policy_gradient":
+                if algorithm_spec(cfg.algorithm).needs_greedy_baseline:
                     batch["reward_baselines"] = self._greedy_baselines(prompts, step, gen_batches)
             if first_batch is None:
                 first_batch = batch
             if not fg.enable:
                 return batch, metrics
-            from portrl.algo import filter_groups
-
             keep = filter_groups(batch.meta["uid"], seq_metric(cfg, batch))
             if bool(keep.any()):
                 kept.append(batch.select(keep))
@@ -183,7 +183,7 @@ class RLTrainer:
     def _greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
         """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
         greedy = dict(self._sampling(self._gen_seed(step, 500 + k)), n=1, temperature=0.0)
-        g = self.gen.call("generate_from", prompts, greedy)
+        g = self.gen.concat("generate_from", prompts, greedy)
         scores = self.reward.compute_reward(g).tensors["seq_scores"]
         return scores.repeat_interleave(int(self.cfg.rollout.n))
 
@@ -198,28 +198,28 @@ class RLTrainer:
             if batch is None:
                 m["train/skipped"] = 1.0
                 return {**m, **timer.metrics()}
-            if cfg.algorithm.use_kl_in_reward or old_log_probs_needed(cfg, len(batch)):
+            if old_log_probs_needed(cfg, len(batch)):
                 with timer("old_log_prob"):
-                    old = self.actor.call("compute_log_probs", batch)
+                    old = self.actor.concat("compute_log_probs", batch)
                     ent = old.pop("entropys")
                     batch.union(old)
                     m["actor/entropy_old"] = float((ent * batch.tensors["response_mask"]).sum()
                                                    / batch.tensors["response_mask"].sum().clamp(min=1))
             if self.use_ref:
                 with timer("ref"):
-                    batch.union(self.actor.call("compute_ref_log_probs", batch))
+                    batch.union(self.actor.concat("compute_ref_log_probs", batch))
             if self.critic is not None:
                 with timer("values"):
-                    batch.union(self.critic.call("compute_values", batch))
+                    batch.union(self.critic.concat("compute_values", batch))
             with timer("adv"):
                 m.update(apply_reward_kl(cfg, batch, self.kl_ctrl))
                 m.update(compute_batch_advantages(cfg, batch))
             if self.critic is not None:
                 with timer("update_critic"):
-                    m.update(self.critic.call("update_critic", batch))
+                    m.update(self.critic.metrics("update_critic", batch))
             if step > int(cfg.critic.warmup_steps) or self.critic is None:
                 with timer("update_actor"):
-                    m.update(self.actor.call("update_actor", batch))
+                    m.update(self.actor.metrics("update_actor", batch))
                 with timer("sync"):
                     self.sync_weights()
         elapsed = time.perf_counter() - t0
@@ -240,14 +240,12 @@ class RLTrainer:
         sources: List[str] = []
         acc, score, lens = [], [], []
         for i, chunk in enumerate(self.val_prompts.split(int(size))):
-            b = self.gen.call("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
+            b = self.gen.concat("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
             r = self.reward.compute_reward(b)
             sources += [str(s) for s in b.meta["data_source"]]
             acc.append(r.tensors["acc"].float())
             score.append(r.tensors["seq_scores"].float())
             lens.append(b.tensors["response_mask"].sum(-1).float())
-        from portrl.rewards import per_source_metrics
-
         a, s = torch.cat(acc), torch.cat(score)
         out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
         out["val/acc/mean"] = float(a.mean())
@@ -262,106 +260,25 @@ class RLTrainer:
         if self.weight_link is not None:
             self.weight_link.sync()
         else:
-            self.actor.call("sync_weights")
+            self.actor.run("sync_weights")
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _write_checkpoint(self, path: Path, actor: Dict[str, Any], critic: Optional[Dict[str, Any]]) -> None:
-        """actor / critic / trainer state as safetensors + JSON (portrl.trainer.checkpoint_io)."""
-        from portrl.trainer.checkpoint_io import save_state
-
-        save_state(path, "actor", actor)
-        if critic is not None:
-            save_state(path, "critic", critic)
-        state = {"step": self.global_step, "data": self.train_ds.state_dict(), "rng": rng_state(),
-                 "kl_coef": None if self.kl_ctrl is None else float(self.kl_ctrl.value)}
-        save_state(path, "trainer", state)
-
     def save_checkpoint(self) -> Path:
-        """A checkpoint of the current step; its manifest records the format, portrl version and run identity.
-        Worker state is rank 0's (every rank joins the gather), never a metrics reduction over ranks. The frozen
-        reference policy is not copied into every checkpoint: it is written once per run (after an SFT warm start
-        it is the post-SFT policy, which nothing else holds) and each checkpoint pins it."""
-        from portrl.trainer.run_identity import fingerprint, run_identity
-
-        ident = run_identity(self.cfg)
-        meta: Dict[str, Any] = {"step": self.global_step, "identity": ident, "fingerprint": fingerprint(ident)}
-        actor = self.actor.call_rank0("state_dict")
-        critic = self.critic.call_rank0("state_dict") if self.critic is not None else None
-        ref = actor.pop("ref", None)
-        if ref is not None:
-            meta["reference"] = self._saved_reference(ref)
-        return self.ckpt.save(self.global_step, lambda path: self._write_checkpoint(path, actor, critic), meta)
-
-    def _saved_reference(self, ref: Dict[str, Any]) -> Dict[str, str]:
-        """This run's reference in ``checkpoints/reference``: written at the run's first checkpoint (or when that
-        copy is gone or changed), then reused; returns the checkpoint's ``meta.reference``."""
-        from portrl.trainer.checkpoint import MANIFEST, REFERENCE, sha256_file
-        from portrl.trainer.checkpoint_io import save_state
-
-        known = getattr(self, "_reference_meta", None)
-        manifest = self.ckpt.root / REFERENCE / MANIFEST
-        if known is not None and known[0] == self.ckpt.root and manifest.is_file() \
-                and sha256_file(manifest) == known[1]["manifest_sha256"]:
-            return known[1]
-        meta = self.ckpt.save_reference(lambda path: save_state(path, "ref", ref))
-        self._reference_meta = (self.ckpt.root, meta)
-        return meta
+        """A checkpoint of the current step (portrl.trainer.run_checkpoints.save_run_checkpoint)."""
+        return save_run_checkpoint(self)
 
     def load_checkpoint(self, path: Path, policy_only: bool = False) -> None:
-        """Load a checkpoint after verifying it (manifest sizes and sha256, format version, the model it was trained
-        from; the run's reference model when this run uses one); nothing is unpickled. A learning rate changed
-        since the checkpoint is applied and logged. ``policy_only`` (``portrl eval``): the actor and the step only,
-        not the critic, data position, RNG or KL controller of the training run."""
-        from portrl.trainer.checkpoint import CheckpointError, open_checkpoint
-        from portrl.trainer.checkpoint_io import StateFormatError, load_state
-        from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, run_identity
+        """Load a verified checkpoint (portrl.trainer.run_checkpoints.load_run_checkpoint); ``policy_only``: the
+        actor and the step only (``portrl eval``)."""
+        load_run_checkpoint(self, path, policy_only)
 
-        path = Path(path)
-        use_ref = self.use_ref and not policy_only
-        manifest = open_checkpoint(path, run_identity(self.cfg), only=MODEL_KEYS, with_reference=use_ref)
-        ref_meta = manifest["meta"].get("reference")
-        try:
-            actor = load_state(path, "actor")
-            critic = load_state(path, "critic") if self.critic is not None and not policy_only else None
-            state = None if policy_only else load_state(path, "trainer")
-            if use_ref and ref_meta is not None:  # the run's reference, written once (save_checkpoint)
-                actor["ref"] = load_state(path.parent / ref_meta["dir"], "ref")
-        except StateFormatError as exc:
-            raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
-        if policy_only:
-            actor.pop("ref", None)
-        if ref_meta is not None and getattr(self, "ckpt", None) is not None \
-                and path.parent.resolve() == self.ckpt.root.resolve():
-            self._reference_meta = (self.ckpt.root, ref_meta)  # resumed in place: no need to write it again
-        for worker_state, optim, key in ((actor, self.cfg.actor.optim, "actor.optim.lr"),
-                                         (critic, self.cfg.critic.optim, "critic.optim.lr")):
-            note = apply_lr(worker_state, float(optim.lr), key) if worker_state is not None else None
-            if note and not policy_only:
-                log.warning("%s", note)
-        self.actor.call("load_state_dict", actor)
-        if critic is not None:
-            self.critic.call("load_state_dict", critic)
-        self.global_step = int(manifest["step"])
-        if state is None:
-            return
-        try:
-            self.train_ds.load_state_dict(state["data"])
-        except ValueError as exc:  # the same data keys (run identity), but the files' contents changed
-            raise CheckpointError(f"checkpoint {path}: {exc}; the training data changed since it was written: "
-                                  f"restore them, or start a fresh run (a new trainer.output_dir)") from None
+    def restart_data(self) -> None:
+        """Take the next prompts from the dataset's current position (after it was restored)."""
         self._train_iter = None
-        set_rng_state(state["rng"])
-        if self.kl_ctrl is not None and state.get("kl_coef") is not None:
-            self.kl_ctrl.value = float(state["kl_coef"])
 
     # -------------------------------------------------------------------------------------- fit
     def fit(self) -> Dict[str, Any]:
         """Run to ``trainer.total_steps``; returns the summary dict (see :func:`run_training`)."""
-        from portrl.trainer.checkpoint import CheckpointManager
-        from portrl.trainer.run_dir import prepare_run_dir
-        from portrl.trainer.run_identity import run_identity
-        from portrl.trainer.tracking import Tracker, read_metrics_up_to
-
         cfg, t = self.cfg, self.cfg.trainer
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", max_to_keep=int(t.max_ckpt_to_keep))
         # this run's checkpoint, a fresh start, or an error: never another run's files (portrl.trainer.run_dir)
@@ -379,16 +296,14 @@ class RLTrainer:
                 raise ValueError("model.sft_warm_start is built in for data.name=arith only; run `portrl sft` first")
             if t.val_before_train and self.val_prompts is not None:
                 summary["val_before"] = self.validate(-1).get("val/acc/mean")  # the untrained model
-            sft = first(self.actor.call("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),
-                                        int(cfg.model.sft_batch_size)))
+            sft = self.actor.metrics("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),
+                                     int(cfg.model.sft_batch_size))
             summary.update(sft)
         if self.use_ref and resume is None:
-            self.actor.call("init_reference")
+            self.actor.run("init_reference")
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
             self.weight_link.sync()
         if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
-            from portrl.trainer.value_pretrain import pretrain_critic
-
             summary.update(pretrain_critic(self))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
@@ -410,8 +325,7 @@ class RLTrainer:
                 why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, latest, abandoned=why),
                                  stop.exit_code) from exc
-            died = _worker_died_error()
-            if died is not None and isinstance(exc, died):
+            if isinstance(exc, WorkerDiedError):
                 latest = self.ckpt.latest_valid()
                 raise exc.with_checkpoint(str(latest) if latest else None) from exc
             raise
@@ -429,8 +343,6 @@ class RLTrainer:
         stop.notice = lambda name: (f"portrl: {name} received: finishing step {self.global_step + 1}, then {then} "
                                     f"(send it again to stop at once)")
         if any(getattr(g, "use_ray", False) for g in (self.rollout, self.critic, self.actor)):
-            from portrl.workers.ray_env import terminate_local_ray
-
             stop.on_abort = [terminate_local_ray]
         slowest: Optional[float] = None
         self._set_worker_timeout(worker_timeout(t.worker_timeout_s, slowest))
@@ -488,25 +400,21 @@ class RLTrainer:
     def _set_worker_timeout(self, limit: Optional[float]) -> None:
         """The time limit on each call to Ray workers (portrl.trainer.interrupts.worker_timeout)."""
         for group in (self.actor, self.critic, self.rollout):
-            if group is not None and hasattr(group, "timeout_s"):
+            if group is not None:
                 group.timeout_s = limit
 
     def shutdown_workers(self) -> None:
         """Stop the worker processes of a run that stops early: with Ray workers, Ray itself goes
         (portrl.workers.ray_env.shutdown_ray); in-process workers need nothing."""
-        if any(getattr(g, "use_ray", False) for g in (self.rollout, self.critic, self.actor)):
-            from portrl.workers.ray_env import shutdown_ray
-
+        if any(g is not None and g.use_ray for g in (self.rollout, self.critic, self.actor)):
             shutdown_ray()
 
     def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer
         if t.export_hf:
-            summary["export_dir"] = first(self.actor.call("export_hf", str(self.out_dir / "hf_model")))
+            summary["export_dir"] = self.actor.rank0("export_hf", str(self.out_dir / "hf_model"))
         if t.plot:
             try:
-                from portrl.trainer.plot import plot_run
-
                 summary["plots"] = [str(p) for p in plot_run(str(self.out_dir))]
             except ImportError as exc:  # matplotlib is a dependency, but a broken install must not lose the run
                 log.warning("plotting skipped: %s", exc)
@@ -517,15 +425,6 @@ class RLTrainer:
         tps = [h["perf/tokens_per_s"] for h in records if "perf/tokens_per_s" in h]
         summary["tokens_per_s"] = sum(tps) / len(tps) if tps else None
         return summary
-
-
-def _worker_died_error():
-    """portrl.workers.group.WorkerDiedError when the distributed layer is importable (it needs Ray)."""
-    try:
-        from portrl.workers.group import WorkerDiedError
-    except ImportError:
-        return None
-    return WorkerDiedError
 
 
 def _prompt_batch(pb: Any) -> Batch:

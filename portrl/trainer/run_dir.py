@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from portrl.trainer.checkpoint import CheckpointError, CheckpointManager
-from portrl.trainer.run_identity import RUN_FILE, identity_diff, read_run_record, write_run_record
+from portrl.trainer.checkpoint import CheckpointError, CheckpointManager, _load_manifest, check_compatible
+from portrl.trainer.run_identity import RUN_FILE, identity_diff, read_run_record, run_identity, write_run_record
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,6 @@ def _check_no_newer(ckpt: CheckpointManager, path: Path) -> None:
 
 def _check_newest_manifest(ckpt: CheckpointManager, resume: str, identity: Dict[str, Any], may_move: bool) -> None:
     """The format and identity of the checkpoint a resume would start from, read from its manifest alone."""
-    from portrl.trainer.checkpoint import _load_manifest, check_compatible
-
     if resume != "auto":
         path = Path(os.path.expanduser(resume))
         manifest, problem = _load_manifest(path) if path.is_dir() else (None, "no such directory")
@@ -186,8 +184,6 @@ def check_run_dir(cfg: Any) -> None:
     """What :func:`prepare_run_dir` would refuse for ``cfg`` (another run's folder, ``resume=off`` into a run, an
     old-format or foreign checkpoint, a bad ``trainer.on_existing_run``), found before any model loads: nothing
     is changed and no checksum is computed (``fit()`` verifies them). Raises CheckpointError."""
-    from portrl.trainer.run_identity import run_identity
-
     out_dir = Path(os.path.expanduser(str(cfg.trainer.output_dir)))
     ckpt = CheckpointManager(out_dir / "checkpoints", max_to_keep=max(1, int(cfg.trainer.max_ckpt_to_keep)))
     prepare_run_dir(cfg, out_dir, ckpt, run_identity(cfg), dry_run=True)

@@ -41,6 +41,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+
+from portrl import __version__
+from portrl.trainer.resources import _key, cache_dir
+
 RUN_FILE = "run.json"
 TINY = "<tiny>"
 
@@ -66,14 +71,7 @@ def _get(cfg: Any, key: str) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return value
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _flat(d: Any, prefix: str) -> Dict[str, Any]:
@@ -89,10 +87,6 @@ def _is_tiny_path(cfg: Any, path: Optional[str]) -> bool:
     """True when ``path`` is the cached built-in tiny model for ``model.tiny`` (see portrl.trainer.resources)."""
     if not path:
         return True
-    try:
-        from portrl.trainer.resources import _key, cache_dir
-    except ImportError:  # pragma: no cover
-        return False
     tiny = _plain(cfg.model.tiny)
     return Path(str(path)) == cache_dir() / "models" / f"tiny-arith-{_key(dict(tiny))}"
 
@@ -140,8 +134,6 @@ def read_run_record(out_dir: str | os.PathLike) -> Optional[Dict[str, Any]]:
 
 def write_run_record(out_dir: str | os.PathLike, identity: Dict[str, Any]) -> Dict[str, Any]:
     """Write a new ``run.json`` (temp file + rename); returns the record (with its fresh ``run_id``)."""
-    from portrl import __version__
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rec = {"run_id": uuid.uuid4().hex, "created": time.time(), "portrl_version": __version__,

@@ -28,6 +28,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from portrl.device import import_optional
+from portrl.user_files import temp_name
+
 log = logging.getLogger(__name__)
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -85,8 +91,6 @@ def _truncate_after(path: Path, resume_step: int) -> None:
     if not path.exists():
         return
     kept = read_metrics_up_to(path, resume_step)
-    from portrl.user_files import temp_name
-
     tmp = temp_name(path)
     with open(tmp, "w") as fh:
         for r in kept:
@@ -116,8 +120,6 @@ class Tracker:
         self._last_step = self.resume_step
         self._jsonl_pending = "jsonl" in self.loggers  # opened (fresh or cut at resume_step) at the first log
         if "console" in self.loggers and progress_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=self.resume_step, desc="train", unit="step", dynamic_ncols=True)
         if "tensorboard" in self.loggers:
             self._tb = self._open_tensorboard()
@@ -143,35 +145,24 @@ class Tracker:
     def _config_dict(self) -> dict:
         if self.config is None:
             return {}
-        try:
-            from omegaconf import OmegaConf
-
-            if OmegaConf.is_config(self.config):
-                return OmegaConf.to_container(self.config, resolve=True)
-        except ImportError:
-            pass
+        if OmegaConf.is_config(self.config):
+            return OmegaConf.to_container(self.config, resolve=True)
         return dict(self.config) if isinstance(self.config, Mapping) else {}
 
     def _open_tensorboard(self):
-        from portrl.device import import_optional
-
-        import_optional("tensorboard", INSTALL)
+        import_optional("tensorboard", INSTALL)  # the optional loggers (the `logging` extra) load only when chosen
         from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=self.resume_step + 1
                              if self.resume_step else None)
 
     def _open_wandb(self):
-        from portrl.device import import_optional
-
         wandb = import_optional("wandb", INSTALL)
         project, name = self._names()
         wandb.init(project=project, name=name, dir=str(self.output_dir), config=self._config_dict(), resume="allow")
         return wandb
 
     def _open_mlflow(self):
-        from portrl.device import import_optional
-
         mlflow = import_optional("mlflow", INSTALL)
         project, name = self._names()
         mlflow.set_experiment(project)

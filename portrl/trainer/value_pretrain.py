@@ -25,7 +25,8 @@ import time
 from collections import deque
 from typing import Any, Dict
 
-from portrl.trainer.advantage import compute_batch_advantages
+from portrl.algo import explained_variance
+from portrl.trainer.advantage_phase import compute_batch_advantages
 from portrl.trainer.metrics import Timer
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,6 @@ def pretrain_critic(trainer: Any) -> Dict[str, float]:
     """Run value pretraining on ``trainer`` (an RLTrainer with a critic). Returns
     ``critic/pretrain_steps``, ``critic/pretrain_ev`` (the window's mean explained variance at the end, NaN
     when no batch had varying returns) and ``critic/pretrain_time_s``."""
-    from portrl.algo import explained_variance
-
     cfg = trainer.cfg
     steps, target = int(cfg.critic.pretrain_steps), cfg.critic.pretrain_target_ev
     recent: deque = deque(maxlen=PRETRAIN_EV_WINDOW)
@@ -50,14 +49,14 @@ def pretrain_critic(trainer: Any) -> Dict[str, float]:
         batch, _ = trainer._rollout(-k, Timer(), for_update=False)
         if batch is None:  # dynamic sampling kept no group
             continue
-        batch.union(trainer.critic.call("compute_values", batch))
+        batch.union(trainer.critic.concat("compute_values", batch))
         batch["token_level_rewards"] = batch.tensors["token_level_scores"]
         compute_batch_advantages(cfg, batch)
         t = batch.tensors
         ev = float(explained_variance(t["returns"], t["values"], t["response_mask"]))
         if math.isfinite(ev):
             recent.append(ev)
-        trainer.critic.call("update_critic", batch, advance_schedule=False)
+        trainer.critic.metrics("update_critic", batch, advance_schedule=False)
         mean = _mean(recent)
         if k % LOG_EVERY == 0:
             log.info("value pretraining: step %d/%d, explained variance %.3f (mean of the last %d batches)",

@@ -4,7 +4,8 @@ One instance per data-parallel rank (``rank``, ``world_size``). Every method tak
 :class:`~portrl.workers.batch.Batch` or plain Python values, so the same class runs in-process
 (one worker) or as a Ray actor (``portrl.workers.group``).
 
-Update (``update_actor``): the rows are cut into mini-batches of ``actor.ppo_mini_batch_size *
+Update (``update_actor``, through the loop shared with the critic, portrl.workers.update_loop): the rows
+are cut into mini-batches of ``actor.ppo_mini_batch_size *
 rollout.n / world_size`` sequences (one optimizer step each), every mini-batch into micro-batches
 (gradient accumulation), repeated ``actor.ppo_epochs`` times. Every micro-batch loss is aggregated
 with the *global* token / sequence counts of its mini-batch (:func:`portrl.workers.training.global_counts`),
@@ -27,26 +28,26 @@ import torch
 from portrl.algo.rollout_correction import rollout_diff_stats
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.objectives import ADDITIVE_METRICS, actor_loss
+from portrl.algo.spec import algorithm_spec
+from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.training import (
     all_reduce_max,
     all_reduce_sum,
     build_lr_scheduler,
     build_optimizer,
-    clip_and_step,
-    combine_micro_metrics,
-    global_counts,
-    mean_metrics,
     rng_state,
     same_piece_count,
     set_rng_state,
     split_micro_batches,
 )
+from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 
 
 class ActorRolloutWorker:
     """Policy + rollout engine (+ reference). ``model_path`` overrides ``cfg.model.path`` (the resolved tiny model)."""
+
+    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm")  # what it reads
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         from portrl.models import load_causal_lm, load_tokenizer
@@ -124,16 +125,19 @@ class ActorRolloutWorker:
         return copy_.eval()
 
     def _make_engine(self, model: Optional[torch.nn.Module] = None):
-        from portrl.rollout import make_engine
-        from portrl.workers.rollout_worker import engine_name, engine_options
+        """The colocated engine (:func:`portrl.rollout.choose_engine` decides which). One that declares
+        ``in_process_weights`` decodes the trainer's module (or ``model``, the full copy FSDP2 needs); any other
+        loads its own copy from ``model_path`` and gets the weights by :meth:`sync_weights`."""
+        from portrl.rollout import choose_engine, engine_capabilities, make_engine
+        from portrl.workers.rollout_worker import rollout_settings
 
-        name = engine_name(self.cfg, self.backend, tiny=self._tiny_run())
-        kwargs = engine_options(self.cfg, self.backend, name, self.dtype)
-        if name == "hf":  # shares the trainer's module (or the full copy FSDP2 needs), already in the compute dtype
-            kwargs.pop("dtype")
-            return make_engine("hf", model=self.module if model is None else model, tokenizer=self.tokenizer,
-                               backend=self.backend, **kwargs)
-        return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend, **kwargs)
+        name = choose_engine(str(self.cfg.rollout.engine), self.backend, num_params=self._num_params)
+        settings = rollout_settings(self.cfg.rollout, self.cfg.data, int(self.cfg.trainer.seed), self.dtype)
+        if engine_capabilities(name).in_process_weights:
+            return make_engine(name, model=self.module if model is None else model, tokenizer=self.tokenizer,
+                               backend=self.backend, settings=settings)
+        return make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
+                           settings=settings)
 
     def _can_record_forward(self) -> bool:
         """Whether the update can replay the rollout's recorded forward (portrl.models.forward_tape): one process,
@@ -141,12 +145,12 @@ class ActorRolloutWorker:
         gradient checkpointing (which exists to not keep activations), and model.reuse_rollout_forward."""
         m = self.cfg.model
         return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
-                and getattr(self.engine, "model", None) is self.module and getattr(self.engine, "_fast", None) is not None
+                and self.engine.shares_module(self.module) and self.engine.can_record_forward()
                 and bool(m.use_packing) and bool(m.share_prompts) and not self.checkpointing)
 
-    def _tiny_run(self) -> bool:
-        # A separate engine process only pays off for real models; tiny ones share the trainer's module.
-        return sum(p.numel() for p in self.module.parameters()) < 50_000_000 and self.device.type == "cpu"
+    def _num_params(self) -> int:
+        """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
+        return sum(p.numel() for p in self.module.parameters())
 
     def init_reference(self) -> None:
         """Freeze a copy of the current policy as the reference (call after any SFT warm start)."""
@@ -167,14 +171,13 @@ class ActorRolloutWorker:
                                "RolloutWorker group (portrl.workers.rollout_worker)")
         record = for_update and self._can_record_forward()
         if record:
-            self.engine.record_forward = True
+            self.engine.start_recording()
         try:
             batch = generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
                                    sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
         finally:
             if record:
-                self.engine.record_forward = False
-                self._tape, self.engine.last_tape = self.engine.last_tape, None
+                self._tape = self.engine.stop_recording()
         return batch
 
     def generate_from(self, prompts: Batch, sampling: Mapping[str, Any], for_update: bool = False) -> Batch:
@@ -225,59 +228,45 @@ class ActorRolloutWorker:
         return Batch({"ref_log_probs": logp})
 
     # --------------------------------------------------------------------------------- update
-    def _mini_rows(self) -> int:
-        rows = int(self.cfg.actor.ppo_mini_batch_size) * int(self.cfg.rollout.n) // self.world_size
-        if rows < 1:
-            raise ValueError(f"actor.ppo_mini_batch_size * rollout.n ({rows * self.world_size}) is smaller than "
-                             f"the number of workers ({self.world_size})")
-        return rows
+    def loop_settings(self) -> LoopSettings:
+        """The shared update loop's settings from ``actor`` (epochs, mini- and micro-batch sizes, grad clip); with
+        ``actor.shuffle`` the rows of epoch e are permuted with seed ``trainer.seed*7919 + update_count*31 + e``."""
+        a = self.cfg.actor
+        seed = int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 if a.shuffle else None
+        return LoopSettings(epochs=int(a.ppo_epochs),
+                            mini_rows=mini_batch_rows(a.ppo_mini_batch_size, self.cfg.rollout.n, self.world_size),
+                            micro_rows=int(a.ppo_micro_batch_size_per_device),
+                            max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
+                            grad_clip=float(a.optim.grad_clip), loss_scale_factor=int(self.cfg.data.max_response_length),
+                            world_size=self.world_size, shuffle_seed=seed)
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
-        """One RL step of policy optimisation (see the module docstring). Returns ``actor/*`` metrics."""
-        cfg = self.cfg.actor
-        self.train_module.train()
-        mini_rows = self._mini_rows()
+        """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
+        docstring for the loss). Returns ``actor/*`` metrics and the rollout gap (``training/*``)."""
+        settings = self.loop_settings()
         use_old = "old_log_probs" in batch
-        rows: List[Dict[str, float]] = []
-        grad_norms: List[float] = []
         # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
         # weights without bumping their version counters, so the tape's own check cannot see that step)
         tape, self._tape = self._tape, None
         gaps: List[Dict[str, float]] = []  # rollout engine vs trainer on the same tokens (portrl.algo.rollout_correction)
-        for epoch in range(int(cfg.ppo_epochs)):
-            data = batch
-            if cfg.shuffle:
-                g = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 + epoch)
-                data = batch.select(torch.randperm(len(batch), generator=g))
-            for mini in same_piece_count(data, data.split(mini_rows), self.world_size):
-                tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
-                info = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
-                        "loss_scale_factor": int(self.cfg.data.max_response_length)}
-                if "dpo_valid" in mini:
-                    info["num_pairs"] = all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]
-                self.master.zero_grad()
-                micro_rows: List[Dict[str, float]] = []
-                micros = split_micro_batches(mini, int(cfg.ppo_micro_batch_size_per_device),
-                                             cfg.max_tokens_per_micro_batch)
-                for micro in same_piece_count(mini, micros, self.world_size):
-                    micro = micro.to(self.device)
-                    logp, ent = self._forward(self.train_module, micro, with_entropy=True, tape=tape)
-                    if epoch == 0 and "rollout_log_probs" in micro:  # every row once, before its first step
-                        old = micro.tensors["old_log_probs"] if use_old else logp
-                        gaps.append(rollout_diff_stats(old, micro.tensors["rollout_log_probs"],
-                                                       micro.tensors["response_mask"]))
-                    loss, m = actor_loss(self.cfg, micro, logp, ent, info, use_old=use_old)
-                    loss.backward()
-                    micro_rows.append(m)
-                rows.append(combine_micro_metrics(micro_rows, ADDITIVE_METRICS))
-                grad_norms.append(self._step())
-                tape = None
-        self.scheduler.step()
+
+        def policy_loss(micro: Batch, counts: Dict[str, Any], pos: Position):
+            logp, ent = self._forward(self.train_module, micro, with_entropy=True,
+                                      tape=tape if pos.steps_done == 0 else None)
+            if pos.epoch == 0 and "rollout_log_probs" in micro:  # every row once, before its first step
+                old = micro.tensors["old_log_probs"] if use_old else logp
+                gaps.append(rollout_diff_stats(old, micro.tensors["rollout_log_probs"], micro.tensors["response_mask"]))
+            return actor_loss(self.cfg, micro, logp, ent, counts, use_old=use_old)
+
+        def preference_pairs(mini: Batch) -> Dict[str, Any]:  # online DPO: valid pairs of the mini-batch, all ranks
+            if "dpo_valid" not in mini:
+                return {}
+            return {"num_pairs": all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]}
+
+        state = Trainable(self.train_module, self.master, self.optimizer, self.scheduler, self.device)
+        out = run_update(state, batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
+                         extra_counts=preference_pairs)
         self.update_count += 1
-        self.train_module.eval()
-        out = mean_metrics(rows)
-        out["actor/grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-        out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         out.update(self._rollout_gap_metrics(gaps))
         return out
 
@@ -293,9 +282,6 @@ class ActorRolloutWorker:
         return {"training/rollout_probs_diff_mean": sums[0] / sums[2], "training/rollout_probs_diff_max": maxes[0],
                 "training/rollout_log_probs_diff_mean": sums[1] / sums[2],
                 "training/rollout_log_probs_diff_max": maxes[1]}
-
-    def _step(self) -> float:
-        return clip_and_step(self.optimizer, self.master, float(self.cfg.actor.optim.grad_clip))
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
@@ -319,9 +305,7 @@ class ActorRolloutWorker:
     def sync_weights(self) -> bool:
         """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module
         (a peft-wrapped module included: its forward applies the adapters) or there is no engine here."""
-        if self.engine is None:
-            return False
-        if getattr(self.engine, "model", None) is self.module:
+        if self.engine is None or self.engine.shares_module(self.module):
             return False
         self.engine.update_weights(self.named_weights())
         return True
@@ -364,8 +348,12 @@ class ActorRolloutWorker:
 
 
 def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
-    """False when the old policy provably equals the current one at its only use: one PPO epoch and
-    all ``num_rows`` rows of the step in one mini-batch (one optimizer step), so the update may use
-    ``old = logp.detach()`` (no extra forward) and get exactly the same loss and gradient."""
+    """Whether the step computes ``old_log_probs``: when the algorithm reads them (its record's
+    ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline), or when the old
+    policy may differ from the current one at the update. It provably equals it with one PPO epoch and all
+    ``num_rows`` rows of the step in one mini-batch (one optimizer step): then the update uses
+    ``old = logp.detach()`` (no extra forward) and gets exactly the same loss and gradient."""
+    if algorithm_spec(cfg.algorithm).needs_old_log_probs:
+        return True
     mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
     return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)

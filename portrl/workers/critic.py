@@ -4,30 +4,27 @@
 hidden state of the column that precedes it (the column that also predicts token ``t``), as verl's
 ``values[:, -T-1:-1]``. The decoder runs on packed rows (no padding) like the actor's forward.
 
-Update (``update_critic``): mini-batches / micro-batches / epochs as the actor's, clipped value
-loss ``½·agg(max((V−R)², (clip(V, V_old±c)−R)²))`` with the mini-batch's global counts, AdamW,
-gradient clipping, LR schedule from ``critic.optim``.
+Update (``update_critic``): the loop the actor's update runs too (portrl.workers.update_loop: mini-batches,
+micro-batches, epochs, global counts, gradient clipping, LR schedule), with the critic's loss on each
+micro-batch: the clipped value loss ``½·agg(max((V−R)², (clip(V, V_old±c)−R)²))``; AdamW and the schedule from
+``critic.optim``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from portrl.algo import compute_value_loss, masked_mean
+from portrl.models import load_causal_lm
+from portrl.models.logprobs import response_hidden_states
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
+from portrl.workers.parallel import resolve_strategy, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import (
-    build_lr_scheduler,
-    build_optimizer,
-    clip_and_step,
-    combine_micro_metrics,
-    global_counts,
-    mean_metrics,
-    same_piece_count,
-    split_micro_batches,
-)
+from portrl.workers.training import build_lr_scheduler, build_optimizer, same_piece_count, split_micro_batches
+from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
 class ValueModel(torch.nn.Module):
@@ -52,8 +49,6 @@ class ValueModel(torch.nn.Module):
                 packed: bool = True, share_prompts: bool = True) -> torch.Tensor:
         """Values ``(B, T)``: the head on the hidden state before each response token (0 on padding);
         layouts as in :func:`portrl.models.logprobs.response_hidden_states`."""
-        from portrl.models.logprobs import response_hidden_states
-
         hidden, resp_valid = response_hidden_states(self.base, input_ids, attention_mask, response_length, packed,
                                                     share_prompts)
         values = self.value_head(hidden).float().reshape(-1)
@@ -63,9 +58,9 @@ class ValueModel(torch.nn.Module):
 class CriticWorker:
     """Value model + optimizer. Built from ``critic.model_path`` or, when unset, the actor's model."""
 
-    def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
-        from portrl.models import load_causal_lm
+    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "critic")  # what it reads
 
+    def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.backend, self.device = start_worker(cfg, rank)
         path = cfg.critic.model_path or model_path or cfg.model.path
@@ -76,8 +71,6 @@ class CriticWorker:
             self.dtype = resolve_dtype(cfg, self.backend)
             self.strategy = "none"
             if world_size > 1:
-                from portrl.workers.parallel import resolve_strategy
-
                 self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
             lm = load_causal_lm(str(path), dtype=load_dtype(self.dtype), backend=self.backend,
                                 attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
@@ -98,8 +91,6 @@ class CriticWorker:
         wrapper's root forward sees it (no ForwardModule needed)."""
         if self.world_size <= 1:
             return module
-        from portrl.workers.parallel import wrap_model
-
         return wrap_model(module, self.strategy, self.backend, device=self.device, compute_dtype=self.dtype)
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
@@ -115,48 +106,36 @@ class CriticWorker:
         micro = same_piece_count(batch, micro, self.world_size)  # FSDP2 forwards are collectives
         return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
 
+    def loop_settings(self) -> LoopSettings:
+        """The shared update loop's settings: ``critic.ppo_epochs`` (else the actor's), the actor's mini- and
+        micro-batch sizes, ``critic.optim.grad_clip``; rows keep their order."""
+        c, a = self.cfg.critic, self.cfg.actor
+        return LoopSettings(epochs=int(c.ppo_epochs or a.ppo_epochs),
+                            mini_rows=mini_batch_rows(a.ppo_mini_batch_size, self.cfg.rollout.n, self.world_size),
+                            micro_rows=int(a.ppo_micro_batch_size_per_device),
+                            max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
+                            grad_clip=float(c.optim.grad_clip),
+                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size)
+
     def update_critic(self, batch: Batch, advance_schedule: bool = True) -> Dict[str, float]:
-        """One RL step of value regression on ``returns`` (needs values, returns, response_mask).
-        ``advance_schedule=False`` (value pretraining) leaves the LR schedule where it is, so the
-        schedule spans the RL steps alone."""
-        from portrl.algo import compute_value_loss, masked_mean
+        """One RL step of value regression on ``returns`` (needs values, returns, response_mask) through the shared
+        loop (portrl.workers.update_loop). ``advance_schedule=False`` (value pretraining) leaves the LR schedule
+        where it is, so the schedule spans the RL steps alone."""
+        cfg = self.cfg.critic
+        mode = str(cfg.loss_agg_mode or self.cfg.actor.loss_agg_mode)
+        cliprange = float(cfg.cliprange_value)
 
-        cfg, a = self.cfg.critic, self.cfg.actor
-        mode = str(cfg.loss_agg_mode or a.loss_agg_mode)
-        epochs = int(cfg.ppo_epochs or a.ppo_epochs)
-        mini_rows = max(1, int(a.ppo_mini_batch_size) * int(self.cfg.rollout.n) // self.world_size)
-        rows: List[Dict[str, float]] = []
-        norms: List[float] = []
-        self.train_module.train()
-        for _ in range(epochs):
-            for mini in same_piece_count(batch, batch.split(mini_rows), self.world_size):
-                tokens, seqs = global_counts(mini.tensors["response_mask"], self.world_size)
-                counts = {"dp_size": self.world_size, "batch_num_tokens": tokens, "global_batch_size": seqs,
-                          "loss_scale_factor": int(self.cfg.data.max_response_length)}
-                self.master.zero_grad()
-                micro_rows = []
-                micros = split_micro_batches(mini, int(a.ppo_micro_batch_size_per_device), a.max_tokens_per_micro_batch)
-                for micro in same_piece_count(mini, micros, self.world_size):
-                    micro = micro.to(self.device)
-                    mask = micro.tensors["response_mask"]
-                    vpreds = self._values(self.train_module, micro)
-                    loss, clipfrac = compute_value_loss(vpreds, micro.tensors["returns"], micro.tensors["values"], mask,
-                                                        float(cfg.cliprange_value), mode, **counts)
-                    loss.backward()
-                    micro_rows.append({"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac),
-                                       "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))})
-                rows.append(combine_micro_metrics(micro_rows, frozenset({"critic/vf_loss"})))
-                norms.append(self._step())
-        if advance_schedule:
-            self.scheduler.step()
-        self.train_module.eval()
-        out = mean_metrics(rows)
-        out["critic/grad_norm"] = sum(norms) / max(1, len(norms))
-        out["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return out
+        def value_loss(micro: Batch, counts: Dict[str, Any], pos: Position):
+            mask = micro.tensors["response_mask"]
+            vpreds = self._values(self.train_module, micro)
+            loss, clipfrac = compute_value_loss(vpreds, micro.tensors["returns"], micro.tensors["values"], mask,
+                                                cliprange, mode, **counts)
+            return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac),
+                          "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
 
-    def _step(self) -> float:
-        return clip_and_step(self.optimizer, self.master, float(self.cfg.critic.optim.grad_clip))
+        state = Trainable(self.train_module, self.master, self.optimizer, self.scheduler, self.device)
+        return run_update(state, batch, self.loop_settings(), value_loss, prefix="critic",
+                          additive=frozenset({"critic/vf_loss"}), advance_schedule=advance_schedule)
 
     def state_dict(self) -> Dict[str, Any]:
         """model, optimizer, scheduler (the process RNG is the actor worker's to save); full tensors keyed by

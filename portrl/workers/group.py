@@ -1,37 +1,78 @@
-"""WorkerGroup: N data-parallel copies of a worker class, as Ray actors or in this process.
+"""WorkerGroup: N data-parallel copies of a worker class, in this process or as Ray actors.
 
-``WorkerGroup(worker_cls, cfg, num_workers, backend)`` builds ``worker_cls(cfg, rank=r, world_size=N)`` in
-each of N Ray actors (one per bundle of a :class:`~portrl.workers.ray_env.ResourcePool`), after setting the
-worker's device and initialising ``torch.distributed`` with ``backend.dist_backend`` (MASTER_ADDR = rank 0's
-node address -- 127.0.0.1 on a local Ray -- and a port rank 0 finds free). With ``num_workers == 1`` and no
-cluster it builds the worker in this process instead (no Ray, no process group).
+``WorkerGroup(worker_cls, cfg, num_workers, backend)`` builds ``worker_cls(cfg_w, rank=r, world_size=N)`` for
+every rank r through one of two launchers, chosen by :func:`use_ray` (the one rule for it):
 
-``.call(method, *args)`` is data-parallel dispatch: every :class:`Batch` argument is cut into N contiguous
-pieces (``Batch.chunk``), rank r gets piece r, and the results are combined: Batches concatenated in rank
-order, metric dicts reduced by :func:`reduce_metrics`, ``None`` stays ``None``, anything else is a list per
-rank. ``.call_all`` / ``.call_rank0`` run the same arguments on every rank and return them uncombined.
+* in-process (:class:`InProcessLauncher`): one worker in this process; every call is a direct method call
+  (no Ray, no copies, no process group): the hot path of small runs;
+* Ray (:class:`portrl.workers.ray_launcher.RayLauncher`): one Ray actor per rank, in a resource pool, with its
+  device set and ``torch.distributed`` joined.
 
-A worker process that dies makes every call raise :class:`WorkerDiedError` naming the worker (role, rank,
+``cfg_w`` holds only the top-level config sections the worker class declares in its ``config_sections``
+attribute (:func:`worker_config`); a class that declares none gets the whole config.
+
+Every call runs ``method`` on every rank. Each :class:`Batch` argument is cut into N contiguous pieces
+(``Batch.chunk``) and rank r gets piece r; other arguments go to every rank as they are. What comes back is
+said by the method called, never guessed from the results:
+
+* :meth:`WorkerGroup.gather`: every rank's result, a list in rank order;
+* :meth:`WorkerGroup.concat`: every rank's Batch, concatenated in rank order;
+* :meth:`WorkerGroup.metrics`: every rank's metric dict, reduced by :func:`reduce_metrics`;
+* :meth:`WorkerGroup.rank0`: rank 0's result alone (worker state for a checkpoint: a state dict is never
+  passed through a metrics reduction, which would, say, sum a counter over the ranks);
+* :meth:`WorkerGroup.run`: nothing (a call made for its effect, such as loading a state).
+
+A Ray worker process that dies makes every call raise :class:`WorkerDiedError` naming the worker (role, rank,
 node, pid); the group's other actors are killed, since their collectives can no longer complete. With
 ``timeout_s`` set (seconds; the trainer sets it from ``trainer.worker_timeout_s``), a call whose results do
 not all arrive in time raises :class:`WorkerTimeoutError` (a WorkerDiedError) naming the workers that did not
-answer, and the group is shut down the same way.
+answer, and the group is shut down the same way (portrl.workers.ray_calls).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from portrl.workers.batch import Batch
-from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError, gather  # noqa: F401  (the group's API)
+from omegaconf import DictConfig, OmegaConf
 
-log = logging.getLogger(__name__)
+from portrl.errors import UserError
+from portrl.workers.batch import Batch, concat_rollouts
+from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError  # noqa: F401  (the group's errors)
+from portrl.workers.ray_launcher import RayLauncher
 
 MAX_KEYS = ("max", "timing", "time/")
 MIN_KEYS = ("min",)
 SUM_KEYS = ("count", "num_tokens", "num_seqs", "/sum", "_sum")
+
+
+def use_ray(cfg: Any, num_workers: int) -> bool:
+    """Whether a group of ``num_workers`` workers runs as Ray actors: ``trainer.use_ray`` when set, else Ray for
+    several workers, a named cluster (``trainer.ray_address``) or ``rollout.placement=separated`` (the weight
+    broadcast joins Ray actors). ``trainer.use_ray=false`` where Ray is needed is a UserError."""
+    t = cfg.trainer
+    separated = str(cfg.rollout.placement) == "separated"
+    if t.use_ray is not None and not t.use_ray and (num_workers > 1 or separated):
+        why = f"{num_workers} workers" if num_workers > 1 else "rollout.placement=separated"
+        raise UserError(f"trainer.use_ray=false, but {why} run as Ray actors; set trainer.use_ray=true or null, "
+                        f"or use trainer.num_workers=1 with rollout.placement=colocated")
+    if t.use_ray is not None:
+        return bool(t.use_ray)
+    return num_workers > 1 or bool(t.ray_address) or separated
+
+
+def worker_config(worker_cls: Any, cfg: Any) -> Any:
+    """The config a worker of ``worker_cls`` is built with: a copy of ``cfg`` holding only the top-level sections
+    named by ``worker_cls.config_sections`` (the whole ``cfg`` when the class declares none, or when ``cfg`` is
+    not an OmegaConf config). A declared section the config lacks is an error naming it."""
+    sections = getattr(worker_cls, "config_sections", None)
+    if sections is None or not isinstance(cfg, DictConfig):
+        return cfg
+    missing = [s for s in sections if s not in cfg]
+    if missing:
+        raise ValueError(f"{getattr(worker_cls, '__name__', worker_cls)} reads config sections {missing}, which "
+                         f"the config lacks; it has {list(cfg.keys())}")
+    return OmegaConf.masked_copy(cfg, list(sections))
 
 
 def _rule(key: str) -> str:
@@ -80,21 +121,12 @@ def reduce_metrics(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def combine_results(results: List[Any]) -> Any:
-    """Concatenate Batches (rollouts padded to the widest prompt / response with ``info["pad_token_id"]``,
-    see :func:`portrl.workers.batch.concat_rollouts`), reduce metric dicts, keep ``None``; else the list of
-    per-rank results."""
-    if all(r is None for r in results):
-        return None
-    if all(isinstance(r, Batch) for r in results):
-        if all("prompts" in r and "responses" in r for r in results):  # rollouts: ranks' widths may differ
-            from portrl.workers.batch import concat_rollouts
-
-            return concat_rollouts(results, int(results[0].info.get("pad_token_id", 0)))
-        return Batch.concat(results)
-    if all(isinstance(r, Mapping) for r in results):
-        return reduce_metrics(results)
-    return results
+def concat_batches(per_rank: Sequence[Batch]) -> Batch:
+    """The ranks' Batches in rank order as one; rollouts are padded to the widest prompt / response with
+    ``info["pad_token_id"]`` (:func:`portrl.workers.batch.concat_rollouts`), since ranks' widths may differ."""
+    if all("prompts" in r and "responses" in r for r in per_rank):
+        return concat_rollouts(list(per_rank), int(per_rank[0].info.get("pad_token_id", 0)))
+    return Batch.concat(list(per_rank))
 
 
 def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int) -> List[tuple]:
@@ -114,145 +146,101 @@ def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int) -> List[t
     return out
 
 
-class WorkerHost:
-    """What runs inside each Ray actor: sets the device, joins the process group, builds and drives the worker."""
+class InProcessLauncher:
+    """One worker in this process: ``execute`` is ``getattr(worker, method)(*args, **kwargs)``."""
 
-    def __init__(self, role: str, rank: int, world_size: int, backend):
-        self.role, self.rank, self.world_size, self.backend = role, rank, world_size, backend
-        self.worker = None
+    uses_ray = False
 
-    def node_info(self) -> Dict[str, Any]:
-        import ray
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.info = [{"node_ip": "local", "node_id": "", "pid": os.getpid()}]
 
-        ctx = ray.get_runtime_context()
-        res = self.backend.ray_resource
-        ids = list(ctx.get_accelerator_ids().get(res, [])) if res else []
-        env = self.backend.visible_devices_env
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "accelerator_ids": ids, "visible_devices": os.environ.get(env) if env else None}
-
-    def free_port(self) -> int:
-        from portrl.workers.parallel import find_free_port
-
-        return find_free_port(self.node_info()["node_ip"])
-
-    def setup(self, worker_cls, cfg, master_addr: str, master_port: int, worker_kwargs: Mapping[str, Any]) -> None:
-        from portrl.workers.parallel import init_distributed
-        from portrl.workers.ray_env import local_device_index
-
-        index = local_device_index(self.backend, self.node_info()["accelerator_ids"])
-        if index is not None:  # workers read LOCAL_RANK to pick their device
-            os.environ["LOCAL_RANK"] = str(index)
-            self.backend.set_device(index)
-        if self.world_size > 1:
-            init_distributed(self.backend, self.rank, self.world_size, master_addr, master_port)
-        self.worker = worker_cls(cfg, rank=self.rank, world_size=self.world_size, **dict(worker_kwargs))
-
-    def execute(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    def execute_for_rank0(self, method: str, args: tuple, kwargs: dict) -> Any:
-        """``execute`` on every rank (collectives need them all); only rank 0 sends its result back (a full state
-        dict from each of N ranks would cost the driver N copies)."""
-        result = getattr(self.worker, method)(*args, **kwargs)
-        return result if self.rank == 0 else None
-
-    # weight sync (separated placement, see portrl.workers.weight_sync)
-    def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float) -> None:
-        from portrl.workers.weight_sync import WeightReceiver, WeightSender
-
-        self._sync = (WeightSender(self.backend, addr, port, group_size, bucket_mb) if group_rank == 0
-                      else WeightReceiver(self.backend, addr, port, group_rank, group_size))
+    def execute(self, method: str, per_rank: Sequence[tuple], reply: Sequence[bool]) -> List[Any]:
+        args, kwargs = per_rank[0]
+        return [getattr(self.worker, method)(*args, **kwargs)]
 
     def full_weights(self) -> Dict[str, Any]:
-        """``worker.named_weights()`` as full CPU tensors (sharded ones all-gathered: call it on every rank)."""
-        return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-                for n, t in self.worker.named_weights()}
+        return {n: t.detach().cpu() for n, t in self.worker.named_weights()}
 
-    def push_weights(self) -> Optional[Dict[str, int]]:
-        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends."""
-        from dataclasses import asdict
-
-        named = [(n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.worker.named_weights()]
-        sender = getattr(self, "_sync", None)
-        return asdict(sender.send(named)) if sender is not None else None
-
-    def pull_weights(self) -> Dict[str, int]:
-        """``worker.update_weights(...)`` with the received tensors (drained fully, so the broadcast completes)."""
-        from dataclasses import asdict
-
-        stream = self._sync.receive()
-        self.worker.update_weights(stream)
-        for _ in stream:
-            pass
-        return asdict(self._sync.last_stats)
+    def shutdown(self) -> None:
+        self.worker = None
 
 
 class WorkerGroup:
     """N data-parallel workers of one role (see the module docstring).
 
-    ``pool``: a :class:`ResourcePool` (default: a new one of ``num_workers`` bundles of 1 CPU + 1 device).
-    ``share``: how many groups share each bundle of ``pool`` (colocation: each asks for 1/share of it).
-    ``share_devices``: set the backend's Ray no-set opt-outs (see ``ray_env``). ``use_ray``: None = Ray when
-    ``num_workers > 1``, ``trainer.use_ray`` is true or ``trainer.ray_address`` names a cluster.
+    ``pool``: a :class:`~portrl.workers.ray_env.ResourcePool` for the Ray launcher (default: a new one of
+    ``num_workers`` bundles of 1 CPU + 1 device). ``share``: how many groups share each bundle of ``pool``
+    (colocation: each asks for 1/share of it). ``share_devices``: set the backend's Ray no-set opt-outs (see
+    ``ray_env``). ``worker_kwargs``: extra keyword arguments of the worker's constructor.
     """
 
     def __init__(self, worker_cls, cfg, num_workers: int, backend, *, role: Optional[str] = None,
-                 pool=None, share: int = 1, share_devices: bool = False, use_ray: Optional[bool] = None,
+                 pool=None, share: int = 1, share_devices: bool = False,
                  worker_kwargs: Optional[Mapping[str, Any]] = None):
-        from portrl.workers.ray_env import _cfg_get
-
         if num_workers < 1:
             raise ValueError(f"WorkerGroup: num_workers must be >= 1, got {num_workers}")
         self.role = role or getattr(worker_cls, "__name__", "worker")
-        self.num_workers, self.backend, self.cfg = num_workers, backend, cfg
-        if use_ray is None:
-            use_ray = _cfg_get(cfg, "trainer.use_ray")
-        if use_ray is None:
-            use_ray = num_workers > 1 or bool(_cfg_get(cfg, "trainer.ray_address"))
-        if not use_ray and num_workers > 1:
-            raise ValueError(f"WorkerGroup {self.role}: {num_workers} workers need Ray (trainer.use_ray must not be false)")
-        self.use_ray = bool(use_ray)
+        self.num_workers, self.backend = int(num_workers), backend
         self.timeout_s: Optional[float] = None  # limit on each call's answers (module docstring); None = none
-        self._local = None
-        self.actors: List[Any] = []
-        self.info: List[Dict[str, Any]] = []
-        self._own_pool = pool is None
-        if not self.use_ray:
-            self._local = worker_cls(cfg, rank=0, world_size=1, **dict(worker_kwargs or {}))
-            self.info = [{"node_ip": "local", "node_id": "", "pid": os.getpid()}]
-            return
-        self._start(worker_cls, cfg, pool, share, share_devices, dict(worker_kwargs or {}))
+        self.use_ray = use_ray(cfg, self.num_workers)
+        wcfg, kwargs = worker_config(worker_cls, cfg), dict(worker_kwargs or {})
+        if self.use_ray:
+            self.launcher = RayLauncher(self, pool=pool, share=share, share_devices=share_devices)
+            self.launcher.start(worker_cls, cfg, wcfg, kwargs)
+        else:
+            self.launcher = InProcessLauncher(worker_cls(wcfg, rank=0, world_size=1, **kwargs))
+        self._all = [True] * self.num_workers
+        self._none = [False] * self.num_workers
+        self._first = [True] + [False] * (self.num_workers - 1)
 
-    # ------------------------------------------------------------------------------ start-up
-    def _start(self, worker_cls, cfg, pool, share, share_devices, worker_kwargs):
-        import ray
+    # ------------------------------------------------------------------------------ dispatch
+    def _execute(self, method: str, args: tuple, kwargs: dict, reply: List[bool]) -> List[Any]:
+        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
+        return self.launcher.execute(method, per_rank, reply)
 
-        from portrl.workers.ray_env import ResourcePool, init_ray, worker_env
+    def gather(self, method: str, *args, **kwargs) -> List[Any]:
+        """Every rank's result, in rank order."""
+        return self._execute(method, args, kwargs, self._all)
 
-        init_ray(cfg, self.backend)
-        if pool is None:
-            pool = ResourcePool(self.role, self.num_workers, self.backend)
-        if pool.num_workers != self.num_workers:
-            raise ValueError(f"WorkerGroup {self.role}: pool {pool.name!r} has {pool.num_workers} bundles "
-                             f"for {self.num_workers} workers")
-        self.pool = pool
-        bundle = pool.bundle()
-        res = self.backend.ray_resource
-        env = worker_env(cfg, self.backend, share_devices=share_devices)
-        remote = ray.remote(WorkerHost)
-        for rank in range(self.num_workers):
-            opts = dict(num_cpus=bundle["CPU"] / share, scheduling_strategy=pool.scheduling(rank),
-                        runtime_env={"env_vars": env}, max_restarts=0)
-            if res is not None and res in bundle:  # Ray takes GPUs as num_gpus, other accelerators as resources
-                opts.update({"num_gpus": bundle[res] / share} if res == "GPU" else {"resources": {res: bundle[res] / share}})
-            self.actors.append(remote.options(**opts).remote(self.role, rank, self.num_workers, self.backend))
-        self.info = self._gather([a.node_info.remote() for a in self.actors])
-        master_addr = self.info[0]["node_ip"]
-        port = self._gather([self.actors[0].free_port.remote()])[0]
-        self._gather([a.setup.remote(worker_cls, cfg, master_addr, port, worker_kwargs) for a in self.actors])
-        log.info("worker group %s: %d workers on nodes %s", self.role, self.num_workers,
-                 sorted({i["node_ip"] for i in self.info}))
+    def concat(self, method: str, *args, **kwargs) -> Batch:
+        """Every rank's Batch, concatenated in rank order (:func:`concat_batches`)."""
+        results = self._execute(method, args, kwargs, self._all)
+        if not all(isinstance(r, Batch) for r in results):
+            raise TypeError(f"{self.role}.{method} returned {type(results[0]).__name__}, not a Batch; "
+                            f"use gather / rank0 for other results")
+        return results[0] if len(results) == 1 else concat_batches(results)
+
+    def metrics(self, method: str, *args, **kwargs) -> Dict[str, Any]:
+        """Every rank's metric dict, reduced over the ranks (:func:`reduce_metrics`)."""
+        results = self._execute(method, args, kwargs, self._all)
+        if not all(isinstance(r, Mapping) for r in results):
+            raise TypeError(f"{self.role}.{method} returned {type(results[0]).__name__}, not a metrics dict")
+        return results[0] if len(results) == 1 else reduce_metrics(results)
+
+    def rank0(self, method: str, *args, **kwargs) -> Any:
+        """Rank 0's result of a call every rank makes (collectives need them all); the other ranks' results stay in
+        their processes."""
+        return self._execute(method, args, kwargs, self._first)[0]
+
+    def run(self, method: str, *args, **kwargs) -> None:
+        """The call on every rank, for its effect; no result comes back."""
+        self._execute(method, args, kwargs, self._none)
+
+    def full_weights(self) -> Dict[str, Any]:
+        """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""
+        return self.launcher.full_weights()
+
+    # ------------------------------------------------------------------------------ facts
+    @property
+    def info(self) -> List[Dict[str, Any]]:
+        """Per rank: ``node_ip``, ``node_id``, ``pid`` (and, on Ray, the accelerator ids it was given)."""
+        return self.launcher.info
+
+    @property
+    def local_worker(self) -> Any:
+        """The in-process worker (None when the workers are Ray actors)."""
+        return None if self.use_ray else self.launcher.worker
 
     def describe(self, rank: int) -> str:
         """``"<role> rank <r> on node <ip> (node id <id8>, pid <pid>)"``."""
@@ -261,54 +249,6 @@ class WorkerGroup:
         i = self.info[rank]
         return f"{self.role} rank {rank} on node {i['node_ip']} (node id {str(i['node_id'])[:8]}, pid {i['pid']})"
 
-    # ------------------------------------------------------------------------------ dispatch
-    def _gather(self, refs: List[Any], method: str = "") -> List[Any]:
-        return gather([(self, rank, ref) for rank, ref in enumerate(refs)], method=method)
-
-    def call(self, method: str, *args, **kwargs) -> Any:
-        """Data-parallel call: Batch arguments split over the ranks, results combined (module docstring)."""
-        if self._local is not None:
-            return combine_results([getattr(self._local, method)(*args, **kwargs)])
-        per_rank = split_args(args, kwargs, self.num_workers)
-        refs = [a.execute.remote(method, a_args, a_kw) for a, (a_args, a_kw) in zip(self.actors, per_rank)]
-        return combine_results(self._gather(refs, method))
-
-    def call_all(self, method: str, *args, **kwargs) -> List[Any]:
-        """The same call on every rank (collective methods such as a sharded state_dict); results per rank."""
-        if self._local is not None:
-            return [getattr(self._local, method)(*args, **kwargs)]
-        return self._gather([a.execute.remote(method, args, kwargs) for a in self.actors], method)
-
-    def call_rank0(self, method: str, *args, **kwargs) -> Any:
-        """Rank 0's result of a call made on every rank (every rank must join collectives); the other ranks' results
-        stay in their processes. Worker state for a checkpoint comes from here, never from :meth:`call`'s metrics
-        reduction (which would, say, sum a counter over the ranks)."""
-        if self._local is not None:
-            return getattr(self._local, method)(*args, **kwargs)
-        return self._gather([a.execute_for_rank0.remote(method, args, kwargs) for a in self.actors], method)[0]
-
-    def full_weights(self) -> Dict[str, Any]:
-        """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""
-        if self._local is not None:
-            return {n: t.detach().cpu() for n, t in self._local.named_weights()}
-        return self._gather([a.full_weights.remote() for a in self.actors])[0]
-
-    @property
-    def local_worker(self):
-        """The in-process worker (None when the workers are Ray actors)."""
-        return self._local
-
     def shutdown(self) -> None:
-        """Kill the actors and release an own resource pool (idempotent)."""
-        if self.actors:
-            import ray
-
-            for a in self.actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # already dead
-                    pass
-            self.actors = []
-            if self._own_pool and getattr(self, "pool", None) is not None:
-                self.pool.remove()
-        self._local = None
+        """Stop the workers: kill Ray actors and release an own resource pool (idempotent)."""
+        self.launcher.shutdown()

@@ -22,6 +22,8 @@ from typing import List, Mapping, Union
 
 import torch
 
+from portrl.workers.parallel import full_train_state, load_full_train_state
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -97,8 +99,6 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, maste
     tensors keyed by parameter name at full precision (the float32 masters where there are some), optimizer
     state keyed by parameter name (``torch.distributed.checkpoint``'s full state dict layout), so a checkpoint
     loads into any number of workers and either precision path. Under FSDP2 a collective (every rank calls it)."""
-    from portrl.workers.parallel import full_train_state
-
     if not master.active:
         return full_train_state(module, optimizer)
     masters = {id(p): m for p, m in zip(master.params, master.masters)}  # tied weights share one Parameter
@@ -114,8 +114,6 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, maste
 def load_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights,
                      model_sd: Mapping[str, torch.Tensor], optim_sd: Mapping) -> None:
     """Load what :func:`train_state` returned (on any precision path and number of workers)."""
-    from portrl.workers.parallel import load_full_train_state
-
     if not master.active:
         load_full_train_state(module, optimizer, dict(model_sd), dict(optim_sd))
         return

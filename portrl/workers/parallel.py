@@ -18,6 +18,7 @@ multiplied by the data-parallel size (see ``portrl.workers.training.global_count
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import math
 import os
@@ -25,7 +26,10 @@ import socket
 from typing import Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 STRATEGIES = ("auto", "fsdp", "ddp", "none")
 log = logging.getLogger(__name__)
@@ -40,8 +44,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 def is_loopback(host: str) -> bool:
     """``host`` is this machine's loopback address (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
@@ -61,8 +63,6 @@ def init_distributed(backend, rank: int, world_size: int, master_addr: str, mast
     TCP store serves on a socket bound to ``master_addr`` (torch's own would listen on every interface), and
     gloo's connections use the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless set, on Linux).
     """
-    import torch.distributed as dist
-
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"init_distributed: need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
     if dist.is_initialized():
@@ -86,8 +86,6 @@ def init_distributed(backend, rank: int, world_size: int, master_addr: str, mast
 
 def loopback_store(host: str, port: int, is_master: bool, world_size: int, timeout: datetime.timedelta):
     """A ``torch.distributed.TCPStore`` whose server (on the master) listens on ``host`` only."""
-    import torch.distributed as dist
-
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -100,8 +98,6 @@ def loopback_store(host: str, port: int, is_master: bool, world_size: int, timeo
 
 def dp_world_size() -> int:
     """Ranks in the default process group (1 without one)."""
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -109,7 +105,7 @@ def fsdp_supported(backend) -> tuple[bool, str]:
     """Whether FSDP2 can run with this backend here, and why not. Needs ``fully_shard`` in torch and a
     collective backend with all-gather-into-tensor and reduce-scatter-tensor (gloo has both in torch >= 2.6;
     the accelerator collectives always had them)."""
-    try:
+    try:  # here, not at the top: older torch has no fully_shard (that is the check), and it takes ~0.5 s to import
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except ImportError as exc:
         return False, f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard ({exc})"
@@ -174,12 +170,9 @@ def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[tor
     if dp_world_size() == 1 or strategy == "none":
         return model
     if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = None if device.type == "cpu" else [device]
         return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # see fsdp_supported (checked above)
 
     mesh = init_device_mesh(device.type, (dp_world_size(),))
     kwargs = {"mesh": mesh}
@@ -237,6 +230,7 @@ def full_train_state(model: nn.Module, optimizer) -> tuple:
     names (``torch.distributed.checkpoint.state_dict``). A collective under FSDP2: every rank must call it,
     and every rank gets the full state. An optimizer that has not stepped yet is saved as its hyperparameters
     only (torch's getter would initialise its state with a zero-gradient step, changing the next update)."""
+    # here, not at the top: this module takes ~0.8 s to import and only checkpoints need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     options = StateDictOptions(full_state_dict=True)
@@ -252,6 +246,7 @@ def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_
     An optimizer that has not stepped yet has no state to load; torch's loader would then initialise it with
     a zero-gradient step (Adam's step count 1, changing the next update), so only the hyperparameters of its
     param groups are copied."""
+    # not at the top: see full_train_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     options = StateDictOptions(full_state_dict=True)

@@ -1,8 +1,8 @@
 """Collecting the results of Ray actor calls, naming the worker that failed.
 
-:func:`gather` waits on ``(group, rank, ObjectRef)`` items; ``group`` is anything with ``describe(rank)``
-and ``shutdown()`` (a :class:`~portrl.workers.group.WorkerGroup`). Shared by the worker groups and the
-weight-sync link, so neither imports the other for it.
+:func:`wait_results` waits on ``(group, rank, ObjectRef)`` items; ``group`` is anything with ``describe(rank)``,
+``shutdown()``, ``info`` and ``timeout_s`` (a :class:`~portrl.workers.group.WorkerGroup`). Shared by the Ray
+launcher (portrl.workers.ray_launcher) and the weight-sync link, so neither imports the other for it.
 
 A time limit (``timeout_s``, or the smallest ``timeout_s`` attribute of the groups involved; None = none) bounds
 the wait for the whole call: when it passes with results missing, :class:`WorkerTimeoutError` names the
@@ -112,7 +112,7 @@ def _limit(items: Sequence[tuple], timeout_s: Optional[float]) -> Optional[float
     return min(limits) if limits else None
 
 
-def gather(items: Sequence[tuple], timeout_s: Optional[float] = None, method: str = "") -> List[Any]:
+def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, method: str = "") -> List[Any]:
     """Results of ``(group, rank, ObjectRef)`` items, in order. The first dead actor raises WorkerDiedError
     naming it (its group is shut down: the others' collectives cannot complete); the first failing call
     re-raises the worker's error with the worker named in a note. Past the time limit (module docstring)

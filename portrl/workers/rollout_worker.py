@@ -13,12 +13,13 @@ engine with ``update_weights``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.workers.batch import Batch, build_rollout_batch
-from portrl.workers.setup import resolve_dtype, start_worker
+from portrl.workers.setup import count_parameters, resolve_dtype, start_worker
 
 
 @torch.no_grad()
@@ -26,17 +27,18 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
                    meta: Optional[Mapping[str, Sequence[Any]]] = None, sleep_after: bool = False) -> Batch:
     """Sample ``sampling["n"]`` responses per prompt with ``engine`` (the tokenizer's EOS added to the stop ids)
     -> a rollout Batch (rows prompt-major; ``meta`` lists, one entry per prompt, repeated for each sample;
-    ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths)."""
-    from portrl.rollout import SamplingParams
-
+    ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths).
+    ``sleep_after``: put the engine to sleep after generating, where it declares the ``sleep_wake`` capability."""
     params = SamplingParams(**dict(sampling))
     stop = tuple(params.stop_token_ids)
     eos = tokenizer.eos_token_id
     if eos is not None and eos not in stop:
         params = SamplingParams(**{**dict(sampling), "stop_token_ids": stop + (int(eos),)})
-    engine.wake()
+    sleeps = engine.capabilities.sleep_wake
+    if sleeps:
+        engine.wake()
     out = engine.generate([list(p) for p in prompt_ids], params)
-    if sleep_after:
+    if sleep_after and sleeps:
         engine.sleep()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n, meta=meta)
@@ -45,47 +47,27 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     return batch
 
 
-def engine_options(cfg: Any, backend: Any, name: str, dtype: str) -> Dict[str, Any]:
-    """Constructor options of rollout engine ``name`` for this run: every engine key of the ``rollout`` config
-    section, then the backend's ``rollout_fixups(name)`` (what the platform needs wins over the config).
-
-    ``hf``: ``dtype``. Any other engine takes the argument names of the engines ``backends/`` registers:
-    ``dtype`` (the run's compute dtype; an engine left to choose may run a float32 model in bfloat16),
-    ``seed`` (trainer.seed), ``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``,
-    ``max_model_len`` (data.max_prompt_length + data.max_response_length), ``max_num_batched_tokens`` (when set)
-    and ``enable_sleep_mode`` (``rollout.enable_sleep_mode=false`` turns it off; true leaves it to the engine,
-    which sleeps only where the platform supports it)."""
-    opts: Dict[str, Any] = {"dtype": dtype}
-    if name == "hf":
-        return {**opts, **backend.rollout_fixups(name)}
-    r, d = cfg.rollout, cfg.data
-    opts.update(seed=int(cfg.trainer.seed), gpu_memory_utilization=float(r.gpu_memory_utilization),
-                tensor_parallel_size=int(r.tensor_model_parallel_size), enforce_eager=bool(r.enforce_eager),
-                max_model_len=int(d.max_prompt_length) + int(d.max_response_length))
-    if r.max_num_batched_tokens is not None:
-        opts["max_num_batched_tokens"] = int(r.max_num_batched_tokens)
-    if not bool(r.enable_sleep_mode):
-        opts["enable_sleep_mode"] = False
-    return {**opts, **backend.rollout_fixups(name)}
-
-
-def engine_name(cfg: Any, backend: Any, tiny: bool) -> str:
-    """``rollout.engine``; ``auto`` = the backend's first engine, except ``hf`` for tiny models on the CPU
-    (a separate engine only pays off for real models)."""
-    name = str(cfg.rollout.engine)
-    if name == "auto":
-        name = backend.rollout_engines()[0]
-        name = "hf" if tiny else name
-    return name
+def rollout_settings(rollout: Any, data: Any, seed: int, dtype: str) -> RolloutSettings:
+    """The engine-neutral :class:`~portrl.rollout.settings.RolloutSettings` of a run, from its ``rollout`` and
+    ``data`` config sections, ``trainer.seed`` and the compute dtype. Each engine translates it into its own
+    constructor options; the backend adjusts those (:func:`portrl.rollout.make_engine`)."""
+    max_batched = rollout.max_num_batched_tokens
+    return RolloutSettings(
+        dtype=str(dtype), seed=int(seed), memory_fraction=float(rollout.gpu_memory_utilization),
+        tensor_parallel=int(rollout.tensor_model_parallel_size), eager=bool(rollout.enforce_eager),
+        max_sequence_length=int(data.max_prompt_length) + int(data.max_response_length),
+        max_batched_tokens=None if max_batched is None else int(max_batched),
+        sleep_between_rollouts=bool(rollout.enable_sleep_mode))
 
 
 class RolloutWorker:
     """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
     ``model_path`` overrides ``cfg.model.path``."""
 
+    config_sections = ("trainer", "device", "model", "data", "rollout")  # what it reads (portrl.workers.group)
+
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         from portrl.models import load_tokenizer
-        from portrl.rollout import make_engine
 
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.backend, self.device = start_worker(cfg, rank)
@@ -94,9 +76,10 @@ class RolloutWorker:
             raise ValueError("RolloutWorker: model.path is empty; the trainer resolves the built-in tiny model first")
         self.model_path = str(path)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
-        name = engine_name(cfg, self.backend, tiny=self.device.type == "cpu")
-        self.engine = make_engine(name, model_path=self.model_path, tokenizer=self.tokenizer, backend=self.backend,
-                                  **engine_options(cfg, self.backend, name, resolve_dtype(cfg, self.backend)))
+        settings = rollout_settings(cfg.rollout, cfg.data, int(cfg.trainer.seed), resolve_dtype(cfg, self.backend))
+        self.engine = make_engine(str(cfg.rollout.engine), model_path=self.model_path, tokenizer=self.tokenizer,
+                                  backend=self.backend, settings=settings,
+                                  num_params=lambda: count_parameters(self.model_path))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
                  meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
@@ -131,6 +114,6 @@ def separated_rollout(cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, An
     n = int(cfg.rollout.num_rollout_workers)
     if n < 1:
         raise ValueError(f"rollout.num_rollout_workers must be >= 1 with rollout.placement=separated, got {n}")
-    group = WorkerGroup(RolloutWorker, cfg, n, backend, role="rollout", use_ray=True)  # a pool of its own
+    group = WorkerGroup(RolloutWorker, cfg, n, backend, role="rollout")  # Ray (separated placement), a pool of its own
     link = WeightSyncLink(actor_group, group, float(cfg.rollout.weight_sync_bucket_mb))
     return group, link

@@ -7,12 +7,14 @@ import os
 from typing import Any
 
 import torch
+from transformers import AutoConfig
+from transformers.utils import logging as hf_logging
+
+from portrl.device import resolve_backend
 
 
 def worker_backend(cfg: Any):
     """The Backend named by ``device.name`` (``auto`` = detection); errors name ``device.name_source``."""
-    from portrl.device import resolve_backend
-
     name = cfg.device.name
     return resolve_backend(config=None if name in (None, "auto") else str(name),
                            config_source=cfg.device.get("name_source"))
@@ -36,8 +38,6 @@ def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
             torch.set_num_threads(int(threads))
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=False)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would drown the training console
 
 
@@ -77,7 +77,9 @@ AUTO_CHECKPOINTING_PARAMS = 100_000_000
 def count_parameters(model_dir: str) -> int:
     """Parameters of the causal LM in ``model_dir``, from its config.json alone (built on the meta device:
     no weights are read or allocated; tied weights count once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    # here, not at the top: the model classes load transformers' modeling stack (~2 s), and
+    # portrl.trainer.preflight imports this module (worker_backend, resolve_dtype) before any model loads
+    from transformers import AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     with torch.device("meta"):

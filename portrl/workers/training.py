@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from portrl.workers.batch import Batch
+from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) gradients alike
 
 SCHEDULERS = ("constant", "cosine", "linear")
 
@@ -46,8 +47,6 @@ def clip_and_step(optimizer: torch.optim.Optimizer, master, clip: float) -> floa
     masters the optimizer holds): gradients to the float32 masters, clipped to total L2 norm ``clip``
     (``clip <= 0`` only measures), the step (skipped when the norm is not finite), the masters rounded back
     into the compute parameters, every gradient freed. Returns the norm before clipping."""
-    from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) gradients alike
-
     master.grads_to_masters()
     norm = clip_grad_norm(master.masters, clip)
     if math.isfinite(norm):

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
-from portrl.workers.ray_calls import gather
+from portrl.workers.parallel import is_loopback, loopback_store
+from portrl.workers.ray_calls import wait_results
 
 Meta = Tuple[str, Tuple[int, ...], str]  # name, shape, dtype name
 
@@ -64,12 +67,7 @@ def new_group(backend, master_addr: str, master_port: int, rank: int, world_size
     itself uses (``distributed_c10d._new_process_group_helper``, as OpenRLHF does), registered with an identity
     rank map so ``group_src=0`` addresses the sender.
     """
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     timeout = datetime.timedelta(seconds=timeout_s)
-    from portrl.workers.parallel import is_loopback, loopback_store
-
     store = (loopback_store(master_addr, master_port, rank == 0, world_size, timeout) if is_loopback(master_addr)
              else dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout))  # one node: 127.0.0.1
     prefix = c10d.PrefixStore(name, store)
@@ -105,8 +103,6 @@ class WeightSender:
         self.group = new_group(backend, master_addr, master_port, 0, world_size, timeout_s=timeout_s)
 
     def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> SyncStats:
-        import torch.distributed as dist
-
         items = [(n, t.detach()) for n, t in named_tensors]
         meta: List[Meta] = [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in items]
         dist.broadcast_object_list([meta, self.bucket_bytes], group=self.group, group_src=0)
@@ -132,8 +128,6 @@ class WeightReceiver:
         self.last_stats: SyncStats | None = None
 
     def receive(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        import torch.distributed as dist
-
         box: list = [None, None]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         meta, bucket_bytes = box
@@ -154,23 +148,25 @@ class WeightReceiver:
 
 
 class WeightSyncLink:
-    """Joins a trainer WorkerGroup (its rank 0 sends) to a rollout WorkerGroup (every rank receives), both Ray
-    groups. The trainer workers provide ``named_weights()`` (full tensors, every rank called), the rollout
-    workers ``update_weights(named_tensors)``. ``sync()`` runs one broadcast and returns the sender's stats."""
+    """Joins a trainer WorkerGroup (its rank 0 sends) to a rollout WorkerGroup (every rank receives), both on the
+    Ray launcher (portrl.workers.ray_launcher: the hosts hold the sender / receivers). The trainer workers provide
+    ``named_weights()`` (full tensors, every rank called), the rollout workers ``update_weights(named_tensors)``.
+    ``sync()`` runs one broadcast and returns the sender's stats."""
 
     def __init__(self, trainer, rollout, bucket_mb: float):
-        if trainer.local_worker is not None or rollout.local_worker is not None:
-            raise ValueError("WeightSyncLink needs Ray worker groups on both sides (use_ray=True)")
+        if not (trainer.use_ray and rollout.use_ray):
+            raise ValueError("WeightSyncLink needs Ray worker groups on both sides (trainer.use_ray must not be false)")
         self.trainer, self.rollout = trainer, rollout
+        senders, receivers = trainer.launcher.actors, rollout.launcher.actors
         addr = trainer.info[0]["node_ip"]
-        port = gather([(trainer, 0, trainer.actors[0].free_port.remote())])[0]
+        port = wait_results([(trainer, 0, senders[0].free_port.remote())])[0]
         size = 1 + rollout.num_workers
-        items = [(trainer, 0, trainer.actors[0].join_weight_sync.remote(addr, port, 0, size, bucket_mb))]
+        items = [(trainer, 0, senders[0].join_weight_sync.remote(addr, port, 0, size, bucket_mb))]
         items += [(rollout, r, a.join_weight_sync.remote(addr, port, r + 1, size, bucket_mb))
-                  for r, a in enumerate(rollout.actors)]
-        gather(items)
+                  for r, a in enumerate(receivers)]
+        wait_results(items)
 
     def sync(self) -> dict:
-        items = [(self.trainer, r, a.push_weights.remote()) for r, a in enumerate(self.trainer.actors)]
-        items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.actors)]
-        return gather(items)[0]
+        items = [(self.trainer, r, a.push_weights.remote()) for r, a in enumerate(self.trainer.launcher.actors)]
+        items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.launcher.actors)]
+        return wait_results(items)[0]

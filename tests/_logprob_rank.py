@@ -1,6 +1,7 @@
-"""Compare two engines' greedy generations by rank at the first differing token.
+"""Test helper: compare two engines' greedy generations by rank at the first differing token.
 
-This is the convention of a widely used serving engine's own model tests.
+This is the convention of a widely used serving engine's own model tests; tests/test_parity_vllm_rank.py uses
+it to compare the HF and vLLM engines (it lived in portrl/parity/ until only tests called it).
 
 Two engines decoding the same prompt greedily agree until rounding makes two near-tied tokens swap;
 after that the texts diverge and comparing further says nothing. So, per sequence: find the first

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 
 class RewardModelScorer:
@@ -19,8 +20,6 @@ class RewardModelScorer:
 
     def __init__(self, path: str, backend, *, dtype: Optional[str] = None, batch_size: int = 8,
                  max_length: Optional[int] = None):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         p = Path(path)
         if not p.is_dir() or not (p / "config.json").is_file():
             raise FileNotFoundError(f"reward.model_path {path!r} is not a local model directory (no config.json); "

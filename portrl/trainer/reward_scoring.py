@@ -1,10 +1,11 @@
-"""RewardWorker: scores rollouts with rule rewards (portrl.rewards.RewardManager) or a reward model.
+"""RewardScorer: scores rollouts in the trainer's process with rule rewards (portrl.rewards.RewardManager) or a
+reward model.
 
 ``compute_reward(batch) -> Batch(token_level_scores (B,T), seq_scores (B,), acc (B,))``: the
 sequence score sits on the last response token (verl's convention), zeros elsewhere.
 
 Reward model (``reward.model_path``): a local Hugging Face sequence-classification model scores
-the decoded (prompt, response) texts (portrl.workers.reward_model.RewardModelScorer, with its own
+the decoded (prompt, response) texts (portrl.trainer.reward_model_scorer.RewardModelScorer, with its own
 tokenizer); ``acc`` is then ``score > 0``; rule rewards are not used.
 
 Rule rewards have a time limit per batch (``reward.timeout_s``, ``reward.on_timeout``:
@@ -17,7 +18,10 @@ from typing import Any, List
 
 import torch
 
+from portrl.rewards import RewardManager, place_on_last_token
+from portrl.trainer.reward_model_scorer import RewardModelScorer
 from portrl.workers.batch import Batch
+from portrl.workers.setup import worker_backend
 
 
 def decode_responses(tokenizer: Any, batch: Batch) -> List[str]:
@@ -35,20 +39,17 @@ def _code_kwargs(code: Any) -> dict:
     return {"code": {k: code.get(k) for k in keys if code.get(k) is not None}}
 
 
-class RewardWorker:
+class RewardScorer:
     """Rule rewards by ``data_source`` (plus custom function and overlong shaping), or a reward model."""
 
-    def __init__(self, cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: Any, tokenizer: Any):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.rank, self.world_size = rank, world_size
         r = cfg.reward
         self.rm = None
         if r.model_path:
             self._load_reward_model(str(r.model_path))
             self.manager = None
         else:
-            from portrl.rewards import RewardManager
-
             ob = r.overlong_buffer
             self.manager = RewardManager(
                 custom_path=r.custom.path, custom_name=r.custom.name if r.custom.path else None,
@@ -59,9 +60,6 @@ class RewardWorker:
                 reward_kwargs=None if r.custom.path else _code_kwargs(r.get("code")))
 
     def _load_reward_model(self, path: str) -> None:
-        from portrl.workers.reward_model import RewardModelScorer
-        from portrl.workers.setup import worker_backend
-
         self.rm = RewardModelScorer(path, worker_backend(self.cfg))
 
     def compute_reward(self, batch: Batch) -> Batch:
@@ -75,8 +73,6 @@ class RewardWorker:
             res = self.manager.score(texts, batch.meta["data_source"], batch.meta["ground_truth"],
                                      batch.meta.get("extra_info", [None] * len(batch)), lens.tolist())
             scores, acc, extra = res.scores.float(), res.acc.float(), dict(res.extra or {})
-        from portrl.rewards import place_on_last_token
-
         out = Batch({"token_level_scores": place_on_last_token(scores, batch.tensors["response_mask"]).float(),
                      "seq_scores": scores, "acc": acc})
         for k, v in extra.items():

@@ -1,0 +1,198 @@
+"""The algorithm spec: one registered record per advantage estimator and per objective saying what it needs.
+
+An algorithm is the pair of config keys ``algorithm.objective`` and ``algorithm.adv_estimator``;
+:func:`algorithm_spec` resolves the pair to one :class:`AlgorithmSpec`. The trainer, the workers and the
+config checks read that record (a critic? a reference? old log-probs? a greedy baseline rollout? groups?
+pairs?) and call its ``advantages`` and ``loss``; no other layer compares algorithm names.
+
+* :class:`EstimatorSpec` (registry ``adv_estimator``): an advantage estimator ``fn(token_level_rewards,
+  response_mask, ...) -> (advantages, returns)`` and its needs. Built-ins are registered where they are
+  defined, with the :func:`estimator` decorator: ``portrl/algo/gae.py`` (gae, vcppo_gae, vapo_gae),
+  ``portrl/algo/advantages_outcome.py`` (grpo, grpo_passk, rloo, opo, gpg, reinforce_plus_plus_baseline),
+  ``portrl/algo/advantages_return.py`` (reinforce_plus_plus, remax, optimal_token_baseline).
+* :class:`ObjectiveSpec` (registry ``objective``): what the actor optimises: its advantages (through the
+  estimator for ``policy_gradient``, its own for sppo and dpo) and its loss. Built-ins (policy_gradient, sppo,
+  dpo) are registered in ``portrl/algo/objectives.py``.
+
+Another package adds an estimator with one call, ``register_estimator(EstimatorSpec("td0", fn,
+needs_critic=True))`` (or the :func:`estimator` decorator), before the config is checked; nothing else
+changes. A ``needs_*`` field is a bool, or a function of the ``algorithm`` config section for a need that
+depends on an option (DPO needs a reference unless ``algorithm.dpo_reference_free``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES
+
+Need = Union[bool, Callable[[Any], bool]]
+Tensors = Mapping[str, torch.Tensor]
+#: ``advantages(algorithm, tensors, index, group_size) -> (new batch tensors, metrics)``
+AdvantageFn = Callable[[Any, Tensors, Sequence, int], Tuple[Dict[str, torch.Tensor], Dict[str, float]]]
+#: ``loss(actor, algorithm, tensors, logp, old, info) -> (loss, raw metrics)`` on one micro-batch
+LossFn = Callable[[Any, Any, Tensors, torch.Tensor, torch.Tensor, Mapping[str, Any]], Tuple[torch.Tensor, Dict]]
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """An advantage estimator (config ``algorithm.adv_estimator``) and what it needs.
+
+    ``fn`` takes the keyword arguments its signature names from what ``portrl.algo.compute_advantage``
+    offers (``values``, ``index``, ``reward_baselines``, ``old_log_probs``, ``gamma``, ``lam``, ...).
+
+    * ``needs_critic``: reads ``values`` (the critic runs and trains on the returns);
+    * ``needs_reference``: reads ``ref_log_probs`` (the frozen reference runs);
+    * ``needs_old_log_probs``: reads ``old_log_probs`` (computed even for an on-policy update);
+    * ``per_token_rewards``: reads the reward at every token (returns accumulated over t); False: only each
+      row's summed reward (outcome estimators), so reward shaping counts only through the sum;
+    * ``needs_groups``: compares the responses of one prompt (``index``), so ``rollout.n >= 2``;
+    * ``needs_greedy_baseline``: reads ``reward_baselines``, the reward of one greedy response per prompt
+      (ReMax), which costs the trainer an extra generation per step.
+    """
+
+    name: str
+    fn: Callable
+    needs_critic: Need = False
+    needs_reference: Need = False
+    needs_old_log_probs: Need = False
+    per_token_rewards: Need = False
+    needs_groups: Need = False
+    needs_greedy_baseline: Need = False
+
+    def takes(self, option: str) -> bool:
+        """Whether ``fn`` takes the keyword ``option`` (e.g. ``lam_actor``)."""
+        return option in inspect.signature(self.fn).parameters
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """An objective (config ``algorithm.objective``): the actor's loss and what it needs.
+
+    ``advantages`` (:data:`AdvantageFn`) fills the batch tensors ``loss`` reads. ``uses_estimator``: those
+    come from ``algorithm.adv_estimator`` (policy gradient), whose needs then add to the objective's;
+    otherwise the estimator is not used. ``needs_pairs``: rows come as ``(2k, 2k+1)`` pairs of samples of
+    one prompt (``rollout.n`` even). The other needs are as in :class:`EstimatorSpec`.
+    """
+
+    name: str
+    advantages: AdvantageFn
+    loss: LossFn
+    uses_estimator: bool = False
+    needs_critic: Need = False
+    needs_reference: Need = False
+    needs_old_log_probs: Need = False
+    per_token_rewards: Need = False
+    needs_groups: Need = False
+    needs_greedy_baseline: Need = False
+    needs_pairs: Need = False
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What one ``algorithm`` config section needs, resolved (plain bools; see :func:`algorithm_spec`).
+
+    ``needs_reference`` and ``needs_old_log_probs`` include ``algorithm.use_kl_in_reward`` (the KL in the
+    reward reads both); ``actor.use_kl_loss`` and the switches ``critic.enable`` / ``ref.enable`` are
+    applied by :func:`critic_enabled` and :func:`reference_enabled`.
+    """
+
+    objective: ObjectiveSpec
+    estimator: Optional[EstimatorSpec]  # None when the objective does not use algorithm.adv_estimator
+    needs_critic: bool
+    needs_reference: bool
+    needs_old_log_probs: bool
+    per_token_rewards: bool
+    needs_groups: bool
+    needs_greedy_baseline: bool
+    needs_pairs: bool
+
+    def advantages(self, algorithm: Any, tensors: Tensors, index: Sequence,
+                   group_size: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
+        """The new batch tensors (``advantages`` and ``returns``, or the objective's) and metrics."""
+        return self.objective.advantages(algorithm, tensors, index, group_size)
+
+    def loss(self, actor: Any, algorithm: Any, tensors: Tensors, logp: torch.Tensor, old: torch.Tensor,
+             info: Mapping[str, Any]) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """The objective's loss on one micro-batch and its raw metrics (see :data:`LossFn`)."""
+        return self.objective.loss(actor, algorithm, tensors, logp, old, info)
+
+
+def register_estimator(spec: EstimatorSpec) -> EstimatorSpec:
+    """Register ``spec`` under ``spec.name`` (registry ``adv_estimator``); the same spec again is a no-op,
+    another under a taken name is a ValueError."""
+    if not isinstance(spec, EstimatorSpec):
+        raise TypeError(f"register_estimator takes an EstimatorSpec, got {type(spec).__name__}")
+    ADV_ESTIMATORS.register(spec.name, spec)
+    return spec
+
+
+def estimator(name: str, **needs: Need) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated function as estimator ``name`` with ``needs`` (EstimatorSpec fields);
+    returns the function unchanged."""
+
+    def add(fn: Callable) -> Callable:
+        register_estimator(EstimatorSpec(name, fn, **needs))
+        return fn
+
+    return add
+
+
+def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
+    """Register ``spec`` under ``spec.name`` (registry ``objective``), as :func:`register_estimator`."""
+    if not isinstance(spec, ObjectiveSpec):
+        raise TypeError(f"register_objective takes an ObjectiveSpec, got {type(spec).__name__}")
+    OBJECTIVES.register(spec.name, spec)
+    return spec
+
+
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The record of estimator ``name``; unknown names raise UnknownNameError listing the registered ones."""
+    return ADV_ESTIMATORS.get(str(name))
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    """The record of objective ``name``; unknown names raise UnknownNameError listing the registered ones."""
+    return OBJECTIVES.get(str(name))
+
+
+def _need(value: Need, algorithm: Any) -> bool:
+    return bool(value(algorithm) if callable(value) else value)
+
+
+def algorithm_spec(algorithm: Any) -> AlgorithmSpec:
+    """Resolve the ``algorithm`` config section (``objective``, ``adv_estimator`` and the options the needs
+    read) to its :class:`AlgorithmSpec`. The estimator counts only for an objective that uses it."""
+    objective = objective_spec(algorithm.objective)
+    est = estimator_spec(algorithm.adv_estimator) if objective.uses_estimator else None
+    parts = (objective,) if est is None else (objective, est)
+
+    def need(field: str) -> bool:
+        return any(_need(getattr(p, field), algorithm) for p in parts)
+
+    kl_in_reward = bool(algorithm.use_kl_in_reward)
+    return AlgorithmSpec(
+        objective=objective, estimator=est, needs_critic=need("needs_critic"),
+        needs_reference=need("needs_reference") or kl_in_reward,
+        needs_old_log_probs=need("needs_old_log_probs") or kl_in_reward, per_token_rewards=need("per_token_rewards"),
+        needs_groups=need("needs_groups"), needs_greedy_baseline=need("needs_greedy_baseline"),
+        needs_pairs=_need(objective.needs_pairs, algorithm))
+
+
+def critic_enabled(cfg: Any) -> bool:
+    """The critic runs when ``critic.enable`` says so, or (auto, null) when the algorithm needs values."""
+    if cfg.critic.enable is not None:
+        return bool(cfg.critic.enable)
+    return algorithm_spec(cfg.algorithm).needs_critic
+
+
+def reference_enabled(cfg: Any) -> bool:
+    """The reference runs when ``ref.enable`` says so, or (auto, null) when the KL loss
+    (``actor.use_kl_loss``) or the algorithm (KL in the reward, DPO) needs it."""
+    if cfg.ref.enable is not None:
+        return bool(cfg.ref.enable)
+    return bool(cfg.actor.use_kl_loss) or algorithm_spec(cfg.algorithm).needs_reference

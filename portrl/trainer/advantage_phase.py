@@ -1,0 +1,50 @@
+"""The advantage phase of a step: KL in the reward, then the algorithm's advantages; and the per-row value
+DAPO dynamic sampling filters on.
+
+The advantages are the resolved algorithm record's (``portrl.algo.spec.algorithm_spec``): the estimator
+``algorithm.adv_estimator`` for the policy-gradient objective, the objective's own for sppo and dpo
+(``portrl/algo/objectives.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from portrl.algo import algorithm_spec, apply_kl_penalty
+from portrl.workers.batch import Batch
+
+
+def apply_reward_kl(cfg: Any, batch: Batch, kl_ctrl: Any) -> Dict[str, float]:
+    """``token_level_rewards`` = scores, minus ``beta * KL(old || ref)`` when ``use_kl_in_reward``."""
+    if not cfg.algorithm.use_kl_in_reward:
+        batch["token_level_rewards"] = batch.tensors["token_level_scores"]
+        return {}
+    rewards, m = apply_kl_penalty(batch.tensors["token_level_scores"], batch.tensors["old_log_probs"],
+                                  batch.tensors["ref_log_probs"], batch.tensors["response_mask"], kl_ctrl,
+                                  str(cfg.algorithm.kl_penalty))
+    batch["token_level_rewards"] = rewards
+    return dict(m)
+
+
+def compute_batch_advantages(cfg: Any, batch: Batch) -> Dict[str, float]:
+    """Fill ``advantages``/``returns`` (or the objective's tensors, e.g. DPO's pairs) in ``batch``; returns
+    metrics. The prompt uid is the group index; ``rollout.n`` the group size."""
+    spec = algorithm_spec(cfg.algorithm)
+    out, metrics = spec.advantages(cfg.algorithm, batch.tensors, batch.meta["uid"], int(cfg.rollout.n))
+    for key, value in out.items():
+        batch[key] = value
+    return metrics
+
+
+def seq_metric(cfg: Any, batch: Batch) -> torch.Tensor:
+    """The per-row value DAPO dynamic sampling filters on (``algorithm.filter_groups.metric``)."""
+    name = str(cfg.algorithm.filter_groups.metric)
+    if name == "acc":
+        return batch.tensors["acc"].float()
+    if name == "seq_reward":
+        return batch.tensors["token_level_scores"].sum(-1)
+    if name == "seq_final_reward":
+        return batch.tensors.get("token_level_rewards", batch.tensors["token_level_scores"]).sum(-1)
+    raise ValueError(f"algorithm.filter_groups.metric {name!r} is unknown; valid: acc, seq_reward, seq_final_reward")

@@ -1,0 +1,162 @@
+"""The Ray launcher of a :class:`~portrl.workers.group.WorkerGroup`: N workers as Ray actors, one per bundle of a
+:class:`~portrl.workers.ray_env.ResourcePool`.
+
+Start-up: a local Ray starts (or ``trainer.ray_address`` is joined, :func:`portrl.workers.ray_env.init_ray`);
+each actor is a :class:`WorkerHost` that sets its device (``LOCAL_RANK`` from the ids Ray gave it), joins
+``torch.distributed`` with ``backend.dist_backend`` (MASTER_ADDR = rank 0's node address -- 127.0.0.1 on a local
+Ray -- and a port rank 0 finds free), then builds ``worker_cls(cfg, rank=r, world_size=N)``.
+
+Ray is optional: it is imported inside the methods that need it, so importing this module needs no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from portrl.workers.parallel import find_free_port, init_distributed
+from portrl.workers.ray_calls import wait_results
+from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
+from portrl.workers.weight_sync import WeightReceiver, WeightSender
+
+log = logging.getLogger(__name__)
+
+
+def _full(t: Any) -> Any:
+    """A sharded (DTensor) weight gathered to the full tensor; a plain one as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class WorkerHost:
+    """What runs inside each Ray actor: sets the device, joins the process group, builds and drives the worker."""
+
+    def __init__(self, role: str, rank: int, world_size: int, backend):
+        self.role, self.rank, self.world_size, self.backend = role, rank, world_size, backend
+        self.worker = None
+        self._sync = None
+
+    def node_info(self) -> Dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        res = self.backend.ray_resource
+        ids = list(ctx.get_accelerator_ids().get(res, [])) if res else []
+        env = self.backend.visible_devices_env
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "accelerator_ids": ids, "visible_devices": os.environ.get(env) if env else None}
+
+    def free_port(self) -> int:
+        return find_free_port(self.node_info()["node_ip"])
+
+    def setup(self, worker_cls, cfg, master_addr: str, master_port: int, worker_kwargs: Mapping[str, Any]) -> None:
+        index = local_device_index(self.backend, self.node_info()["accelerator_ids"])
+        if index is not None:  # workers read LOCAL_RANK to pick their device
+            os.environ["LOCAL_RANK"] = str(index)
+            self.backend.set_device(index)
+        if self.world_size > 1:
+            init_distributed(self.backend, self.rank, self.world_size, master_addr, master_port)
+        self.worker = worker_cls(cfg, rank=self.rank, world_size=self.world_size, **dict(worker_kwargs))
+
+    def execute(self, method: str, args: tuple, kwargs: dict, reply: bool = True) -> Any:
+        """``worker.<method>(*args, **kwargs)``; the result is sent back only when ``reply`` (a rank whose result
+        is not wanted, e.g. a full state dict from every rank, sends ``None`` instead of a copy)."""
+        result = getattr(self.worker, method)(*args, **kwargs)
+        return result if reply else None
+
+    def full_weights(self) -> Dict[str, Any]:
+        """``worker.named_weights()`` as full CPU tensors (sharded ones all-gathered: call it on every rank)."""
+        return {n: _full(t).detach().cpu() for n, t in self.worker.named_weights()}
+
+    # weight sync (separated placement, see portrl.workers.weight_sync)
+    def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float) -> None:
+        self._sync = (WeightSender(self.backend, addr, port, group_size, bucket_mb) if group_rank == 0
+                      else WeightReceiver(self.backend, addr, port, group_rank, group_size))
+
+    def push_weights(self) -> Optional[Dict[str, int]]:
+        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends."""
+        named = [(n, _full(t)) for n, t in self.worker.named_weights()]
+        return asdict(self._sync.send(named)) if isinstance(self._sync, WeightSender) else None
+
+    def pull_weights(self) -> Dict[str, int]:
+        """``worker.update_weights(...)`` with the received tensors (drained fully, so the broadcast completes)."""
+        stream = self._sync.receive()
+        self.worker.update_weights(stream)
+        for _ in stream:
+            pass
+        return asdict(self._sync.last_stats)
+
+
+class RayLauncher:
+    """``group.num_workers`` :class:`WorkerHost` actors of ``group`` (a WorkerGroup: its role names them, its
+    ``timeout_s`` bounds every wait, and a dead worker shuts it down). ``pool``: a ResourcePool (default: a new one
+    of ``num_workers`` bundles of 1 CPU + 1 device, removed on shutdown); ``share``: how many groups share each
+    bundle (colocation: each asks for 1/share of it); ``share_devices``: set the backend's Ray no-set opt-outs
+    (``portrl.workers.ray_env``). :meth:`start` starts them."""
+
+    uses_ray = True
+
+    def __init__(self, group: Any, *, pool=None, share: int = 1, share_devices: bool = False):
+        self.group, self.num_workers = group, group.num_workers
+        self.pool, self.share, self.share_devices = pool, share, share_devices
+        self._own_pool = pool is None
+        self.actors: List[Any] = []
+        self.info: List[Dict[str, Any]] = []
+
+    def start(self, worker_cls, cfg, worker_cfg, worker_kwargs: Mapping[str, Any]) -> None:
+        """Start Ray (``cfg``: the run config, for the cluster and the workers' env), the actors, their process
+        group, then the workers (built with ``worker_cfg``)."""
+        import ray
+
+        group, backend, share = self.group, self.group.backend, self.share
+        init_ray(cfg, backend)
+        if self.pool is None:
+            self.pool = ResourcePool(group.role, self.num_workers, backend)
+        if self.pool.num_workers != self.num_workers:
+            raise ValueError(f"WorkerGroup {group.role}: pool {self.pool.name!r} has {self.pool.num_workers} "
+                             f"bundles for {self.num_workers} workers")
+        bundle = self.pool.bundle()
+        res = backend.ray_resource
+        env = worker_env(cfg, backend, share_devices=self.share_devices)
+        remote = ray.remote(WorkerHost)
+        for rank in range(self.num_workers):
+            opts = dict(num_cpus=bundle["CPU"] / share, scheduling_strategy=self.pool.scheduling(rank),
+                        runtime_env={"env_vars": env}, max_restarts=0)
+            if res is not None and res in bundle:  # Ray takes GPUs as num_gpus, other accelerators as resources
+                opts.update({"num_gpus": bundle[res] / share} if res == "GPU" else {"resources": {res: bundle[res] / share}})
+            self.actors.append(remote.options(**opts).remote(group.role, rank, self.num_workers, backend))
+        self.info = self._wait([a.node_info.remote() for a in self.actors])
+        master_addr = self.info[0]["node_ip"]
+        port = self._wait([self.actors[0].free_port.remote()])[0]
+        self._wait([a.setup.remote(worker_cls, worker_cfg, master_addr, port, worker_kwargs) for a in self.actors])
+        log.info("worker group %s: %d workers on nodes %s", group.role, self.num_workers,
+                 sorted({i["node_ip"] for i in self.info}))
+
+    def _wait(self, refs: Sequence[Any], method: str = "") -> List[Any]:
+        return wait_results([(self.group, rank, ref) for rank, ref in enumerate(refs)], method=method)
+
+    def execute(self, method: str, per_rank: Sequence[tuple], reply: Sequence[bool]) -> List[Any]:
+        """``method`` on every rank r with ``per_rank[r] = (args, kwargs)``; results in rank order (``None`` where
+        ``reply[r]`` is false)."""
+        refs = [a.execute.remote(method, args, kwargs, want)
+                for a, (args, kwargs), want in zip(self.actors, per_rank, reply)]
+        return self._wait(refs, method)
+
+    def full_weights(self) -> Dict[str, Any]:
+        return self._wait([a.full_weights.remote() for a in self.actors], "full_weights")[0]
+
+    def shutdown(self) -> None:
+        """Kill the actors and release an own resource pool (idempotent)."""
+        if not self.actors:
+            return
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors = []
+        if self._own_pool and self.pool is not None:
+            self.pool.remove()

@@ -1,0 +1,85 @@
+"""portrl.workers.update_loop on a linear model: mini-/micro-batch cutting, positions, global counts and extra
+counts handed to the loss, shuffling by seed, gradient accumulation equal to one full-batch step, the schedule."""
+
+import pytest
+import torch
+
+from portrl.workers.batch import Batch
+from portrl.workers.master_weights import MasterWeights
+from portrl.workers.training import build_lr_scheduler, build_optimizer
+from portrl.workers.update_loop import LoopSettings, Trainable, mini_batch_rows, run_update
+
+OPTIM = {"lr": 0.1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "scheduler": "linear",
+         "warmup_steps": 0, "warmup_ratio": 0.0, "min_lr_ratio": 0.0}
+
+
+def _state(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 1)
+    master = MasterWeights(model)
+    opt = build_optimizer(master.masters, OPTIM)
+    return Trainable(model, master, opt, build_lr_scheduler(opt, OPTIM, total_steps=4), torch.device("cpu"))
+
+
+def _batch(rows=6):
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(rows, 2)
+    mask[0, 1] = 0
+    return Batch({"x": torch.randn(rows, 3, generator=g), "y": torch.randn(rows, 1, generator=g),
+                  "response_mask": mask, "attention_mask": torch.ones(rows, 2, dtype=torch.long),
+                  "row": torch.arange(rows)})
+
+
+def _settings(**over):
+    base = dict(epochs=1, mini_rows=6, micro_rows=6, max_tokens=None, grad_clip=0.0, loss_scale_factor=2)
+    return LoopSettings(**{**base, **over})
+
+
+def _sum_loss(state, seen):
+    def loss_fn(micro, counts, pos):
+        seen.append((micro.tensors["row"].tolist(), dict(counts), pos))
+        err = (state.module(micro.tensors["x"]) - micro.tensors["y"]).pow(2).sum()
+        loss = err / counts["global_batch_size"]  # a sum over micro-batches gives the mini-batch mean
+        return loss, {"loss": float(loss.detach()), "rows": float(len(micro))}
+    return loss_fn
+
+
+def test_mini_and_micro_batches_positions_and_counts():
+    state, seen = _state(), []
+    out = run_update(state, _batch(), _settings(epochs=2, mini_rows=3, micro_rows=2), _sum_loss(state, seen),
+                     prefix="t", additive=frozenset({"loss"}), extra_counts=lambda mini: {"first_row": int(mini["row"][0])})
+    assert [rows for rows, _, _ in seen] == [[0, 1], [2], [3, 4], [5]] * 2
+    assert [(p.epoch, p.steps_done) for _, _, p in seen] == [(0, 0), (0, 0), (0, 1), (0, 1),
+                                                             (1, 2), (1, 2), (1, 3), (1, 3)]
+    assert seen[0][1] == {"dp_size": 1, "batch_num_tokens": 5, "global_batch_size": 3, "loss_scale_factor": 2,
+                          "first_row": 0}
+    assert seen[2][1]["batch_num_tokens"] == 6 and seen[2][1]["first_row"] == 3
+    assert out["rows"] == 1.5 and out["t/grad_norm"] > 0  # "rows" averaged over micro-batches, not summed
+    assert out["t/lr"] == pytest.approx(0.1 * 3 / 4) and not state.module.training
+    assert state.scheduler.last_epoch == 1  # once per update, not per mini-batch
+
+
+def test_accumulated_micro_batches_equal_one_step_on_the_whole_mini_batch():
+    whole, split = _state(), _state()
+    run_update(whole, _batch(), _settings(), _sum_loss(whole, []), prefix="t")
+    seen = []
+    run_update(split, _batch(), _settings(micro_rows=1), _sum_loss(split, seen), prefix="t")
+    assert len(seen) == 6
+    for p, q in zip(whole.module.parameters(), split.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_shuffle_by_seed_and_schedule_left_alone():
+    state, seen = _state(), []
+    run_update(state, _batch(), _settings(epochs=2, shuffle_seed=5), _sum_loss(state, seen), prefix="t",
+               advance_schedule=False)
+    for epoch, (rows, _, _) in enumerate(seen):
+        assert rows == torch.randperm(6, generator=torch.Generator().manual_seed(5 + epoch)).tolist()
+    assert seen[0][0] != seen[1][0] and state.scheduler.last_epoch == 0
+
+
+def test_mini_batch_rows_share_prompts_times_samples_over_ranks():
+    assert mini_batch_rows(4, 2, 1) == 8 and mini_batch_rows(4, 2, 3) == 2
+    with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size \* rollout.n \(2\) is smaller than the number "
+                                         r"of workers \(4\)"):
+        mini_batch_rows(1, 2, 4)
