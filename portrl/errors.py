@@ -22,6 +22,11 @@ class UserError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+class DataError(UserError, ValueError):
+    """A dataset file or row is malformed; the message names the file, the row and the field (raised by the
+    readers in ``portrl/data/`` and by rewards that parse a row's ground truth)."""
+
+
 class RunStopped(Exception):
     """A run stopped on purpose before its end (SIGINT, SIGTERM): ``portrl.cli.main`` prints the message as one
     line (where to resume from) and exits ``exit_code`` (130 for SIGINT, 143 for SIGTERM), no traceback."""

@@ -24,8 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, registered
 from portrl.config.presets import ConfigError
+from portrl.device.backend import module_available
+from portrl.device.registry import BackendError, all_backends, get_backend
+from portrl.rollout.registry import engine_names
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -52,8 +57,6 @@ REGISTRY_KEYS = {
 
 
 def _get(cfg, dotted: str) -> Any:
-    from omegaconf import OmegaConf
-
     return OmegaConf.select(cfg, dotted)
 
 
@@ -63,8 +66,6 @@ def check_choices(cfg) -> list[str]:
         value = _get(cfg, key)
         if value not in allowed:
             problems.append(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
-    from portrl.rollout.registry import engine_names  # registered engines, installed or not
-
     engines = ["auto", *engine_names()]
     if cfg.rollout.engine not in engines:
         problems.append(f"rollout.engine={cfg.rollout.engine!r} is not one of {', '.join(map(repr, engines))}")
@@ -239,8 +240,6 @@ def check_ranges(cfg) -> list[str]:
     need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
          "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
     if t.num_workers > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
-        from portrl.device.backend import module_available
-
         if not module_available("ray"):
             problems.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
                             f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "
@@ -260,8 +259,6 @@ def check_env(cfg) -> list[str]:
     bad = [k for k in env if not str(k).startswith(ENV_PREFIXES)]
     if not bad:
         return []
-    from portrl.device.registry import BackendError, all_backends, get_backend
-
     try:
         backends = [get_backend(cfg.device.name)] if cfg.device.name != "auto" else all_backends()
     except BackendError:
@@ -280,8 +277,6 @@ def check_env(cfg) -> list[str]:
 
 def check_backend(cfg) -> list[str]:
     """Names that depend on the chosen backend (skipped for ``auto``: detection happens at run time)."""
-    from portrl.device.registry import BackendError, get_backend
-
     name = cfg.device.name
     if name == "auto":
         return []

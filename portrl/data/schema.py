@@ -10,15 +10,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from portrl.errors import DataError  # noqa: F401  (the readers' error, named here too)
+from portrl.rewards.text import ground_truth_text
+
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
-
-
-from portrl.errors import UserError
-
-
-class DataError(UserError, ValueError):
-    """A dataset file or row is malformed; the message names the file, the row and the field."""
 
 
 class MissingDataFile(DataError, FileNotFoundError):
@@ -91,11 +87,3 @@ def check_row(row: Any, where: str, index: int, prompt_key: str = "prompt") -> t
     elif not isinstance(extra, dict):
         raise bad("extra_info", f"must be a struct, got {type(extra).__name__}")
     return [{"role": m["role"], "content": m["content"]} for m in messages], source, ground_truth_text(truth), dict(extra)
-
-
-def ground_truth_text(truth: str | int | float) -> str:
-    """A ground truth as the text the rewards compare against: a float that is a whole number is written as
-    an integer (a parquet float column holds 57 as 57.0, which must still score "57"); other values unchanged."""
-    if isinstance(truth, float) and truth.is_integer():
-        return str(int(truth))
-    return str(truth)

@@ -36,6 +36,9 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from portrl.models.prefix_sharing import PLAN_KWARG
+from portrl.ops.layers import rotate_half
+
 #: the recorded matmuls of a layer, in order
 QKV, O, GATE_UP, DOWN = range(4)
 
@@ -153,10 +156,8 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
     Mirrors the decoder layer of those models: ``h = x + o(attn(rope(q), rope(k), v))``,
     ``x' = h + down(act(gate) * up)``, pre-norm, through the model's own norm, rotary and attention
     modules (the attention must be a portrl one, which reads the layout's plan)."""
+    # lazy: transformers.modeling_utils takes seconds to import, and the checks before a run load no model
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from portrl.models.prefix_sharing import PLAN_KWARG
-    from portrl.ops.layers import rotate_half
 
     attention = ALL_ATTENTION_FUNCTIONS[base.config._attn_implementation]
     ids, positions = layout.flat_ids, layout.position_ids

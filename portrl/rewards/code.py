@@ -38,7 +38,7 @@ A program in the same interpreter as the call-based / assert harness could forge
 verl); the harness's result line carries a per-run random nonce (given on stdin, not in the program's file),
 so it is never produced by accident, and a program that exits early (``exit(0)`` before the asserts) fails.
 
-A malformed ground truth is a :class:`portrl.data.schema.DataError` naming the row; a bad program only ever
+A malformed ground truth is a :class:`portrl.errors.DataError` naming the row; a bad program only ever
 gets a score.
 """
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from portrl.data.schema import DataError
+from portrl.errors import DataError
 from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program, shared_pool
 from portrl.rewards.sandbox_fusion import call_run_code
 

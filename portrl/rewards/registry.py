@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from portrl.data.schema import ground_truth_text
 from portrl.errors import UserError
 from portrl.rewards import arith, code, dapo_math, gsm8k, math_reward
+from portrl.rewards.text import ground_truth_text
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (

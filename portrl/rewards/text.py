@@ -75,3 +75,11 @@ def last_boxed(text: str, commands: tuple[str, ...] = ("\\boxed", "\\fbox")) -> 
             if depth == 0:
                 return text[i + 1:j]
     return None
+
+
+def ground_truth_text(truth: str | int | float) -> str:
+    """A ground truth as the text the rewards compare against: a float that is a whole number is written as
+    an integer (a parquet float column holds 57 as 57.0, which must still score "57"); other values unchanged."""
+    if isinstance(truth, float) and truth.is_integer():
+        return str(int(truth))
+    return str(truth)

@@ -33,6 +33,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from portrl.models.forward_tape import ForwardTape, tape_widths
+from portrl.ops import select
+from portrl.ops.layers import linear_prepacked
+from portrl.rollout.decode_rows import DecodeRows, left_pad
+from portrl.rollout.sampling import sample_next
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
 
@@ -71,8 +77,6 @@ class FastDecoder:
     """Prefill + one-token decode steps with a static KV cache. Use inside ``torch.inference_mode``."""
 
     def __init__(self, model: torch.nn.Module, backend: Any = None):
-        from portrl.ops import select
-
         cfg = model.config
         self.model = model
         self.inner = model.model
@@ -99,9 +103,7 @@ class FastDecoder:
         go through the backend's ``linear_prepacked`` op (on x86 CPUs: weights packed once for MKL's sgemm);
         for fewer steps the packing would cost more than it saves.
         """
-        from portrl.ops.layers import linear_prepacked as plain  # the native op: F.linear
-
-        make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else plain
+        make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else linear_prepacked  # native: F.linear
 
         def linear(w: torch.Tensor, b: Optional[torch.Tensor] = None):
             return make(w, b, decode_rows)
@@ -235,9 +237,6 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
 
     ``record``: leave a :class:`portrl.models.forward_tape.ForwardTape` of this call in ``decoder.tape``
     (None otherwise), for the training forward of the same weights to reuse."""
-    from portrl.rollout.decode_rows import DecodeRows, left_pad
-    from portrl.rollout.sampling import sample_next
-
     dev, n, max_new = decoder.device, params.n, params.max_new_tokens
     ids, mask, lengths = left_pad(prompts, pad_token_id, dev)
     plen = ids.shape[1]
@@ -276,8 +275,6 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
 
 
 def _new_tape(decoder: FastDecoder, prompts: list, n: int, prompt_slots: int, steps: int):
-    from portrl.models.forward_tape import ForwardTape, tape_widths
-
     w = decoder.inner.embed_tokens.weight
     decoder._last_tape = ForwardTape(decoder.model, prompts, n, prompt_slots, steps, tape_widths(decoder.model),
                                      len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape)

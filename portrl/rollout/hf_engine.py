@@ -24,9 +24,12 @@ import logging
 from typing import Any, Iterable, Sequence
 
 import torch
+from transformers import DynamicCache
 
+from portrl.models import load_causal_lm
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
+from portrl.rollout.fast_decode import decode_chunk, fast_decoder_for
 from portrl.rollout.sampling import sample_next
 from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
@@ -46,17 +49,8 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
 
 
 def _load_model(model_path: str, backend: Any, dtype: str) -> torch.nn.Module:
-    """Load a local HF checkpoint through portrl.models when present, else transformers directly."""
-    try:
-        from portrl.models import load_causal_lm
-    except ImportError:
-        load_causal_lm = None
-    if load_causal_lm is not None:
-        return load_causal_lm(model_path, dtype=dtype, backend=backend)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), local_files_only=True)
-    return model.to(backend.device() if backend is not None else "cpu")
+    """Load a local HF checkpoint (portrl.models.load_causal_lm: portrl's attention, nothing downloaded)."""
+    return load_causal_lm(model_path, dtype=dtype, backend=backend)
 
 
 class HFEngine(RolloutEngine):
@@ -122,8 +116,6 @@ class HFEngine(RolloutEngine):
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); use what this model takes
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._offloaded_from: torch.device | None = None
-        from portrl.rollout.fast_decode import fast_decoder_for
-
         self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
         # while recording, each generate call leaves its ForwardTape in _last_tape (fast path, one chunk)
         self._recording = False
@@ -207,14 +199,10 @@ class HFEngine(RolloutEngine):
         record: bool = False,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         if self._fast is not None:
-            from portrl.rollout.fast_decode import decode_chunk
-
             out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
                                record=record)
             self._last_tape, self._fast.tape = self._fast.tape, None
             return out
-        from transformers import DynamicCache
-
         dev, n, max_new = self.device, params.n, params.max_new_tokens
         ids, mask, lengths = left_pad(prompts, self.pad_token_id, dev)
         plen = ids.shape[1]

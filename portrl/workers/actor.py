@@ -26,10 +26,18 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from portrl.algo.rollout_correction import rollout_diff_stats
-from portrl.workers.batch import Batch
-from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.algo.spec import algorithm_spec
+from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer
+from portrl.models.export import export_pretrained
+from portrl.rollout import choose_engine, engine_capabilities, make_engine
+from portrl.rollout.weights import load_named_tensors
 from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
+from portrl.workers.batch import Batch
+from portrl.workers.lora import apply_lora, merged_weights
+from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
+from portrl.workers.parallel import ForwardModule, resolve_strategy, wrap_model
+from portrl.workers.rollout_worker import generate_batch, rollout_settings
+from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.training import (
     all_reduce_max,
     all_reduce_sum,
@@ -40,8 +48,8 @@ from portrl.workers.training import (
     set_rng_state,
     split_micro_batches,
 )
-from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
+from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
 class ActorRolloutWorker:
@@ -50,8 +58,6 @@ class ActorRolloutWorker:
     config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm")  # what it reads
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
-        from portrl.models import load_causal_lm, load_tokenizer
-
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.backend, self.device = start_worker(cfg, rank)
         path = model_path or cfg.model.path
@@ -62,8 +68,6 @@ class ActorRolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
         self.strategy = "none"
         if world_size > 1:
-            from portrl.workers.parallel import resolve_strategy
-
             self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
         self.checkpointing = use_gradient_checkpointing(cfg, self.model_path)
         self.module = load_causal_lm(self.model_path, dtype=load_dtype(self.dtype),
@@ -72,8 +76,6 @@ class ActorRolloutWorker:
         self.module.to(self.device).eval()
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
-            from portrl.workers.lora import apply_lora
-
             self.module = apply_lora(self.module, cfg)
         self.separated = str(cfg.rollout.placement) == "separated"
         # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
@@ -101,9 +103,6 @@ class ActorRolloutWorker:
         all-reduces the gradients and FSDP2 gathers the parameters."""
         if self.world_size <= 1:
             return module
-        from portrl.models import compute_logprobs
-        from portrl.workers.parallel import ForwardModule, wrap_model
-
         return wrap_model(ForwardModule(module, compute_logprobs), self.strategy, self.backend, device=self.device,
                           compute_dtype=self.dtype)
 
@@ -113,10 +112,6 @@ class ActorRolloutWorker:
         if not self.lora and self.strategy != "fsdp":
             copy_ = copy.deepcopy(self.module)
         else:
-            from portrl.models import load_causal_lm
-            from portrl.rollout.weights import load_named_tensors
-            from portrl.workers.lora import merged_weights
-
             copy_ = load_causal_lm(self.model_path, dtype=self.dtype, backend=self.backend,
                                    attn_impl=self.cfg.device.attn_impl or self.cfg.model.attn_impl).to(self.device)
             load_named_tensors(copy_, merged_weights(self.module))
@@ -128,9 +123,6 @@ class ActorRolloutWorker:
         """The colocated engine (:func:`portrl.rollout.choose_engine` decides which). One that declares
         ``in_process_weights`` decodes the trainer's module (or ``model``, the full copy FSDP2 needs); any other
         loads its own copy from ``model_path`` and gets the weights by :meth:`sync_weights`."""
-        from portrl.rollout import choose_engine, engine_capabilities, make_engine
-        from portrl.workers.rollout_worker import rollout_settings
-
         name = choose_engine(str(self.cfg.rollout.engine), self.backend, num_params=self._num_params)
         settings = rollout_settings(self.cfg.rollout, self.cfg.data, int(self.cfg.trainer.seed), self.dtype)
         if engine_capabilities(name).in_process_weights:
@@ -164,8 +156,6 @@ class ActorRolloutWorker:
         ``meta`` lists, one entry per prompt, are repeated for each sample; see
         :func:`portrl.workers.rollout_worker.generate_batch`). ``for_update``: the batch goes to the next
         :meth:`update_actor`, which may then replay this rollout's forward instead of recomputing it."""
-        from portrl.workers.rollout_worker import generate_batch
-
         if self.engine is None:
             raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
                                "RolloutWorker group (portrl.workers.rollout_worker)")
@@ -190,8 +180,6 @@ class ActorRolloutWorker:
     def _forward(self, module, batch: Batch, with_entropy: bool, tape=None):
         """Log-probs through ``module``: the data-parallel wrapper (already bound to compute_logprobs, see
         :meth:`_wrap`) or a plain causal LM (``tape``: a recorded rollout forward it may replay)."""
-        from portrl.models import compute_logprobs
-
         fn = module if module is self.train_module and module is not self.module else (
             lambda *a, **k: compute_logprobs(module, *a, tape=tape, **k))
         model = self.cfg.model
@@ -285,21 +273,17 @@ class ActorRolloutWorker:
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
-        from portrl.workers.sft import run_sft
-
         wrapped = self.train_module is not self.module
-        return run_sft(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
-                       batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
-                       forward=self.train_module if wrapped else None, master=self.master,
-                       log_every=max(1, steps // 10) if self.rank == 0 else 0)
+        return run_sft_steps(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
+                             batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
+                             forward=self.train_module if wrapped else None, master=self.master,
+                             log_every=max(1, steps // 10) if self.rank == 0 else 0)
 
     # ---------------------------------------------------------------------------- weight sync
     def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every parameter and buffer of the policy, named as in the base
         checkpoint, LoRA deltas merged in (:func:`portrl.workers.lora.merged_weights`). Under FSDP2 the
         shards are gathered as it is iterated: every rank must iterate it."""
-        from portrl.workers.lora import merged_weights
-
         return merged_weights(self.module)
 
     def sync_weights(self) -> bool:
@@ -338,8 +322,6 @@ class ActorRolloutWorker:
         """Write the policy as the user's model with new weights (portrl.models.export): a plain model of the
         base architecture, LoRA deltas merged in, the source's config and tokenizer files. Rank 0 writes;
         under FSDP2 every rank joins the gather."""
-        from portrl.models.export import export_pretrained
-
         model = self._plain_copy() if self.lora or self.strategy == "fsdp" else self.module
         if self.rank == 0:
             export_pretrained(model, out_dir, source_dir=self.model_path, tokenizer=self.tokenizer,

@@ -18,8 +18,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from portrl.rollout import RolloutSettings, SamplingParams, make_engine
+from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
+from portrl.workers.group import WorkerGroup
 from portrl.workers.setup import count_parameters, resolve_dtype, start_worker
+from portrl.workers.weight_sync import WeightSyncLink
 
 
 @torch.no_grad()
@@ -67,8 +70,6 @@ class RolloutWorker:
     config_sections = ("trainer", "device", "model", "data", "rollout")  # what it reads (portrl.workers.group)
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
-        from portrl.models import load_tokenizer
-
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.backend, self.device = start_worker(cfg, rank)
         path = model_path or cfg.model.path
@@ -108,9 +109,6 @@ class RolloutWorker:
 def separated_rollout(cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, Any]:
     """``(rollout WorkerGroup, WeightSyncLink)`` for ``rollout.placement=separated``: ``rollout.num_rollout_workers``
     RolloutWorkers as Ray actors in a resource pool of their own, linked to ``actor_group`` (a Ray group)."""
-    from portrl.workers.group import WorkerGroup
-    from portrl.workers.weight_sync import WeightSyncLink
-
     n = int(cfg.rollout.num_rollout_workers)
     if n < 1:
         raise ValueError(f"rollout.num_rollout_workers must be >= 1 with rollout.placement=separated, got {n}")

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import random
 import time
+from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from portrl.data.rl_dataset import encode_messages
+from portrl.models import compute_logprobs
 from portrl.workers.batch import build_rollout_batch
 from portrl.workers.master_weights import MasterWeights
 from portrl.workers.training import all_reduce_sum, clip_and_step, lr_multiplier
@@ -25,8 +28,6 @@ Row = Union[Mapping[str, Any], Any]
 def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
     """(prompt_ids, response_ids + [eos]) per row. A row is a dict with ``prompt`` (chat messages) and
     ``response`` (str), or an object with ``prompt_ids`` / ``response_ids`` (portrl.data.SFTExample)."""
-    from portrl.data.rl_dataset import encode_messages
-
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("run_sft: the tokenizer has no eos_token; responses must end with it")
@@ -79,10 +80,6 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     target ended it. ``cfg``
     supplies model.use_packing, model.logprob_chunk_size and model.sft_target_answer_p.
     """
-    from functools import partial
-
-    from portrl.models import compute_logprobs
-
     forward = forward or partial(compute_logprobs, model)
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(f"run_sft: steps, batch_size and lr must be positive (got {steps}, {batch_size}, {lr})")
