@@ -10,11 +10,42 @@ algorithm needs and which function computes it), ``policy_loss``, ``loss_agg_mod
 * asking for an unknown name is a ``KeyError`` whose message lists every registered name;
 * aliases (other spellings of the same entry, e.g. ``k1`` for ``kl``) resolve to their target
   and are listed separately from the canonical names.
+
+Where entries come from: the built-ins register themselves in the modules that define them (listed in
+``portrl/algo/spec.py`` for estimators and objectives; ``policy_losses.py``, ``policy_losses_cov.py``,
+``aggregation.py``, ``kl.py`` and ``trl_aliases.py`` for the others), all imported by ``portrl/algo/__init__.py``;
+other packages register theirs through the entry-point group ``portrl.algorithms`` (:func:`load_plugins`: each
+entry point names a module, or a function, that calls ``register_estimator`` / ``register_objective`` /
+``POLICY_LOSSES.register`` when loaded), or by calling those functions in the same process.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import types
 from typing import Any, Dict, List, Optional
+
+PLUGIN_GROUP = "portrl.algorithms"
+_plugins_loaded = False
+_broken_plugins: Dict[str, str] = {}  # entry-point name -> "plugin <value> failed to load: <error>"
+
+
+def load_plugins() -> Dict[str, str]:
+    """Load the entry points of ``portrl.algorithms`` once, one at a time (a module is imported, a function is
+    called; either registers its entries). A plugin that fails is recorded with its error and the others still
+    load; returns the broken ones. Registries call this before they call a name unknown, so a plugin's names work
+    in every process (Ray workers included) without an import in the user's code."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+            try:
+                loaded = ep.load()
+                if callable(loaded) and not isinstance(loaded, types.ModuleType):
+                    loaded()
+            except Exception as exc:  # a third-party plugin may fail in any way; it must not stop the others
+                _broken_plugins[ep.name] = f"plugin {ep.value} failed to load: {type(exc).__name__}: {exc}"
+    return dict(_broken_plugins)
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -67,11 +98,15 @@ class Registry:
         self._aliases[alias] = target
 
     def resolve(self, name: str) -> str:
-        """The canonical name for ``name`` (itself or an alias target); unknown names raise."""
-        if name in self._fns:
-            return name
-        if name in self._aliases:
-            return self._aliases[name]
+        """The canonical name for ``name`` (itself or an alias target); a name not found loads the algorithm
+        plugins once (:func:`load_plugins`) and is looked up again; unknown names raise."""
+        for attempt in range(2):
+            if name in self._fns:
+                return name
+            if name in self._aliases:
+                return self._aliases[name]
+            if attempt == 0 and not _plugins_loaded:
+                load_plugins()
         raise self._unknown(name)
 
     def get(self, name: str) -> Any:
@@ -89,6 +124,8 @@ class Registry:
 
     def _unknown(self, name: object) -> UnknownNameError:
         extra = f"; aliases: {', '.join(sorted(self._aliases))}" if self._aliases else ""
+        if _broken_plugins:
+            extra += "; broken algorithm plugins: " + "; ".join(f"{n}: {e}" for n, e in sorted(_broken_plugins.items()))
         return UnknownNameError(
             f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._fns))}{extra}"
         )
@@ -112,7 +149,9 @@ def get_registry(kind: str) -> Registry:
 
 
 def registered(kind: str, include_aliases: bool = False) -> List[str]:
-    """Sorted canonical names registered under ``kind`` (aliases appended if asked)."""
-    import portrl.algo  # noqa: F401  (importing the package fills the registries)
+    """Sorted canonical names registered under ``kind`` (aliases appended if asked), plugins included."""
+    import portrl.algo  # noqa: F401  (importing the package fills the registries; it imports this module: lazy)
+
+    load_plugins()
 
     return get_registry(kind).names(include_aliases=include_aliases)
