@@ -38,12 +38,10 @@ AdvantageFn = Callable[[Any, Tensors, Sequence, int], Tuple[Dict[str, torch.Tens
 LossFn = Callable[[Any, Any, Tensors, torch.Tensor, torch.Tensor, Mapping[str, Any]], Tuple[torch.Tensor, Dict]]
 
 
-@dataclass(frozen=True)
-class EstimatorSpec:
-    """An advantage estimator (config ``algorithm.adv_estimator``) and what it needs.
-
-    ``fn`` takes the keyword arguments its signature names from what ``portrl.algo.compute_advantage``
-    offers (``values``, ``index``, ``reward_baselines``, ``old_log_probs``, ``gamma``, ``lam``, ...).
+@dataclass(frozen=True, kw_only=True)
+class Needs:
+    """What an estimator or an objective needs, given as keywords; each a bool, or a function of the
+    ``algorithm`` config section for a need that depends on an option.
 
     * ``needs_critic``: reads ``values`` (the critic runs and trains on the returns);
     * ``needs_reference``: reads ``ref_log_probs`` (the frozen reference runs);
@@ -55,14 +53,24 @@ class EstimatorSpec:
       (ReMax), which costs the trainer an extra generation per step.
     """
 
-    name: str
-    fn: Callable
     needs_critic: Need = False
     needs_reference: Need = False
     needs_old_log_probs: Need = False
     per_token_rewards: Need = False
     needs_groups: Need = False
     needs_greedy_baseline: Need = False
+
+
+@dataclass(frozen=True)
+class EstimatorSpec(Needs):
+    """An advantage estimator (config ``algorithm.adv_estimator``) and what it needs (:class:`Needs`).
+
+    ``fn`` takes the keyword arguments its signature names from what ``portrl.algo.compute_advantage``
+    offers (``values``, ``index``, ``reward_baselines``, ``old_log_probs``, ``gamma``, ``lam``, ...).
+    """
+
+    name: str
+    fn: Callable
 
     def takes(self, option: str) -> bool:
         """Whether ``fn`` takes the keyword ``option`` (e.g. ``lam_actor``)."""
@@ -70,25 +78,19 @@ class EstimatorSpec:
 
 
 @dataclass(frozen=True)
-class ObjectiveSpec:
-    """An objective (config ``algorithm.objective``): the actor's loss and what it needs.
+class ObjectiveSpec(Needs):
+    """An objective (config ``algorithm.objective``): the actor's loss and what it needs (:class:`Needs`).
 
     ``advantages`` (:data:`AdvantageFn`) fills the batch tensors ``loss`` reads. ``uses_estimator``: those
     come from ``algorithm.adv_estimator`` (policy gradient), whose needs then add to the objective's;
     otherwise the estimator is not used. ``needs_pairs``: rows come as ``(2k, 2k+1)`` pairs of samples of
-    one prompt (``rollout.n`` even). The other needs are as in :class:`EstimatorSpec`.
+    one prompt (``rollout.n`` even).
     """
 
     name: str
     advantages: AdvantageFn
     loss: LossFn
     uses_estimator: bool = False
-    needs_critic: Need = False
-    needs_reference: Need = False
-    needs_old_log_probs: Need = False
-    per_token_rewards: Need = False
-    needs_groups: Need = False
-    needs_greedy_baseline: Need = False
     needs_pairs: Need = False
 
 
