@@ -218,28 +218,30 @@ def test_geo_mean_clipfrac_counts_clipped_tokens_with_nonzero_advantage():
 
 @pytest.mark.parametrize("name", registered("policy_loss"))
 def test_every_loss_common_contract(name):
-    loss, met = run(name, cfg={**CFG, "clip_cov_ratio": 1.0})
+    # bypass_mode reads the rollout-correction settings (the others ignore the key)
+    base = {**CFG, "clip_cov_ratio": 1.0, "rollout_correction": {"loss_type": "ppo_clip"}}
+    loss, met = run(name, cfg=base)
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"} <= set(met)
     # float32 agrees with float64
     l32, _ = get_policy_loss(name)(OLD.float(), LOGP.float(), ADV.float(), M, "token-mean",
-                                   {**CFG, "clip_cov_ratio": 1.0})
+                                   base)
     assert l32.dtype == torch.float32 and l32.item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
     # fully masked row: loss equals the loss without that row (geo_mean counts rows, so only row sums)
     m = M.clone()
     m[2] = 0
     lp = LOGP.clone().requires_grad_()
-    lm, _ = get_policy_loss(name)(OLD, lp, ADV, m, "token-mean", {**CFG, "clip_cov_ratio": 1.0})
+    lm, _ = get_policy_loss(name)(OLD, lp, ADV, m, "token-mean", base)
     lm.backward()
     assert torch.all(lp.grad[2] == 0) and torch.isfinite(lm)
     # IS weights of 1 change nothing; all-masked batch is a clear error; inputs unchanged
-    lw, _ = run(name, cfg={**CFG, "clip_cov_ratio": 1.0}, rollout_is_weights=torch.ones_like(LOGP))
+    lw, _ = run(name, cfg=base, rollout_is_weights=torch.ones_like(LOGP))
     assert lw.item() == pytest.approx(loss.item(), rel=1e-9)
     with pytest.raises(ValueError, match="all-masked"):
-        get_policy_loss(name)(OLD, LOGP, ADV, torch.zeros_like(M), "token-mean", CFG)
+        get_policy_loss(name)(OLD, LOGP, ADV, torch.zeros_like(M), "token-mean", base)
     # an empty DP shard with global counts is 0, not an error
     info = {"global_batch_info": {"dp_size": 2, "batch_num_tokens": 9, "global_batch_size": 6}}
-    l0, _ = get_policy_loss(name)(OLD, LOGP, ADV, torch.zeros_like(M), "token-mean", {**CFG, **info})
+    l0, _ = get_policy_loss(name)(OLD, LOGP, ADV, torch.zeros_like(M), "token-mean", {**base, **info})
     assert l0.item() == 0.0
 
 
@@ -248,5 +250,5 @@ def test_is_weights_scale_tokens_and_config_fallbacks():
     assert run("vanilla", rollout_is_weights=w)[0].item() == pytest.approx(0.5 * run("vanilla")[0].item())
     loss, _ = get_policy_loss("vanilla")(OLD, LOGP, ADV, M, "token-mean", {})  # ActorConfig defaults
     assert loss.item() == pytest.approx(token_mean(lambda i, t: vanilla_tok(i, t, 0.2, 0.2, 3.0)), rel=1e-12)
-    with pytest.raises(KeyError, match="registered: cispo"):
+    with pytest.raises(KeyError, match="registered: bypass_mode, cispo"):
         get_policy_loss("ppo")

@@ -26,7 +26,9 @@ SMALL = ["device.num_threads=1", "model.tiny.hidden_size=32", "model.tiny.interm
          "model.sft_steps=4", "model.sft_batch_size=8", "trainer.progress_bar=false"]
 
 GAE_FAMILY = {"gae", "vcppo_gae", "vapo_gae"}
-GROUPED = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"}
+GROUPED = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
+           "rloo_vectorized", "gdpo"}
+OLD_LOG_PROBS = {"optimal_token_baseline", "tir_optimal_token_baseline"}
 
 
 def _cfg(**over):
@@ -38,14 +40,14 @@ def _cfg(**over):
 
 def test_builtin_estimator_records():
     names = set(registered("adv_estimator"))
-    assert names >= GAE_FAMILY | GROUPED | {"reinforce_plus_plus", "remax", "optimal_token_baseline"}
+    assert names >= GAE_FAMILY | GROUPED | OLD_LOG_PROBS | {"reinforce_plus_plus", "remax"}
     for name in names:
         spec = estimator_spec(name)
         assert spec.name == name and get_adv_estimator(name) is spec.fn
         assert spec.needs_critic == (name in GAE_FAMILY), name
         assert spec.needs_groups == (name in GROUPED), name
         assert spec.needs_greedy_baseline == (name == "remax"), name
-        assert spec.needs_old_log_probs == (name == "optimal_token_baseline"), name
+        assert spec.needs_old_log_probs == (name in OLD_LOG_PROBS), name
         assert not spec.needs_reference
     assert estimator_spec("gae").per_token_rewards and not estimator_spec("grpo").per_token_rewards
     assert estimator_spec("gae").takes("lam_actor") and not estimator_spec("vapo_gae").takes("lam_actor")

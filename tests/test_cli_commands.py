@@ -22,6 +22,9 @@ def test_train_sft_eval(tmp_path, capsys):
     assert "== portrl run summary ==" in text and "after SFT" in text and str(out) in text
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+    step = next(r for r in rows if r["step"] == 1)  # one in-process worker: peak memory per phase
+    assert 0 < step["memory/peak_gib/gen"] <= step["memory/peak_gib/step"]
+    assert 0 < step["memory/peak_gib/update_actor"] <= step["memory/peak_gib/step"]
     assert (out / "hf_model" / "config.json").is_file()
 
     sft_dir = tmp_path / "sft"

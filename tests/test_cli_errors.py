@@ -402,11 +402,11 @@ def test_every_device_preset_env_is_accepted(preset):
 
 
 def test_workers_need_ray(monkeypatch):
-    import portrl.device.backend as backend_mod
+    import portrl.config.checks as checks_mod  # imports module_available by name: patch it where it is used
     from portrl.config import ConfigError, compose
 
-    real = backend_mod.module_available
-    monkeypatch.setattr(backend_mod, "module_available", lambda m: False if m == "ray" else real(m))
+    real = checks_mod.module_available
+    monkeypatch.setattr(checks_mod, "module_available", lambda m: False if m == "ray" else real(m))
     with pytest.raises(ConfigError, match="trainer.num_workers=2 .*ray is not installed"):
         compose(overrides=["trainer.num_workers=2"])
     compose(overrides=["trainer.num_workers=1"])

@@ -180,3 +180,111 @@ def test_write_split_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_split(make_arith_rows(5, seed=1), target)
     assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+
+
+# ------------------------------------------------------------------------------------------------ qa
+def _arrow_stream(table: pa.Table, path: Path) -> None:
+    """An Arrow IPC stream file, as datasets' save_to_disk writes its data-*.arrow files."""
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _save_to_disk(records: list, folder: Path) -> None:
+    """A folder in the layout of datasets' Dataset.save_to_disk (written here: datasets is not a dependency)."""
+    folder.mkdir(parents=True)
+    _arrow_stream(pa.Table.from_pylist(records), folder / "data-00000-of-00001.arrow")
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+                                                   "_fingerprint": "0", "_split": None}))
+    (folder / "dataset_info.json").write_text(json.dumps({"features": {}}))
+
+
+def test_qa_gsm8k_style_rows_score_with_the_math_reward(tmp_path, capsys):
+    raw = [json.loads(line) for line in GSM8K.read_text().splitlines()]
+    assert main(["preprocess", "qa", "--input", str(GSM8K), "--output-dir", str(tmp_path / "out")]) == 0
+    assert "train: 45 rows" in capsys.readouterr().out
+    train = read(tmp_path / "out" / "train.parquet")
+    by_question = {r["question"]: r for r in raw}
+    for row in train:
+        original = by_question[row["extra_info"]["question"]]
+        truth = row["reward_model"]["ground_truth"]
+        assert truth == original["answer"].split("####")[-1].strip().replace(",", "")
+        assert row["data_source"] == "qa_boxed" and row["ability"] == "math"
+        assert row["prompt"] == [{"role": "user", "content": original["question"] + " " + MATH_INSTRUCTION}]
+        # the data_source's reward: a boxed right answer scores 1, a boxed wrong one and an unboxed right one 0
+        assert compute_score(row["data_source"], f"So the answer is \\boxed{{{truth}}}.", truth)["score"] == 1.0
+        assert compute_score(row["data_source"], f"\\boxed{{{int(truth) + 1}}}", truth)["score"] == 0.0
+        assert compute_score(row["data_source"], f"The answer is {truth}", truth)["score"] == 0.0
+
+
+def test_qa_keys_boxed_and_numeric_answers_system_and_gsm8k_source(tmp_path):
+    records = [{"problem": "Half of one?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "target": 0.5},
+               {"problem": "Two times 3?", "solution": "2*3 = \\boxed{6}", "target": 6.0}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "raw.parquet")
+    preprocess("qa", tmp_path / "a", input_path=tmp_path / "raw.parquet", test_fraction=0.0, system="Be brief.")
+    rows = read(tmp_path / "a" / "train.parquet")
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["\\frac{1}{2}", "6"]  # problem/solution found
+    assert rows[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert compute_score("qa_boxed", "\\boxed{1/2}", rows[0]["reward_model"]["ground_truth"])["score"] == 1.0
+
+    preprocess("qa", tmp_path / "b", input_path=tmp_path / "raw.parquet", test_fraction=0.0, answer_key="target",
+               data_source="openai/gsm8k")
+    rows = read(tmp_path / "b" / "train.parquet")
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["0.5", "6"]  # 6.0 written as the number it is
+    assert rows[1]["data_source"] == "openai/gsm8k" and rows[1]["prompt"][0]["content"].endswith(GSM8K_INSTRUCTION)
+    assert compute_score("openai/gsm8k", "2*3=6\n#### 6", rows[1]["reward_model"]["ground_truth"])["score"] == 1.0
+
+    preprocess("qa", tmp_path / "c", input_path=tmp_path / "raw.parquet", test_fraction=0.0, instruction="")
+    assert read(tmp_path / "c" / "train.parquet")[1]["prompt"][0]["content"] == "Two times 3?"
+
+
+def test_qa_saved_datasets_read_without_the_datasets_package(tmp_path):
+    rows = [{"query": f"q{i}", "output": str(i)} for i in range(6)]
+    _save_to_disk(rows[:4], tmp_path / "dd" / "train")
+    _save_to_disk(rows[4:], tmp_path / "dd" / "validation")
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    paths = preprocess("qa", tmp_path / "out", input_path=tmp_path / "dd")
+    train, test = read(paths["train"]), read(paths["test"])
+    assert [r["extra_info"]["question"] for r in train] == ["q0", "q1", "q2", "q3"]
+    assert [r["reward_model"]["ground_truth"] for r in test] == ["4", "5"]  # validation is the test split
+
+    _save_to_disk(rows, tmp_path / "ds")  # a single saved Dataset: split by --test-fraction
+    paths = preprocess("qa", tmp_path / "out2", input_path=tmp_path / "ds", test_fraction=0.5)
+    assert len(read(paths["train"])) == 3 and len(read(paths["test"])) == 3
+
+
+@pytest.mark.parametrize("record, args, message", [
+    ({"q": "x", "a": "1"}, [], "no question key among question, problem, prompt, input, query; keys present: q, a; "
+                              "name it with --question-key KEY"),
+    ({"question": "x", "a": "1"}, [], "keys present: question, a; name it with --answer-key KEY"),
+    ({"question": "x", "answer": "1"}, ["--answer-key", "nope"], "--answer-key 'nope' is not a key of the rows"),
+    ({"question": "x", "answer": ""}, [], "row 0: field 'answer' ('') has no answer"),
+    ({"question": "x", "answer": "1"}, ["--data-source", "apps"], "use `portrl preprocess code`"),
+    ({"question": "x", "answer": "1"}, ["--n", "1"], None),
+])
+def test_qa_bad_rows_are_one_line_errors(tmp_path, capsys, record, args, message):
+    (tmp_path / "raw.jsonl").write_text(json.dumps(record) + "\n")
+    code = main(["preprocess", "qa", "--input", str(tmp_path / "raw.jsonl"), "--output-dir", str(tmp_path / "o"),
+                 "--test-fraction", "0", *args])
+    err = capsys.readouterr().err
+    if message is None:
+        assert code == 0 and (tmp_path / "o" / "train.parquet").is_file()
+        return
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_qa_options_belong_to_qa(tmp_path, capsys):
+    assert main(["preprocess", "gsm8k", "--input", str(GSM8K), "--output-dir", str(tmp_path / "o"),
+                 "--question-key", "question"]) == 2
+    assert "apply to qa only" in capsys.readouterr().err
+
+
+def test_qa_chat_message_prompts_and_verl_reward_structs(tmp_path):
+    records = [{"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "1+1?"}],
+                "reward_model": {"style": "rule", "ground_truth": "2"}}]
+    (tmp_path / "raw.jsonl").write_text(json.dumps(records[0]) + "\n")
+    preprocess("qa", tmp_path / "o", input_path=tmp_path / "raw.jsonl", test_fraction=0.0, answer_key="reward_model",
+               system="ignored: the rows have one")
+    row = read(tmp_path / "o" / "train.parquet")[0]
+    assert row["prompt"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "1+1? " + MATH_INSTRUCTION}]
+    assert row["reward_model"]["ground_truth"] == "2"

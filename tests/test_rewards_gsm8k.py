@@ -72,7 +72,7 @@ def test_megabyte_and_garbage_never_crash():
 
 @pytest.mark.parametrize("source,kind", [
     ("openai/gsm8k", "gsm8k"), ("DigitalLearningGmbH/MATH-lighteval", "math"), ("lighteval/MATH", "math"),
-    ("HuggingFaceH4/MATH-500", "math"), ("numina_olympiads", "math"), ("math_dapo", "dapo_math"),
+    ("HuggingFaceH4/MATH-500", "math"), ("numina_olympiads", "prime_math"), ("math_dapo", "dapo_math"),
     ("aime24", "dapo_math"), ("aime_2025", "dapo_math"), ("arith", "arith"),
 ])
 def test_verl_data_source_names(source, kind):

@@ -99,7 +99,8 @@ def _fake_run(run_dir):
     with Tracker(run_dir, loggers=("jsonl",), progress_bar=False) as tr:
         tr.log({"val/acc/mean": 0.2}, step=0)
         for s in range(1, 6):
-            tr.log({"critic/rewards/mean": s / 5, "critic/acc/mean": s / 6, "actor/kl_loss": 0.01 * s,
+            tr.log({"critic/rewards/mean": s / 5, "critic/score/mean": s / 5, "critic/acc/mean": s / 6,
+                    "actor/kl_loss": 0.01 * s,
                     "actor/entropy": 2 - s / 5, "response_length/mean": 10 + s}, step=s)
 
 
@@ -108,7 +109,7 @@ def test_plot_run_writes_pngs(tmp_path):
 
     _fake_run(tmp_path)
     paths = plot_run(tmp_path)
-    assert [p.name for p in paths] == ["reward.png", "accuracy.png", "kl.png", "entropy.png", "length.png",
+    assert [p.name for p in paths] == ["accuracy.png", "reward.png", "kl.png", "entropy.png", "length.png",
                                        "curves.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 2000

@@ -61,7 +61,24 @@ class CPUBackend(Backend):
         return None
 
     def memory_stats(self) -> dict[str, int]:
-        return {}
+        """The CPU device's memory is this process's host memory: ``allocated`` = resident bytes (VmRSS),
+        ``peak_allocated`` = the resident high-water mark (VmHWM), from /proc/self/status; empty without /proc."""
+        try:
+            with open("/proc/self/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+        except OSError:
+            return {}
+        kib = {k: int(v.split()[0]) for k, v in fields.items()}
+        return {"allocated": kib["VmRSS"] * 1024, "peak_allocated": kib["VmHWM"] * 1024} if len(kib) == 2 else {}
+
+    def reset_peak_memory(self) -> None:
+        """Restart the high-water mark from the current resident size (writes 5 to /proc/self/clear_refs, Linux
+        4.0 and later); where that is not possible the peak keeps counting from the process start."""
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
     def supports_bf16(self) -> bool:
         """Native bfloat16 arithmetic: x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension. Without it torch

@@ -16,6 +16,8 @@ from portrl.algo.masked import (clip_by_value, entropy_from_logits, get_response
                                 masked_var, masked_whiten)
 import portrl.algo.objectives  # noqa: F401  (registers the built-in objectives)
 from portrl.algo.policy_loss_registry import get_policy_loss
+from portrl.algo.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
+from portrl.algo.policy_losses_bypass import compute_policy_loss_reinforce
 from portrl.algo.preference import dpo_loss, online_dpo_preference, positive_lm_loss, sppo_advantage, sppo_loss
 from portrl.algo.registry import UnknownNameError, registered
 from portrl.algo.spec import (AlgorithmSpec, EstimatorSpec, ObjectiveSpec, algorithm_spec, critic_enabled, estimator,
@@ -35,7 +37,8 @@ __all__ = [
     "compute_kl_loss", "compute_value_loss", "dpo_loss", "entropy_from_logits", "explained_variance",
     "filter_groups",
     "get_adv_estimator", "get_kl_controller", "get_policy_loss", "get_response_mask", "kl_penalty",
-    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "online_dpo_preference", "overlong_penalty",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "pf_ppo_resample_indices", "pf_ppo_weights",
+    "compute_policy_loss_reinforce", "online_dpo_preference", "overlong_penalty",
     "positive_lm_loss", "registered", "sppo_advantage", "sppo_loss", "trl_loss_type_to_agg_mode",
     "vapo_length_adaptive_lambda",
 ]

@@ -1,8 +1,9 @@
 """``compute_advantage``: one entry point for every registered advantage estimator.
 
 Registered names: gae, vcppo_gae, vapo_gae (``gae``), grpo, grpo_passk, reinforce_plus_plus_baseline,
-rloo, opo, gpg (``advantages_outcome``), reinforce_plus_plus, remax, optimal_token_baseline
-(``advantages_return``), each with its record of needs (``portrl.algo.spec.EstimatorSpec``), and any an
+rloo, opo, gpg (``advantages_outcome``), grpo_vectorized, rloo_vectorized (``advantages_vectorized``), gdpo
+(``advantages_gdpo``), reinforce_plus_plus, remax, optimal_token_baseline (``advantages_return``),
+tir_optimal_token_baseline (``advantages_tir``), each with its record of needs (``portrl.algo.spec.EstimatorSpec``), and any an
 outside package adds with ``portrl.algo.spec.register_estimator``. Each estimator takes the keyword arguments it needs; ``compute_advantage``
 passes each only the arguments its signature names, so e.g. ``gamma`` reaches gae and
 reinforce_plus_plus but not grpo (as verl's dispatcher does).
@@ -11,12 +12,15 @@ reinforce_plus_plus but not grpo (as verl's dispatcher does).
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+import portrl.algo.advantages_gdpo  # noqa: F401
 import portrl.algo.advantages_outcome  # noqa: F401  (registers the outcome estimators)
 import portrl.algo.advantages_return  # noqa: F401
+import portrl.algo.advantages_tir  # noqa: F401
+import portrl.algo.advantages_vectorized  # noqa: F401
 import portrl.algo.gae  # noqa: F401
 from portrl.algo.registry import ADV_ESTIMATORS
 
@@ -45,6 +49,8 @@ def compute_advantage(
     vapo_alpha: Optional[float] = None,
     epsilon: float = 1e-6,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    reward_components: Optional[Mapping[str, Sequence[float]]] = None,
+    reward_weights: Optional[Sequence[float]] = None,
 ):
     """Advantages and returns ``(B,T)`` by ``estimator`` (float32, float64 for float64 rewards).
 
@@ -52,6 +58,7 @@ def compute_advantage(
     are ignored; a required one that is missing (values for gae, index for grouped estimators,
     reward_baselines for remax, old_log_probs/sum_pi_squared for optimal_token_baseline) raises.
     Passing lam_actor/lam_critic/vapo_alpha to an estimator other than the GAE family is an error.
+    ``reward_components`` (name -> one score per row) and ``reward_weights`` reach gdpo.
     """
     fn = get_adv_estimator(estimator)
     offered = dict(
@@ -60,6 +67,7 @@ def compute_advantage(
         sum_pi_squared=sum_pi_squared,
         gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, lam_actor=lam_actor,
         lam_critic=lam_critic, vapo_alpha=vapo_alpha, epsilon=epsilon, rollout_is_weights=rollout_is_weights,
+        reward_components=reward_components, reward_weights=reward_weights,
     )
     accepted = inspect.signature(fn).parameters
     for opt in ("lam_actor", "lam_critic", "vapo_alpha"):

@@ -39,6 +39,16 @@ def group_rows(index, batch_size: int, who: str) -> List[torch.Tensor]:
     return [torch.tensor(rows, dtype=torch.long) for rows in groups.values()]
 
 
+def group_ids(index, batch_size: int, who: str) -> tuple[torch.Tensor, int]:
+    """``(gid, G)``: one dense group number per row (``0..G-1`` in order of first appearance, the order of
+    :func:`group_rows`) and the number of groups, for the vectorized estimators' scatter sums."""
+    rows = group_rows(index, batch_size, who)
+    gid = torch.empty(batch_size, dtype=torch.long)
+    for g, r in enumerate(rows):
+        gid[r] = g
+    return gid, len(rows)
+
+
 def scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
     """``s_i = Σ_t r_it`` in float64."""
     return token_level_rewards.to(torch.float64).sum(dim=-1)

@@ -3,7 +3,9 @@
 * ``policy_gradient``: advantages by ``algorithm.adv_estimator`` (``compute_advantage`` with the prompt uid
   as group index, critic values, greedy baselines, the VC-PPO / VAPO lambdas); loss
   ``actor.policy_loss.loss_mode`` with optional rollout importance weights
-  (``algorithm.rollout_correction``).
+  (``algorithm.rollout_correction``), or verl's ``bypass_mode`` loss with ``rollout_correction.bypass_mode``
+  (old policy = the rollout engine's log-probs; ``portrl/algo/policy_losses_bypass.py``). GDPO's reward
+  components come from the tensors ``reward_extra/<key>`` (``algorithm.gdpo_reward_keys``).
 * ``sppo``: ``A_i = R_i - SoftMean_eta(R of i's group)`` (``algorithm.sppo_eta``; the whole batch is the group
   when ``rollout.n = 1``), broadcast over tokens;
   SPPO's square loss on sequence log-ratios (``actor.sppo_eta``).
@@ -16,7 +18,7 @@ and metrics out. Loss metrics are raw (tensors or floats; the actor names and re
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,8 +43,28 @@ def estimator_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
         reward_baselines=tensors.get("reward_baselines"), old_log_probs=tensors.get("old_log_probs"),
         ref_log_probs=tensors.get("ref_log_probs"),
         gamma=float(a.gamma), lam=float(a.lam), norm_adv_by_std_in_grpo=bool(a.norm_adv_by_std_in_grpo),
-        lam_actor=a.lam_actor, lam_critic=a.lam_critic, vapo_alpha=a.vapo_alpha)
+        lam_actor=a.lam_actor, lam_critic=a.lam_critic, vapo_alpha=a.vapo_alpha,
+        reward_components=reward_components(a, tensors),
+        reward_weights=None if a.get("gdpo_reward_weights") is None else list(a.gdpo_reward_weights))
     return {"advantages": adv.float(), "returns": ret.float()}, {}
+
+
+#: prefix of the per-row reward extras (keys of a reward function's dict) among the advantage phase's tensors
+REWARD_EXTRA = "reward_extra/"
+
+
+def reward_components(algorithm: Any, tensors: Tensors) -> Optional[Dict[str, torch.Tensor]]:
+    """The per-row reward components named by ``algorithm.gdpo_reward_keys`` (tensors ``reward_extra/<key>``),
+    in that order; None when no keys are set. A key the reward function did not return is a ValueError."""
+    keys = algorithm.get("gdpo_reward_keys")
+    if not keys:
+        return None
+    have = sorted(k[len(REWARD_EXTRA):] for k in tensors if k.startswith(REWARD_EXTRA))
+    missing = [str(k) for k in keys if REWARD_EXTRA + str(k) not in tensors]
+    if missing:
+        raise ValueError(f"algorithm.gdpo_reward_keys {missing} are not numeric values of the reward function's "
+                         f"result; it returned: {', '.join(have) or '(no extra values: return a dict with them)'}")
+    return {str(k): tensors[REWARD_EXTRA + str(k)] for k in keys}
 
 
 def sppo_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
@@ -89,11 +111,21 @@ def policy_loss_config(actor: Any, info: Mapping[str, Any]) -> Dict[str, Any]:
 def policy_gradient_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: torch.Tensor, old: torch.Tensor,
                          info: Mapping[str, Any]) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """The policy loss ``actor.policy_loss.loss_mode`` on ``advantages``, truncated-IS weighted when
-    ``algorithm.rollout_correction.rollout_is`` is set (weights from ``rollout_log_probs``)."""
+    ``algorithm.rollout_correction.rollout_is`` is set (weights from ``rollout_log_probs``); in bypass mode
+    (``rollout_correction.bypass_mode``) the loss ``bypass_mode`` against ``rollout_log_probs``."""
     mask = tensors["response_mask"]
     weights = tensors.get("rollout_is_weights")
     rc = algorithm.rollout_correction
     metrics: Dict[str, Any] = {}
+    config = policy_loss_config(actor, info)
+    if rc.get("bypass_mode", False):
+        if "rollout_log_probs" not in tensors:
+            raise ValueError("algorithm.rollout_correction.bypass_mode needs the rollout engine's log-probs, and "
+                             "this batch has none")
+        config["rollout_correction"] = {"loss_type": str(rc.loss_type), "rollout_is": rc.rollout_is,
+                                        "rollout_is_threshold": float(rc.rollout_is_threshold)}
+        fn = get_policy_loss("bypass_mode")
+        return fn(tensors["rollout_log_probs"], logp, tensors["advantages"], mask, str(actor.loss_agg_mode), config)
     if weights is None and rc.rollout_is:
         if "rollout_log_probs" not in tensors:
             raise ValueError("algorithm.rollout_correction.rollout_is needs the rollout engine's log-probs, and "
@@ -102,7 +134,7 @@ def policy_gradient_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: tor
                                      float(rc.rollout_is_threshold))
         metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, mask)
     fn = get_policy_loss(str(actor.policy_loss.loss_mode))
-    loss, m = fn(old, logp, tensors["advantages"], mask, str(actor.loss_agg_mode), policy_loss_config(actor, info),
+    loss, m = fn(old, logp, tensors["advantages"], mask, str(actor.loss_agg_mode), config,
                  rollout_is_weights=weights)
     metrics.update(m)
     return loss, metrics

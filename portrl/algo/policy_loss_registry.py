@@ -1,11 +1,13 @@
 """``get_policy_loss(name)``: the registered policy loss (vanilla, gspo, sapo, gpg, cispo, dppo_tv, dppo_kl,
-dro in ``policy_losses``; clip_cov, kl_cov, geo_mean in ``policy_losses_cov``)."""
+dro in ``policy_losses``; clip_cov, kl_cov, geo_mean in ``policy_losses_cov``; bypass_mode in
+``policy_losses_bypass``)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import portrl.algo.policy_losses  # noqa: F401  (registers)
+import portrl.algo.policy_losses_bypass  # noqa: F401
 import portrl.algo.policy_losses_cov  # noqa: F401
 from portrl.algo.registry import POLICY_LOSSES
 

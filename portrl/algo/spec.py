@@ -9,7 +9,9 @@ pairs?) and call its ``advantages`` and ``loss``; no other layer compares algori
   response_mask, ...) -> (advantages, returns)`` and its needs. Built-ins are registered where they are
   defined, with the :func:`estimator` decorator: ``portrl/algo/gae.py`` (gae, vcppo_gae, vapo_gae),
   ``portrl/algo/advantages_outcome.py`` (grpo, grpo_passk, rloo, opo, gpg, reinforce_plus_plus_baseline),
-  ``portrl/algo/advantages_return.py`` (reinforce_plus_plus, remax, optimal_token_baseline).
+  ``portrl/algo/advantages_vectorized.py`` (grpo_vectorized, rloo_vectorized), ``portrl/algo/advantages_gdpo.py``
+  (gdpo), ``portrl/algo/advantages_return.py`` (reinforce_plus_plus, remax, optimal_token_baseline),
+  ``portrl/algo/advantages_tir.py`` (tir_optimal_token_baseline).
 * :class:`ObjectiveSpec` (registry ``objective``): what the actor optimises: its advantages (through the
   estimator for ``policy_gradient``, its own for sppo and dpo) and its loss. Built-ins (policy_gradient, sppo,
   dpo) are registered in ``portrl/algo/objectives.py``.

@@ -33,7 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("evaluate", "accuracy of a model directory or checkpoint on a dataset"),
     "devices": ("devices", "list every registered device backend and whether it can run here"),
     "doctor": ("doctor", "check the chosen backend's environment against its compatibility rows"),
-    "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math) or the arith task into verl parquet"),
+    "preprocess": ("preprocess", "turn local raw datasets (gsm8k, math, dapo_math, code, any question-answer "
+                                 "rows: qa) or the arith task into verl parquet"),
     "config": ("config", "print the resolved run config (defaults + presets + --config + overrides) or list presets"),
     "plot": ("plot", "write PNG curves (reward, accuracy, KL, entropy, length) from a run's metrics.jsonl"),
     "parity": ("parity", "cross-hardware parity: ops vs float64, golden record/replay, e2e envelope, compare matrix"),

@@ -1,4 +1,5 @@
-"""``portrl plot RUN_DIR``: PNG curves (reward, accuracy, KL, entropy, length) from ``RUN_DIR/metrics.jsonl``.
+"""``portrl plot RUN_DIR``: PNG curves (accuracy, reward, KL, entropy, response length, the critic's explained
+variance) from ``RUN_DIR/metrics.jsonl``, written to ``RUN_DIR/plots/`` (which curves: portrl.trainer.plot).
 
 The plotting module is imported when the command runs, so that ``portrl --help`` and ``portrl plot --help`` stay fast.
 """
@@ -23,8 +24,8 @@ def run(args) -> int:
                         "which holds metrics.jsonl)")
     paths = plot_run(args.run_dir)
     if not paths:
-        raise UserError(f"{metrics} has none of the plotted metrics (reward, accuracy, KL, entropy, length); "
-                        "was the run logged with the jsonl logger (trainer.loggers)?")
+        raise UserError(f"{metrics} has none of the plotted metrics (accuracy, reward, KL, entropy, response length, "
+                        "critic) with a value; was the run logged with the jsonl logger (trainer.loggers)?")
     for p in paths:
         print(p)
     return 0

@@ -9,7 +9,7 @@
   ``rollout.n`` for pairs, the critic / reference it reads not switched off (``critic.enable`` / ``ref.enable``),
   a critic for value pretraining; estimator options go to estimators that take them;
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
-  with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers /
+  with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
   max_ckpt_to_keep >= 1, save_freq / test_freq >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0
   (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * environment: ``device.env`` names only variables a backend declares or runtime prefixes (ENV_PREFIXES);
@@ -27,6 +27,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, registered
+from portrl.algo.pf_ppo import REWEIGHT_METHODS
+from portrl.algo.policy_losses_bypass import LOSS_TYPES
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
@@ -44,6 +46,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "reward.on_timeout": ("error", "zero"),
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
+    "algorithm.rollout_correction.loss_type": LOSS_TYPES,
+    "algorithm.pf_ppo.reweight_method": REWEIGHT_METHODS,
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 REGISTRY_KEYS = {
@@ -98,6 +102,7 @@ def check_consistency(cfg) -> list[str]:
     if r.n < 1:
         problems.append(f"rollout.n={r.n} must be >= 1")
     problems += _algorithm_needs(cfg)
+    problems += _algorithm_options(cfg)
     if a.clip_ratio_c <= 1:
         problems.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
     if not 0 < r.gpu_memory_utilization <= 1:
@@ -162,6 +167,57 @@ def _algorithm_needs(cfg) -> list[str]:
     return problems
 
 
+def _algorithm_options(cfg) -> list[str]:
+    """GDPO's reward keys and weights, bypass mode and PF-PPO against the algorithm they apply to."""
+    if not _known_algorithm(cfg):
+        return []
+    a = cfg.algorithm
+    spec = algorithm_spec(a)
+    problems = []
+    if spec.estimator is not None and spec.estimator.takes("sum_pi_squared"):
+        problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} reads Σπ² of every token (sum_pi_squared, verl's "
+                        "actor.calculate_sum_pi_squared), which portrl's trainer does not compute yet: use another "
+                        "estimator (its function is in portrl.algo for your own loop)")
+    keys, weights = a.gdpo_reward_keys, a.gdpo_reward_weights
+    if keys is not None or weights is not None:
+        takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes("reward_components")]
+        if spec.estimator is None or not spec.estimator.takes("reward_components"):
+            problems.append(f"algorithm.gdpo_reward_keys / gdpo_reward_weights only apply to the estimators that "
+                            f"take reward components ({', '.join(takers)}), not {a.adv_estimator!r}")
+    if keys is not None:
+        names = [str(k) for k in keys]
+        if not names or any(not k.strip() for k in names) or len(set(names)) != len(names):
+            problems.append(f"algorithm.gdpo_reward_keys={names!r} must be a non-empty list of distinct names "
+                            "(keys of the dict your reward function returns), or null (the summed score only)")
+    if weights is not None:
+        if keys is None:
+            problems.append("algorithm.gdpo_reward_weights is set but algorithm.gdpo_reward_keys is null: give one "
+                            "key per weight")
+        elif len(weights) != len(keys):
+            problems.append(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
+                            "gdpo_reward_keys: give one weight per key")
+    rc = a.rollout_correction
+    mode = str(cfg.actor.policy_loss.loss_mode)
+    if rc.bypass_mode:
+        if spec.estimator is None:
+            problems.append(f"algorithm.rollout_correction.bypass_mode=true changes the policy-gradient loss; "
+                            f"algorithm.objective={a.objective!r} has its own loss: set bypass_mode=false")
+        if mode not in ("vanilla", "bypass_mode"):
+            problems.append(f"algorithm.rollout_correction.bypass_mode=true uses the loss bypass_mode "
+                            f"(rollout_correction.loss_type ppo_clip or reinforce), so "
+                            f"actor.policy_loss.loss_mode={mode!r} would not be used: set it to vanilla or bypass_mode")
+    elif mode == "bypass_mode":
+        problems.append("actor.policy_loss.loss_mode='bypass_mode' needs algorithm.rollout_correction.bypass_mode=true "
+                        "(the old policy is then the rollout engine's)")
+    elif rc.loss_type != "ppo_clip":
+        problems.append(f"algorithm.rollout_correction.loss_type={rc.loss_type!r} only applies with "
+                        "algorithm.rollout_correction.bypass_mode=true")
+    if a.use_pf_ppo and spec.needs_pairs:
+        problems.append(f"algorithm.use_pf_ppo=true resamples rows, which breaks the response pairs of "
+                        f"algorithm.objective={a.objective!r}: set use_pf_ppo=false")
+    return problems
+
+
 def check_ranges(cfg) -> list[str]:
     """Numeric knobs outside their valid range, each with the range in the message."""
     problems: list[str] = []
@@ -206,6 +262,7 @@ def check_ranges(cfg) -> list[str]:
          "must be >= 1 (or null: actor.ppo_epochs)")
     need(a.kl_loss_coef >= 0, "actor.kl_loss_coef", "must be >= 0")
     need(a.entropy_coeff >= 0, "actor.entropy_coeff", "must be >= 0")
+    need(cfg.algorithm.pf_ppo.weight_pow >= 0, "algorithm.pf_ppo.weight_pow", "must be >= 0")
     k = cfg.algorithm.kl_ctrl
     need(k.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
     if k.type == "adaptive":
@@ -222,7 +279,8 @@ def check_ranges(cfg) -> list[str]:
     need(d.max_val_samples is None or d.max_val_samples >= 1, "data.max_val_samples", "must be >= 1 (or null: all)")
     t = cfg.trainer
     need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
-    need(t.num_workers >= 1, "trainer.num_workers", "must be >= 1")
+    need(t.num_workers is None or t.num_workers >= 1, "trainer.num_workers",
+         "must be >= 1, or null (auto: every device of this node)")
     need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
     need(t.save_freq >= 0, "trainer.save_freq", "must be >= 1, or 0 (off: one checkpoint at the end with "
                                                 "trainer.save_final)")
@@ -239,7 +297,8 @@ def check_ranges(cfg) -> list[str]:
     need(code.max_workers >= 1, "reward.code.max_workers", "must be >= 1")
     need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
          "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
-    if t.num_workers > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
+    # null (auto) depends on the node's devices: the preflight checks Ray for the number it resolves to
+    if (t.num_workers or 1) > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
         if not module_available("ray"):
             problems.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
                             f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "

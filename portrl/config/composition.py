@@ -20,6 +20,10 @@ for those groups. ``portrl config show`` prints what was applied (``algorithm.na
 Derived defaults (applied only where neither the user YAML nor an override set the key):
 ``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``.
 
+:func:`explicit_keys` gives the dotted keys a composed config's user YAML and overrides set, so that a later
+step can tell a value the user asked for from a preset's (the preflight fits a preset's batch size to a small
+dataset, but refuses a user's).
+
 ``device.name_source`` records where ``device.name`` came from (``--device``, ``override device=NAME``,
 ``preset h100``, the config file, ``override device.name=NAME``), so that a device that is unknown or not
 usable is reported with its origin (portrl.device.resolve_backend).
@@ -31,6 +35,7 @@ import copy
 import os
 import tempfile
 import typing
+import weakref
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
 
@@ -53,6 +58,7 @@ PATH_KEYS = (
     "data.train_files", "data.val_files", "trainer.output_dir",
 )
 _RESOLVERS_DONE = False
+_EXPLICIT: dict[int, tuple[weakref.ref, frozenset]] = {}  # id(config) -> (the config, keys the user set)
 
 
 def _register_resolvers() -> None:
@@ -231,7 +237,27 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     _expand_paths(cfg)
     if check:
         validate(cfg)
+    key = id(cfg)
+    _EXPLICIT[key] = (weakref.ref(cfg, lambda _ref: _EXPLICIT.pop(key, None)), frozenset(explicit))
     return cfg
+
+
+def copy_config(cfg):
+    """A deep copy of ``cfg`` that keeps :func:`explicit_keys` (a plain ``copy.deepcopy`` forgets them)."""
+    out = copy.deepcopy(cfg)
+    keys = explicit_keys(cfg)
+    if keys is not None:
+        key = id(out)
+        _EXPLICIT[key] = (weakref.ref(out, lambda _ref: _EXPLICIT.pop(key, None)), keys)
+    return out
+
+
+def explicit_keys(cfg) -> frozenset | None:
+    """The dotted keys (``data.train_batch_size``) that the user YAML or a dotted override set on ``cfg``, a
+    config :func:`compose` returned (or :func:`copy_config` copied); a preset's or the schema's values are not
+    among them. None for any other config (loaded from a file, copied otherwise)."""
+    entry = _EXPLICIT.get(id(cfg))
+    return entry[1] if entry is not None and entry[0]() is cfg else None
 
 
 def _read_user_yaml(config_file: str | os.PathLike) -> dict:

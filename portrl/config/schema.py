@@ -43,6 +43,19 @@ class RolloutCorrectionConfig:
 
     rollout_is: Optional[str] = None  # null (off) | token | sequence
     rollout_is_threshold: float = 2.0  # upper truncation of the weights
+    # verl's bypass mode: old_log_probs = the rollout engine's (no old-log-prob forward); the actor loss is
+    # bypass_mode (portrl.algo.policy_losses_bypass) with loss_type ppo_clip (PPO ratio to the rollout policy) or
+    # reinforce (REINFORCE with the truncated IS weights of rollout_is)
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"  # ppo_clip | reinforce (bypass mode only)
+
+
+@dataclass
+class PFPPOConfig:
+    """PF-PPO resampling of the step's batch by score (portrl.algo.pf_ppo; on with algorithm.use_pf_ppo)."""
+
+    reweight_method: str = "pow"  # pow (|score|^weight_pow) | max_min | max_random
+    weight_pow: float = 2.0  # exponent of reweight_method=pow, >= 0
 
 
 @dataclass
@@ -67,6 +80,13 @@ class AlgorithmConfig:
     dpo_label_smoothing: float = 0.0
     dpo_reference_free: bool = False
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # GDPO (adv_estimator=gdpo): the reward components, numeric keys of the dict a custom reward function returns
+    # other than score and acc (null: the summed score is the only component), and their weights (null: 1 each)
+    gdpo_reward_keys: Optional[List[str]] = None
+    gdpo_reward_weights: Optional[List[float]] = None
+    # PF-PPO: resample the step's batch with replacement by weights of each response's score, after the advantages
+    use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
 
 
 # -------------------------------------------------------------------------------------- data
@@ -281,7 +301,10 @@ class RewardConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 40
-    num_workers: int = 1  # data-parallel actor workers (per node x nodes)
+    # data-parallel actor workers in all (all nodes together); None (auto) = every device the backend sees on this
+    # node (its visible-devices variable respected) x nnodes, less separated rollout workers; 1 on the CPU.
+    # resolved and logged when the run starts (portrl.workers.setup.resolve_num_workers); `portrl config show`: null
+    num_workers: Optional[int] = None
     nnodes: int = 1
     ray_address: Optional[str] = None  # join an existing cluster; None = a local one on 127.0.0.1
     ray_dashboard: bool = False

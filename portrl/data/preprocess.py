@@ -1,8 +1,11 @@
 """Preprocessing: read local raw files, write verl-schema train/test parquet (atomically).
 
-Inputs are ``.jsonl``, ``.json`` (a list of records, or {"data"/"rows": [...]}) or ``.parquet``.
-An input directory holds one file per split, named ``train*`` and ``test*`` (as on the Hub:
-``train-00000-of-00001.parquet``); a single file is split by ``test_fraction`` with ``seed``.
+Inputs are ``.jsonl``, ``.json`` (a list of records, or {"data"/"rows": [...]}), ``.parquet`` or ``.arrow``.
+An input directory holds one file per split, named ``train*`` and ``test*`` (``validation*`` / ``val*`` when
+there is no ``test*``; as on the Hub: ``train-00000-of-00001.parquet``), or is a dataset saved by Hugging Face
+``datasets``' ``save_to_disk`` (read with pyarrow alone): a Dataset folder (``state.json`` and ``*.arrow``
+files) or a DatasetDict folder (``dataset_dict.json`` and one such folder per split). A single file, or a
+saved Dataset, is split by ``test_fraction`` with ``seed``.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from portrl.data import code, dapo_math, gsm8k, hendrycks_math
+from portrl.data import code, dapo_math, gsm8k, hendrycks_math, qa
 from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 from portrl.data.schema import DataError
 from portrl.user_files import ordinary_permissions
 
 log = logging.getLogger(__name__)
-RAW_SUFFIXES = (".jsonl", ".json", ".parquet")
-TASKS = ("gsm8k", "math", "dapo_math", "arith", "code")
+RAW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa")
+TEST_PREFIXES = ("test", "validation", "valid", "val")  # the first prefix that names files is the test split
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -39,6 +43,8 @@ def read_records(path: str | Path) -> list[dict]:
             return pq.read_table(path).to_pylist()
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
             raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
+    if suffix == ".arrow":
+        return read_arrow(path).to_pylist()
     if suffix == ".jsonl":
         records = []
         with path.open(encoding="utf-8") as f:
@@ -62,13 +68,70 @@ def read_records(path: str | Path) -> list[dict]:
     raise DataError(f"{path}: unsupported input type {suffix!r}; valid: {', '.join(RAW_SUFFIXES)}")
 
 
+def read_arrow(path: str | Path) -> pa.Table:
+    """An Arrow IPC file: the stream format ``datasets`` writes, or the random-access file format."""
+    errors = []
+    for open_ in (pa.ipc.open_stream, pa.ipc.open_file):
+        try:
+            with pa.memory_map(str(path)) as source:
+                return open_(source).read_all()
+        except Exception as exc:  # noqa: BLE001 - try the other format; both failing is the user's input
+            errors.append(f"{type(exc).__name__}: {exc}")
+    raise DataError(f"{path}: cannot be read as an Arrow file ({errors[0]})")
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    """Whether ``directory`` was written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (directory / "dataset_dict.json").is_file() or (directory / "state.json").is_file()
+
+
+def read_saved_dataset(directory: Path) -> dict[str, list[dict]]:
+    """The records of a ``save_to_disk`` folder by split: {"train": [...]} for a Dataset; for a DatasetDict its
+    splits (``test``, else ``validation``, becomes "test"; other splits are left out, with a log line)."""
+    if (directory / "state.json").is_file():
+        return {"train": _saved_split(directory)}
+    try:
+        names = json.loads((directory / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DataError(f"{directory}/dataset_dict.json: not a saved DatasetDict ({type(exc).__name__}: {exc})") from None
+    if "train" not in names:
+        raise DataError(f"{directory}: the saved DatasetDict has no train split (splits: {', '.join(names)})")
+    test = next((n for n in ("test", "validation", "valid", "val") if n in names), None)
+    unused = [n for n in names if n not in ("train", test)]
+    if unused:
+        log.info("%s: splits %s not used (train: train, test: %s)", directory, ", ".join(unused), test or "none")
+    return {"train": _saved_split(directory / "train"), "test": _saved_split(directory / test) if test else []}
+
+
+def _saved_split(folder: Path) -> list[dict]:
+    """The records of one saved Dataset folder, in the order of its state.json's data files."""
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        files = [folder / f["filename"] for f in state["_data_files"]]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        files = sorted(folder.glob("*.arrow"))
+    if not files:
+        raise DataError(f"{folder}: a saved dataset folder without .arrow data files")
+    records = []
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{folder}/state.json names {f.name}, which does not exist")
+        records.extend(read_arrow(f).to_pylist())
+    return records
+
+
 def find_split_files(directory: Path) -> dict[str, list[Path]]:
     """{"train": [...], "test": [...]} raw files in ``directory`` by name prefix (test may be empty)."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in RAW_SUFFIXES)
-    splits = {"train": [p for p in files if p.name.lower().startswith("train")],
-              "test": [p for p in files if p.name.lower().startswith("test")]}
+    test: list[Path] = []
+    for prefix in TEST_PREFIXES:
+        test = [p for p in files if p.name.lower().startswith(prefix)]
+        if test:
+            break
+    splits = {"train": [p for p in files if p.name.lower().startswith("train")], "test": test}
     if not splits["train"]:
-        raise DataError(f"{directory}: no raw file named train* with suffix {', '.join(RAW_SUFFIXES)}")
+        raise DataError(f"{directory}: no raw file named train* with suffix {', '.join(RAW_SUFFIXES)}, and not a "
+                        "folder saved by datasets' save_to_disk (state.json or dataset_dict.json)")
     return splits
 
 
@@ -102,6 +165,7 @@ def split_records(records: list, test_fraction: float, seed: int) -> tuple[list,
 
 _CONVERTERS: dict[str, Callable[..., list[dict]]] = {
     "gsm8k": gsm8k.convert, "math": hendrycks_math.convert, "dapo_math": dapo_math.convert, "code": code.convert,
+    "qa": qa.convert,
 }  # arith is generated, not converted
 
 
@@ -115,12 +179,15 @@ def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
 def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None = None,
                test_input: str | Path | None = None, test_fraction: float = 0.1, seed: int = 0,
                n: int | None = None, difficulty: int | None = None, sft: bool = False,
-               data_source: str | None = None) -> dict[str, Path]:
+               data_source: str | None = None, question_key: str | None = None, answer_key: str | None = None,
+               instruction: str | None = None, system: str | None = None) -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
 
     ``n`` limits the raw records read per split (arith: the number of problems, train + test, default 2000);
     ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (arith only),
-    ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too.
+    ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too. ``data_source``
+    (code, qa), ``question_key``, ``answer_key``, ``instruction`` and ``system`` (qa) are the converters'
+    options (portrl.data.code, portrl.data.qa).
     """
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
@@ -145,8 +212,11 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
         raise DataError("--sft is only available for arith (other tasks have no reference responses)")
     if difficulty is not None and task != "math":
         raise DataError("--difficulty applies to arith (level) and math (highest MATH level kept) only")
-    if data_source is not None and task != "code":
-        raise DataError("--data-source applies to code only (the other tasks write their dataset's own name)")
+    if data_source is not None and task not in ("code", "qa"):
+        raise DataError("--data-source applies to code and qa only (the other tasks write their dataset's own name)")
+    qa_options = {"question_key": question_key, "answer_key": answer_key, "instruction": instruction, "system": system}
+    if task != "qa" and any(v is not None for v in qa_options.values()):
+        raise DataError("--question-key, --answer-key, --instruction and --system apply to qa only")
     if input_path is None and task == "code":
         input_path = code.BUILTIN_PROBLEMS  # the small problem set shipped with portrl
     if input_path is None:
@@ -154,7 +224,11 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     src = Path(input_path)
     if not src.exists():
         raise DataError(f"input {str(src)!r} does not exist")
-    if src.is_dir():
+    if src.is_dir() and is_saved_dataset(src):
+        saved = read_saved_dataset(src)
+        train_raw, test_raw = ([(f"{src} ({name})", i, r) for i, r in enumerate(saved.get(name, [])[:n])]
+                               for name in ("train", "test"))
+    elif src.is_dir():
         files = find_split_files(src)
         train_raw = _load(files["train"], n)
         test_raw = _load(files["test"], n)
@@ -164,7 +238,8 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     if test_input is not None:
         test_raw = _load([Path(test_input)], n)
     convert = _CONVERTERS[task]  # task is one of TASKS (checked above) and not arith (returned above)
-    kw = {"max_level": difficulty} if task == "math" else {"data_source": data_source} if task == "code" else {}
+    kw = ({"max_level": difficulty} if task == "math" else {"data_source": data_source} if task == "code"
+          else {"data_source": data_source, **qa_options} if task == "qa" else {})
     train = convert(train_raw, split="train", **kw)
     test = convert(test_raw, split="test", **kw)
     if not test_raw and test_fraction > 0:

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from portrl.errors import DataError  # noqa: F401  (the readers' error, named here too)
+from portrl.rewards.search_qa import SEARCH_QA_SOURCES, target_text
 from portrl.rewards.text import ground_truth_text
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -74,6 +75,11 @@ def check_row(row: Any, where: str, index: int, prompt_key: str = "prompt") -> t
     truth = reward.get("ground_truth")
     if truth is None:
         raise bad("reward_model.ground_truth", "is missing")
+    if isinstance(truth, dict) and source in SEARCH_QA_SOURCES:  # {"target": [answers]} (rewards.search_qa)
+        try:
+            truth = target_text(truth)
+        except ValueError as e:
+            raise bad("reward_model.ground_truth", str(e)) from None
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
         raise bad("reward_model.ground_truth", f"must be a string or a number, got {type(truth).__name__}")
     if isinstance(truth, float) and not math.isfinite(truth):

@@ -10,7 +10,7 @@ Method families:
   ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
 * probe: :meth:`probe` -> :class:`ProbeResult`
 * device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
-  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`manual_seed`
+  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`reset_peak_memory`, :meth:`manual_seed`
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
@@ -150,6 +150,10 @@ class Backend:
             "reserved": int(mod.memory_reserved()),
             "peak_allocated": int(mod.max_memory_allocated()),
         }
+
+    def reset_peak_memory(self) -> None:
+        """Restart ``memory_stats()["peak_allocated"]`` from what is allocated now (per-phase peaks)."""
+        self._module().reset_peak_memory_stats()
 
     def manual_seed(self, seed: int) -> None:
         """Seed torch on the host and on every device of this backend."""

@@ -16,9 +16,11 @@ from portrl.parity.case import Case
 
 BATCH, GROUP, RESP_LEN = 16, 4, 512
 INDEX = [f"p{i // GROUP}" for i in range(BATCH)]
-#: policy-loss config: verl's defaults, dro_beta set (dro needs it), one data-parallel rank
+#: policy-loss config: verl's defaults, dro_beta set (dro needs it), one data-parallel rank; bypass_mode's
+#: settings (its REINFORCE path with truncated token IS weights; the other losses ignore them)
 LOSS_CONFIG = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-               "dro_beta": 0.1, "global_batch_info": {}}
+               "dro_beta": 0.1, "global_batch_info": {},
+               "rollout_correction": {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0}}
 
 
 def rl_batch(g: torch.Generator) -> dict:

@@ -32,10 +32,24 @@ def compute_batch_advantages(cfg: Any, batch: Batch) -> Dict[str, float]:
     """Fill ``advantages``/``returns`` (or the objective's tensors, e.g. DPO's pairs) in ``batch``; returns
     metrics. The prompt uid is the group index; ``rollout.n`` the group size."""
     spec = algorithm_spec(cfg.algorithm)
-    out, metrics = spec.advantages(cfg.algorithm, batch.tensors, batch.meta["uid"], int(cfg.rollout.n))
+    tensors = {**batch.tensors, **numeric_reward_extras(batch)}
+    out, metrics = spec.advantages(cfg.algorithm, tensors, batch.meta["uid"], int(cfg.rollout.n))
     for key, value in out.items():
         batch[key] = value
     return metrics
+
+
+def numeric_reward_extras(batch: Batch) -> Dict[str, torch.Tensor]:
+    """The reward function's extra values that are a number on every row (``reward_extra/<key>`` of the batch's
+    meta) as float64 tensors under the same names: GDPO's reward components (``algorithm.gdpo_reward_keys``)."""
+    out: Dict[str, torch.Tensor] = {}
+    for key, values in batch.meta.items():
+        if key.startswith("reward_extra/"):
+            try:
+                out[key] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+            except (TypeError, ValueError):
+                continue  # text or missing values (e.g. the parsed answer) are not reward components
+    return out
 
 
 def seq_metric(cfg: Any, batch: Batch) -> torch.Tensor:

@@ -7,7 +7,8 @@ so it is measured on data the critic has not trained on; left out when every res
 same), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``critic/acc/<src>``,
 ``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max,min}``. Throughput:
 ``perf/tokens_per_s`` (prompt + response tokens of the step / step time),
-``perf/gen_tokens_per_s`` (response tokens / generation time).
+``perf/gen_tokens_per_s`` (response tokens / generation time). Per phase: ``timing_s/<phase>`` and, when the
+workers run in the trainer's process, ``memory/peak_gib/<phase>`` (:class:`Timer`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -67,18 +68,42 @@ def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
 
 
 class Timer:
-    """Collects ``timing_s/<name>`` durations: ``with timer("gen"): ...``."""
+    """Collects ``timing_s/<name>`` durations: ``with timer("gen"): ...``; phases may nest.
 
-    def __init__(self) -> None:
+    With ``memory`` (a Backend whose work runs in this process), also ``memory/peak_gib/<name>``: the highest
+    ``memory_stats()["peak_allocated"]`` seen during the phase (the device's memory; on the CPU the process's
+    resident memory), the peak restarted at each phase's start (``reset_peak_memory``) and folded into every
+    enclosing phase, so an outer phase's peak includes its inner ones.
+    """
+
+    def __init__(self, memory: Any = None) -> None:
         self.times: Dict[str, float] = {}
+        self.peaks: Dict[str, int] = {}
+        self._memory = memory
+        self._open: List[str] = []
+
+    def _fold_peak(self) -> None:
+        peak = self._memory.memory_stats().get("peak_allocated")
+        if peak is not None:
+            for name in self._open:
+                self.peaks[name] = max(self.peaks.get(name, 0), int(peak))
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self._memory is not None:
+            self._fold_peak()  # what the enclosing phases reached so far, before the restart
+            self._memory.reset_peak_memory()
+        self._open.append(name)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            if self._memory is not None:
+                self._fold_peak()
+            self._open.pop()
 
     def metrics(self) -> Dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.times.items()}
+        out = {f"timing_s/{k}": v for k, v in self.times.items()}
+        out.update({f"memory/peak_gib/{k}": v / 2**30 for k, v in self.peaks.items()})
+        return out

@@ -1,42 +1,148 @@
 """PNG training curves from ``<run_dir>/metrics.jsonl`` (matplotlib, Agg backend: no display needed).
 
-``plot_run(run_dir)`` writes one PNG per panel that has data, into ``<run_dir>/plots/``:
-reward (train reward / score), accuracy (train and validation), KL (KL loss, PPO KL, KL in the
-reward), entropy, and response length (mean, max); plus ``curves.png`` with all panels. A metric
-absent from the file is left out; a panel without any of its metrics is not written.
+``plot_run(run_dir)`` writes one PNG per panel that has data, into ``<run_dir>/plots/``: accuracy (training and
+validation), reward, KL divergence, entropy, response length and, in a run with a critic, the share of the returns'
+variance the critic explains; plus ``curves.png`` with all panels. Which curves are drawn is decided by
+:func:`select_panels`, from the metrics alone:
+
+* a curve is named in words (``training accuracy``), not by its metric key (``critic/acc/mean``, verl's name,
+  which every run logs, with a critic or without); legends sit below their panel, off the curves;
+* a metric absent from the file is left out, and so is a KL term that is 0 at every step (below ZERO, float
+  noise: an on-policy run's PPO KL, a KL that is not in use); a panel left with no curve is not drawn;
+* a curve equal at every step to another of its panel is not drawn again (it would hide under it): the first
+  one's legend names both; a panel all of whose curves equal curves of an earlier panel (a 0/1 rule reward is
+  the accuracy) is not drawn, and that panel's legends name them: ``training accuracy (= training reward)``;
+* training curves are solid with round markers, validation curves dashed with square markers, a secondary
+  training curve (the maximum length, the PPO KL) dotted with triangles, so that overlapping curves stay
+  distinguishable.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List, Tuple
 
 from portrl.trainer.tracking import read_metrics
 from portrl.user_files import temp_name
 
-#: panel name -> (title, y label, metric keys to draw when present)
-PANELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "reward": ("Reward", "mean per response", ("critic/rewards/mean", "critic/score/mean", "val/score/mean")),
-    "accuracy": ("Accuracy", "share correct", ("critic/acc/mean", "val/acc/mean")),
-    "kl": ("KL", "nats per token", ("actor/kl_loss", "actor/ppo_kl", "critic/kl")),
-    "entropy": ("Entropy", "nats per token", ("actor/entropy",)),
-    "length": ("Response length", "tokens", ("response_length/mean", "response_length/max", "val/response_length/mean")),
+TRAIN, VAL, EXTRA = "train", "val", "extra"
+
+#: curve style -> matplotlib keywords (markers are drawn where a curve has at most MARKERS_UP_TO points)
+STYLES = {TRAIN: {"linestyle": "-", "marker": "o"}, VAL: {"linestyle": "--", "marker": "s"},
+          EXTRA: {"linestyle": ":", "marker": "^"}}
+MARKERS_UP_TO = 40
+
+
+#: a KL term whose absolute value stays below this at every step is not in use (or is float noise)
+ZERO = 1e-6
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One metric a panel may draw: its key in metrics.jsonl, its legend in words, its style. ``zero_is_off``: a
+    curve that is 0 (below ZERO) at every step is left out (a KL term; a zero accuracy is a result and is drawn).
+    ``only_if_new``: a curve equal to another of its panel is dropped silently, its name not added to the other's
+    legend (the reward after a KL penalty equals the score when there is no penalty: naming it would say there is
+    one)."""
+
+    key: str
+    label: str
+    style: str = TRAIN
+    zero_is_off: bool = False
+    only_if_new: bool = False
+
+
+#: panel name (the PNG's name) -> (title, y label, curves), in drawing order
+PANELS: dict[str, tuple[str, str, tuple[Curve, ...]]] = {
+    "accuracy": ("Accuracy", "share correct", (
+        Curve("critic/acc/mean", "training accuracy"),
+        Curve("val/acc/mean", "validation accuracy", VAL))),
+    "reward": ("Reward", "mean per response", (
+        Curve("critic/score/mean", "training reward"),
+        Curve("critic/rewards/mean", "training reward less the KL penalty", EXTRA, only_if_new=True),
+        Curve("val/score/mean", "validation reward", VAL))),
+    "kl": ("KL divergence", "nats per token", (
+        Curve("actor/kl_loss", "policy to reference (KL loss)", zero_is_off=True),
+        Curve("actor/reward_kl_penalty", "policy to reference (KL penalty in the reward)", zero_is_off=True),
+        Curve("actor/ppo_kl", "rollout policy to updated policy (PPO)", EXTRA, zero_is_off=True))),
+    "entropy": ("Entropy", "nats per token", (
+        Curve("actor/entropy", "policy entropy on training responses"),)),
+    "length": ("Response length", "tokens", (
+        Curve("response_length/mean", "training mean"),
+        Curve("response_length/max", "training maximum", EXTRA),
+        Curve("val/response_length/mean", "validation mean", VAL))),
+    "critic": ("Critic", "explained variance", (
+        Curve("critic/vf_explained_var", "share of the returns' variance the critic explains"),)),
 }
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+@dataclass
+class Series:
+    """A curve to draw: its points, and the labels of the curves it stands for (itself first)."""
+
+    curve: Curve
+    xs: List[int]
+    ys: List[float]
+    also: List[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.curve.label + (f" (= {', '.join(self.also)})" if self.also else "")
+
+
+@dataclass
+class Panel:
+    name: str
+    title: str
+    ylabel: str
+    series: List[Series]
+
+
+def _points(rows: list[dict], key: str) -> Tuple[List[int], List[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             xs.append(int(r["step"]))
             ys.append(float(v))
     return xs, ys
 
 
+def _same(a: Series, xs: List[int], ys: List[float]) -> bool:
+    return a.xs == xs and all(math.isclose(p, q, rel_tol=1e-9, abs_tol=1e-12) for p, q in zip(a.ys, ys))
+
+
+def select_panels(rows: list[dict]) -> List[Panel]:
+    """The panels and curves to draw for these metrics rows (each with a ``step``), by the rules of the module
+    docstring."""
+    panels: List[Panel] = []
+    for name, (title, ylabel, curves) in PANELS.items():
+        series: List[Series] = []
+        for curve in curves:
+            xs, ys = _points(rows, curve.key)
+            if not xs or curve.zero_is_off and all(abs(y) < ZERO for y in ys):
+                continue
+            twin = next((s for s in series if _same(s, xs, ys)), None)
+            if twin is None:
+                series.append(Series(curve, xs, ys))
+            elif not curve.only_if_new:
+                twin.also.append(curve.label)
+        earlier = [s for p in panels for s in p.series]
+        twins = [next((e for e in earlier if _same(e, s.xs, s.ys)), None) for s in series]
+        if series and all(twins):  # the whole panel repeats curves already drawn: name them there instead
+            for s, twin in zip(series, twins):
+                twin.also.extend([s.curve.label, *s.also])
+        elif series:
+            panels.append(Panel(name, title, ylabel, series))
+    return panels
+
+
 def _save(fig, path: Path) -> None:
     tmp = temp_name(path, suffix=path.suffix)  # savefig picks the format from the extension
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)
 
 
@@ -53,33 +159,27 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir} a portrl run directory?")
-    rows = [r for r in read_metrics(metrics) if "step" in r]
+    panels = select_panels([r for r in read_metrics(metrics) if "step" in r])
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    panels = {}
-    for name, (title, ylabel, keys) in PANELS.items():
-        series = {k: _series(rows, k) for k in keys}
-        series = {k: s for k, s in series.items() if s[0]}
-        if series:
-            panels[name] = (title, ylabel, series)
     written: list[Path] = []
-    for name, (title, ylabel, series) in panels.items():
-        fig, ax = plt.subplots(figsize=(6, 4))
-        _draw(ax, title, ylabel, series)
-        path = out_dir / f"{name}.png"
+    for panel in panels:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")  # constrained: no label over a title
+        _draw(ax, panel)
+        path = out_dir / f"{panel.name}.png"
         _save(fig, path)
         plt.close(fig)
         written.append(path)
     if panels:
-        cols = min(3, len(panels))
+        cols = 2 if len(panels) == 4 else min(3, len(panels))  # 2 x 2 rather than 3 + 1
         nrows = (len(panels) + cols - 1) // cols
-        fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+        fig, axes = plt.subplots(nrows, cols, figsize=(5.6 * cols, 4.2 * nrows), squeeze=False, layout="constrained")
         flat = [ax for row in axes for ax in row]
-        for ax, (title, ylabel, series) in zip(flat, panels.values()):
-            _draw(ax, title, ylabel, series)
+        for ax, panel in zip(flat, panels):
+            _draw(ax, panel)
         for ax in flat[len(panels):]:
             ax.axis("off")
-        fig.suptitle(run_dir.name)
+        fig.suptitle(f"portrl run {run_dir.name}")
         path = out_dir / "curves.png"
         _save(fig, path)
         plt.close(fig)
@@ -87,11 +187,17 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     return written
 
 
-def _draw(ax, title: str, ylabel: str, series: dict) -> None:
-    for key, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-    ax.set_title(title)
+def _draw(ax, panel: Panel) -> None:
+    from matplotlib.ticker import MaxNLocator  # pyplot is loaded by plot_run (see there)
+
+    for s in panel.series:
+        style = dict(STYLES[s.curve.style])
+        if len(s.xs) > MARKERS_UP_TO:
+            style["marker"] = None
+        ax.plot(s.xs, s.ys, markersize=4, linewidth=1.6, label=s.label, **style)
+    ax.set_title(panel.title)
     ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel(panel.ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)  # below: off the curves

@@ -4,8 +4,8 @@
 It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the first problem found:
 
 * the device: ``device.name`` (or ``--device`` / ``$PORTRL_DEVICE``) is registered and usable here, named by
-  where it came from; its dtype and ``rollout.engine`` are available on it; no more workers than the node has
-  devices;
+  where it came from; its dtype and ``rollout.engine`` are available on it; an explicit ``trainer.num_workers``
+  is no more than the node has devices (null, auto: every device of the node, is resolved when the run starts);
 * the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
   Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template);
 * the data: ``data.train_files`` / ``data.val_files`` exist, are parquet with the verl columns, and every row
@@ -14,6 +14,10 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
 * the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
   truth as the response) without raising and returns a float or a dict with "score";
 * the warm start: ``model.sft_warm_start`` is built in for ``data.name=arith`` only;
+* fitted to the user's data (portrl.trainer.data_fit, each with a log line; a value the user set is refused
+  instead): an empty ``data.val_files`` becomes the test split beside the training split (or validation is off),
+  a preset's ``data.train_batch_size`` / ``actor.ppo_mini_batch_size`` larger than the usable training rows are
+  lowered, and a preset's SFT warm start is turned off for data other than arith;
 * checkpoints: ``trainer.resume=PATH`` and ``portrl eval --checkpoint`` name a verified checkpoint;
 * loggers: the packages of ``trainer.loggers`` (tensorboard, wandb, mlflow) are installed; ``train``
   into ``trainer.output_dir`` continues only its own run (``portrl.trainer.run_dir.check_run_dir``);
@@ -43,15 +47,22 @@ from portrl.rewards.registry import UnknownDataSource, reward_kind
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
 from portrl.rollout import engine_factory, offered_engines
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
+from portrl.trainer.data_fit import fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
-from portrl.workers.setup import resolve_dtype, worker_backend
+from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
 
 TRAIN, SFT, EVAL = "train", "sft", "eval"
 
 
 def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = None) -> None:
-    """Check ``cfg`` for ``command`` (train, sft or eval) before any model loads; UserError on the first problem."""
+    """Check ``cfg`` for ``command`` (train, sft or eval) before any model loads; UserError on the first problem.
+    What it fits to the data is logged once every check passed."""
+    with held_notes(cfg):
+        _preflight(cfg, command, checkpoint)
+
+
+def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     _check_device(cfg)
     tokenizer = _check_model(cfg, command)
     _check_output_dir(cfg)
@@ -60,10 +71,9 @@ def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = Non
     if command == TRAIN and str(cfg.data.name) != "arith":
         if not cfg.data.train_files:
             raise UserError(no_train_files_message(cfg))
-        if bool(cfg.model.sft_warm_start):
-            raise UserError(f"model.sft_warm_start is built in for data.name=arith only (data.name={cfg.data.name!r})"
-                            "; set model.sft_warm_start=false, or fine-tune first with `portrl sft --train-files "
-                            "SFT.parquet --output sft` and train from it with model.path=sft")
+        fit_warm_start(cfg)  # a preset's warm start off with a note; the user's refused
+    if command == TRAIN:
+        fit_val_files(cfg)  # empty (or a preset's elsewhere): the test split beside the training split, or off
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
@@ -95,14 +105,27 @@ def _check_device(cfg: Any) -> None:
         offered = ", ".join(offered_engines(backend)) or "none"
         raise UserError(f"rollout.engine={engine} is not available on backend {backend.name!r} here (its package is "
                         f"not installed, or the backend does not run it); available: {offered}, or auto")
+    _check_num_workers(cfg, backend)
+
+
+def _check_num_workers(cfg: Any, backend: Any) -> None:
+    """An explicit ``trainer.num_workers`` fits this node; null (auto) is what the run will resolve it to
+    (``auto_num_workers``, resolved and logged once by RLTrainer when the run starts), and Ray is there when that
+    is more than one worker."""
     t = cfg.trainer
+    if t.num_workers is None:
+        n, why = auto_num_workers(cfg, backend)
+        if n > 1 and not module_available("ray"):
+            raise UserError(f"trainer.num_workers=null (auto) is {n} here ({why}): more than one worker runs on Ray, "
+                            "but ray is not installed; pip install 'ray[default]' or set trainer.num_workers=1")
+        return
     if backend.device_type == "cpu" or int(t.nnodes) > 1 or t.ray_address:
         return
     count = backend.device_count()
     if count and int(t.num_workers) > count:
         raise UserError(f"trainer.num_workers={t.num_workers} needs {t.num_workers} {backend.name} devices, "
-                        f"this node has {count}; set trainer.num_workers<={count} (or trainer.nnodes / ray_address "
-                        "for more nodes)")
+                        f"this node has {count}; set trainer.num_workers<={count}, or null (auto: every device of "
+                        "this node), or trainer.nnodes / ray_address for more nodes")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -166,17 +189,10 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
                         f"{d.arith.num_train} generated problems; raise data.arith.num_train or lower the batch")
     if command == TRAIN and train_rows:
         want, limit = int(d.train_batch_size), int(d.max_prompt_length)
-        if len(train_rows) < want:
-            raise UserError(f"data.train_batch_size={want} is more than the {len(train_rows)} rows of "
-                            f"{', '.join(train_files)}; set data.train_batch_size<={len(train_rows)} (and "
-                            "actor.ppo_mini_batch_size to a divisor of it) or add rows")
+        usable = min(len(train_rows), want)
         if bool(d.filter_overlong_prompts):
-            fitting = count_fitting_prompts(train_rows, tokenizer, limit, want)
-            if fitting < want:
-                raise UserError(f"data.train_batch_size={want} needs {want} prompts, but only {fitting} of the "
-                                f"{len(train_rows)} rows of {', '.join(train_files)} fit data.max_prompt_length="
-                                f"{limit} tokens (longer ones are dropped: data.filter_overlong_prompts); raise "
-                                "data.max_prompt_length or lower data.train_batch_size")
+            usable = count_fitting_prompts(train_rows, tokenizer, limit, want)
+        fit_train_batch(cfg, usable, len(train_rows), train_files)  # a preset's batch lowered; the user's refused
     return train_rows, val_rows
 
 

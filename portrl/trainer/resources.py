@@ -3,7 +3,8 @@
 * ``model.path`` empty -> the built-in tiny Qwen2 model (``model.tiny`` sizes), written once and
   reused from ``$PORTRL_CACHE`` (default ``~/.cache/portrl``) under a name derived from its sizes.
 * ``data.name == "arith"`` with no files -> generated arith rows (``data.arith``) written once to
-  the same cache. Other datasets need ``data.train_files`` (and ``val_files`` for validation).
+  the same cache. Other datasets need ``data.train_files``; validation uses ``data.val_files``, or when that is
+  empty the ``test.parquet`` written beside a ``train.parquet`` (portrl.trainer.data_fit), else none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from portrl.data.preprocess import write_split
 from portrl.errors import UserError
 from portrl.models import write_tiny_model
 from portrl.models.loader import check_model_dir
+from portrl.trainer.data_fit import fit_val_files
 
 PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
 
@@ -28,10 +30,10 @@ PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math")  # raw formats `portrl preproc
 def no_train_files_message(cfg: Any) -> str:
     """Why a run of ``data.name`` without ``data.train_files`` cannot start, and the command that makes them."""
     name = str(cfg.data.name)
-    task = name if name in PREPROCESS_TASKS else "gsm8k"
+    task = name if name in PREPROCESS_TASKS else "qa"  # qa: any question-answer rows
     return (f"data.train_files is empty and only data.name=arith is generated (data.name={name!r}); make verl parquet "
             f"with `portrl preprocess {task} --input RAW_FILE --output-dir data/{task}`, then pass "
-            f"data.train_files=[data/{task}/train.parquet] data.val_files=[data/{task}/test.parquet]")
+            f"data.train_files=[data/{task}/train.parquet] (the test.parquet beside it is the validation split)")
 
 
 def cache_dir() -> Path:
@@ -56,11 +58,13 @@ def resolve_model_path(cfg: Any) -> str:
 
 
 def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
-    """(train files, validation files); generated for the arith task when none are given."""
+    """(train files, validation files); generated for the arith task when none are given. Validation files
+    missing from ``cfg`` are filled in it (:func:`portrl.trainer.data_fit.fit_val_files`)."""
     train = [str(f) for f in (cfg.data.train_files or [])]
-    val = [str(f) for f in (cfg.data.val_files or [])]
     if train:
-        return train, val
+        fit_val_files(cfg)
+        return train, [str(f) for f in (cfg.data.val_files or [])]
+    val = [str(f) for f in (cfg.data.val_files or [])]
     if str(cfg.data.name) != "arith":
         raise UserError(no_train_files_message(cfg))
     a = cfg.data.arith

@@ -24,7 +24,6 @@ Ray workers have a time limit that follows the step time (portrl.trainer.interru
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import time
@@ -37,6 +36,8 @@ import torch
 from omegaconf import OmegaConf
 
 from portrl.algo import algorithm_spec, critic_enabled, filter_groups, get_kl_controller, reference_enabled
+from portrl.algo.pf_ppo import pf_ppo_resample_indices
+from portrl.config.composition import copy_config
 from portrl.data import RLDataset
 from portrl.errors import RunStopped
 from portrl.models import load_tokenizer
@@ -59,7 +60,7 @@ from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerDiedError, WorkerGroup
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.rollout_worker import separated_rollout
-from portrl.workers.setup import setup_process, worker_backend
+from portrl.workers.setup import resolve_num_workers, setup_process, worker_backend
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,11 @@ class RLTrainer:
     """Builds workers, data, reward, tracker and checkpoints from ``cfg``; :meth:`fit` runs the loop."""
 
     def __init__(self, cfg: Any):
-        cfg = copy.deepcopy(cfg)
+        cfg = copy_config(cfg)  # the caller's config stays as it is; what the user set is still known
         OmegaConf.set_readonly(cfg, False)
         self.backend = worker_backend(cfg)
         setup_process(cfg, self.backend)
+        cfg.trainer.num_workers = resolve_num_workers(cfg, self.backend)  # null (auto): every device of the node
         _seed_all(int(cfg.trainer.seed))
         cfg.model.path = resolve_model_path(cfg)
         self.cfg = cfg
@@ -189,7 +191,9 @@ class RLTrainer:
 
     def train_step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
-        timer = Timer()
+        # peak memory per phase where the workers run in this process (a Ray worker's memory is its own)
+        in_process = not any(g is not None and g.use_ray for g in (self.actor, self.critic, self.rollout))
+        timer = Timer(memory=self.backend if in_process else None)
         m: Dict[str, float] = {}
         t0 = time.perf_counter()
         with timer("step"):
@@ -198,7 +202,12 @@ class RLTrainer:
             if batch is None:
                 m["train/skipped"] = 1.0
                 return {**m, **timer.metrics()}
-            if old_log_probs_needed(cfg, len(batch)):
+            if cfg.algorithm.rollout_correction.bypass_mode:  # verl's bypass mode: the rollout policy is the old one
+                if "rollout_log_probs" not in batch:
+                    raise ValueError("algorithm.rollout_correction.bypass_mode needs the rollout engine's log-probs, "
+                                     "and this engine returned none")
+                batch["old_log_probs"] = batch.tensors["rollout_log_probs"]
+            elif old_log_probs_needed(cfg, len(batch)):
                 with timer("old_log_prob"):
                     old = self.actor.concat("compute_log_probs", batch)
                     ent = old.pop("entropys")
@@ -214,6 +223,11 @@ class RLTrainer:
             with timer("adv"):
                 m.update(apply_reward_kl(cfg, batch, self.kl_ctrl))
                 m.update(compute_batch_advantages(cfg, batch))
+                if cfg.algorithm.use_pf_ppo:  # PF-PPO: the update sees the batch resampled by score
+                    pf = cfg.algorithm.pf_ppo
+                    batch = batch.select(pf_ppo_resample_indices(batch.tensors["token_level_scores"].sum(-1),
+                                                                 str(pf.reweight_method), float(pf.weight_pow),
+                                                                 seed=self._gen_seed(step, 700)))
             if self.critic is not None:
                 with timer("update_critic"):
                     m.update(self.critic.metrics("update_critic", batch))

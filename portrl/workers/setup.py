@@ -20,6 +20,41 @@ def worker_backend(cfg: Any):
                            config_source=cfg.device.get("name_source"))
 
 
+def auto_num_workers(cfg: Any, backend: Any) -> tuple[int, str]:
+    """What ``trainer.num_workers=null`` (auto) means on this node: ``(workers, why)``.
+
+    Every device ``backend`` sees here (``device_count()``, which respects the vendor's visible-devices variable)
+    times ``trainer.nnodes`` (nodes alike, as verl's ``n_gpus_per_node x nnodes``), less the devices of separated
+    rollout workers (``rollout.num_rollout_workers``); at least 1. The CPU backend is one device: 1 worker.
+    ``trainer.use_ray=false`` runs in this process: 1 worker.
+    """
+    t = cfg.trainer
+    if backend.device_type == "cpu":
+        return 1, f"the {backend.name} backend is one device"
+    if t.use_ray is not None and not t.use_ray:
+        return 1, "trainer.use_ray=false runs one worker in this process"
+    count = int(backend.device_count())
+    nodes = int(t.nnodes)
+    why = f"{count} {backend.name} device(s) visible on this node" + (f" x trainer.nnodes={nodes}" if nodes > 1 else "")
+    total = count * nodes
+    if str(cfg.rollout.placement) == "separated":
+        rollout = int(cfg.rollout.num_rollout_workers)
+        total -= rollout
+        why += f", less rollout.num_rollout_workers={rollout} (rollout.placement=separated)"
+    return max(1, total), why
+
+
+def resolve_num_workers(cfg: Any, backend: Any) -> int:
+    """``trainer.num_workers`` for a run on ``backend``: the value when set, else :func:`auto_num_workers` (logged).
+    The caller records the result in its config (preflight, RLTrainer) so that everything after sees one number."""
+    explicit = cfg.trainer.num_workers
+    if explicit is not None:
+        return int(explicit)
+    n, why = auto_num_workers(cfg, backend)
+    logging.getLogger(__name__).info("trainer.num_workers=null -> %d (%s)", n, why)
+    return n
+
+
 def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
     """Apply the backend's env presets and ``device.env``, torch threads and the determinism flag.
 

@@ -1,0 +1,184 @@
+"""A data preset's settings fitted to the user's own data, before a model loads (called by the preflight).
+
+The data presets (``data=gsm8k``, ``math``, ``dapo_math``) carry the sizes of their full datasets and file
+locations; a user's own files can be smaller or elsewhere. What is fitted, each with one log line:
+
+* **Validation files.** An empty ``data.val_files`` becomes the test split written beside the training split
+  (``DIR/test.parquet`` for every ``DIR/train.parquet``, as ``portrl preprocess`` writes them) when it exists;
+  else validation is off. A preset's ``data.val_files`` is replaced the same way when the user named other
+  ``data.train_files`` (the preset's files belong to the preset's location) or when they do not exist.
+  ``data.val_files`` set by the user is kept as given (``data.val_files=[]``: validation off).
+* **Batch sizes.** A ``data.train_batch_size`` (prompts per step) larger than the training rows that fit
+  ``data.max_prompt_length`` is lowered to that count when it came from a preset or the defaults, and
+  ``actor.ppo_mini_batch_size`` to a divisor of it that keeps about the preset's mini-batches per step; one the
+  user set is refused with the key to change.
+* **The SFT warm start.** ``model.sft_warm_start`` is built in for ``data.name=arith`` only: elsewhere a preset's
+  ``true`` is turned off with a note, a user's is refused.
+
+Whether the user set a key comes from :func:`portrl.config.composition.explicit_keys` (the user YAML and the
+dotted overrides); a config it does not know is treated as all set by the user (nothing is changed).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from omegaconf import read_write
+
+from portrl.config.composition import explicit_keys
+from portrl.errors import UserError
+
+log = logging.getLogger(__name__)
+# id(config) -> (the config, notes logged for it, notes held back or None): the preflight and the trainer both
+# resolve a run's files, and the preflight holds its notes until every check passed (bad input: one line)
+_NOTES: dict[int, tuple[weakref.ref, set, list | None]] = {}
+
+
+def _notes(cfg: Any) -> tuple[weakref.ref, set, list | None]:
+    key = id(cfg)
+    entry = _NOTES.get(key)
+    if entry is None or entry[0]() is not cfg:
+        entry = _NOTES[key] = (weakref.ref(cfg, lambda _ref: _NOTES.pop(key, None)), set(), None)
+    return entry
+
+
+def note_once(cfg: Any, message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` unless it was logged for this config object already; held back inside :func:`held_notes`."""
+    _, logged, held = _notes(cfg)
+    if message in logged:
+        return
+    logged.add(message)
+    if held is not None:
+        held.append((level, message))
+    else:
+        log.log(level, message)
+
+
+@contextmanager
+def held_notes(cfg: Any) -> Iterator[None]:
+    """Hold the notes about ``cfg`` back while the block runs: logged when it ends normally, dropped when it
+    raises (a run refused for bad input prints its one error line only)."""
+    ref, logged, _ = _notes(cfg)
+    held: list = []
+    _NOTES[id(cfg)] = (ref, logged, held)
+    try:
+        yield
+    except BaseException:
+        logged.difference_update(m for _, m in held)
+        raise
+    else:
+        for level, message in held:
+            log.log(level, message)
+    finally:
+        _NOTES[id(cfg)] = (ref, logged, None)
+
+
+def user_set(cfg: Any, key: str) -> bool:
+    """Whether the user YAML or an override set ``key`` (True when the config's origin is unknown)."""
+    keys = explicit_keys(cfg)
+    return keys is None or key in keys
+
+
+def val_files_beside(train_files: Iterable[str]) -> list[str]:
+    """``DIR/test.parquet`` for every ``DIR/train.parquet`` when every training file is so named and every such
+    test file exists; else []."""
+    train = [Path(f) for f in train_files]
+    tests = [p.with_name("test.parquet") for p in train]
+    if train and all(p.name == "train.parquet" for p in train) and all(t.is_file() for t in tests):
+        return [str(t) for t in tests]
+    return []
+
+
+def default_val_files(cfg: Any, train_files: list[str], why: str = "data.val_files is empty") -> list[str]:
+    """The test split beside ``train_files`` (logged), or [] with a note that validation is off."""
+    val = val_files_beside(train_files)
+    if val:
+        note_once(cfg, f"{why}: validating on the test split beside the training split: {', '.join(val)}")
+    else:
+        note_once(cfg, f"{why} and there is no test.parquet beside data.train_files: validation is off (set "
+                  "data.val_files=[TEST.parquet] to validate)")
+    return val
+
+
+def fit_val_files(cfg: Any) -> None:
+    """Fill or replace ``data.val_files`` in ``cfg`` as the module docstring says (a run with training files)."""
+    d = cfg.data
+    train = [str(f) for f in d.train_files or []]
+    val = [str(f) for f in d.val_files or []]
+    if not train:
+        return  # arith's generated data brings its own test split
+    keys = explicit_keys(cfg)
+    if not val and keys is not None and "data.val_files" in keys:
+        note_once(cfg, "data.val_files=[] (set by you): validation is off")
+        return
+    if not val:
+        new = default_val_files(cfg, train)
+    elif user_set(cfg, "data.val_files"):
+        return
+    elif user_set(cfg, "data.train_files") and val != val_files_beside(train):
+        new = default_val_files(cfg, train, f"data.val_files ({', '.join(val)}) is the data preset's and "
+                                                "data.train_files is yours")
+    elif not all(Path(f).is_file() for f in val):
+        missing = next(f for f in val if not Path(f).is_file())
+        new = default_val_files(cfg, train, f"the data preset's data.val_files {missing} does not exist")
+    else:
+        return
+    with read_write(d):
+        d.val_files = new
+
+
+def fit_warm_start(cfg: Any) -> None:
+    """``model.sft_warm_start`` off for data other than arith when a preset set it; UserError when the user did."""
+    if not bool(cfg.model.sft_warm_start) or str(cfg.data.name) == "arith":
+        return
+    if user_set(cfg, "model.sft_warm_start"):
+        raise UserError(f"model.sft_warm_start is built in for data.name=arith only (data.name={cfg.data.name!r}); "
+                        "set model.sft_warm_start=false, or fine-tune first with `portrl sft --train-files "
+                        "SFT.parquet --output sft` and train from it with model.path=sft")
+    note_once(cfg, f"model.sft_warm_start is built in for data.name=arith only: off for data.name={cfg.data.name} "
+              "(fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
+    with read_write(cfg.model):
+        cfg.model.sft_warm_start = False
+
+
+def mini_batch_for(n: int, steps: int) -> int:
+    """The divisor of ``n`` (a mini-batch size) that gives the number of mini-batches closest to ``steps``; the
+    larger mini-batch on a tie."""
+    return min((k for k in range(1, n + 1) if n % k == 0), key=lambda k: (abs(n // k - steps), -k))
+
+
+def fit_train_batch(cfg: Any, usable: int, total: int, files: list[str]) -> None:
+    """Fit ``data.train_batch_size`` to ``usable`` training prompts (of ``total`` rows; fewer when some are longer
+    than ``data.max_prompt_length``); UserError with the key to set when the user set it or none is usable."""
+    d, a = cfg.data, cfg.actor
+    want, mini, limit = int(d.train_batch_size), int(a.ppo_mini_batch_size), int(d.max_prompt_length)
+    if usable >= want:
+        return
+    where = ", ".join(files)
+    if usable == 0 or user_set(cfg, "data.train_batch_size"):
+        if usable == total:
+            raise UserError(f"data.train_batch_size={want} is more than the {total} rows of {where}; set "
+                            f"data.train_batch_size<={total} (and actor.ppo_mini_batch_size to a divisor of it) or "
+                            "add rows")
+        raise UserError(f"data.train_batch_size={want} needs {want} prompts, but only {usable} of the {total} rows of "
+                        f"{where} fit data.max_prompt_length={limit} tokens (longer ones are dropped: "
+                        "data.filter_overlong_prompts); raise data.max_prompt_length or lower data.train_batch_size")
+    if user_set(cfg, "actor.ppo_mini_batch_size"):
+        if usable % mini:
+            raise UserError(f"data.train_batch_size={want} (not set by you) is lowered to the {usable} usable rows of "
+                            f"{where}, which actor.ppo_mini_batch_size={mini} does not divide; set "
+                            f"actor.ppo_mini_batch_size to a divisor of {usable}, or set data.train_batch_size")
+        new_mini = mini
+    else:  # keep about the preset's number of optimizer steps per RL step
+        new_mini = mini_batch_for(usable, max(1, want // mini))
+    short = "" if usable == total else f" that fit data.max_prompt_length={limit}"
+    note_once(cfg, f"data.train_batch_size={want} (not set by you) is more than the {usable} training rows{short} of "
+                   f"{where}: lowered to {usable} prompts per step, actor.ppo_mini_batch_size {mini} -> {new_mini}; set "
+                   "data.train_batch_size to choose", logging.WARNING)
+    with read_write(cfg):
+        d.train_batch_size = usable
+        a.ppo_mini_batch_size = new_mini
