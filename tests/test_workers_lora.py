@@ -99,10 +99,14 @@ def test_only_adapters_train_and_engines_sample_the_adapted_policy(tiny_model, t
 
 
 def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
+    """Also: the run's checkpoint holds the adapters, not the frozen base, and the run resumes from it."""
+    from safetensors import safe_open
+
     from portrl.trainer.rl_trainer import RLTrainer
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
-    trainer = RLTrainer(_cfg(tiny_model, tmp_path / "run", **{"algorithm.adv_estimator": "grpo"}))
+    cfg = _cfg(tiny_model, tmp_path / "run", **{"algorithm.adv_estimator": "grpo", "trainer.save_final": True})
+    trainer = RLTrainer(cfg)
     worker = trainer.actor.local_worker
     lora0, base0 = _split(worker)
     summary = trainer.fit()
@@ -112,6 +116,14 @@ def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
     assert set(lora1) == set(lora0)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 2 and all('"actor/pg_loss"' in r for r in rows)
+
+    with safe_open(str(tmp_path / "run" / "checkpoints" / "global_step_2" / "actor.safetensors"), "pt") as f:
+        saved = {k[len("model."):] for k in f.keys() if k.startswith("model.")}
+    assert saved == set(lora1)
+    cfg.trainer.total_steps = 3
+    again = RLTrainer(cfg)
+    assert all(torch.equal(p, lora1[n]) for n, p in _split(again.actor.local_worker)[0].items())
+    assert again.fit()["steps"] == 3
 
 
 def test_adapter_init_depends_on_the_seed_only(tiny_model):
@@ -123,3 +135,65 @@ def test_adapter_init_depends_on_the_seed_only(tiny_model):
     assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
     other = _split(ActorRolloutWorker(_cfg(tiny_model, **{"trainer.seed": 1})))[0]
     assert any(not torch.equal(first[n], other[n]) for n in first if "lora_A" in n)
+
+
+def _one_update(path, **over):
+    """A worker after one update on a fixed batch, and the calls of its first attention block's forward."""
+    w = ActorRolloutWorker(_cfg(path, **over))
+    calls = []
+    w.module.get_base_model().model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    b = w.generate([[5, 6, 7], [8, 9]], SAMPLING, meta={"uid": list("ab")})
+    b["advantages"] = torch.randn(b["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    b["advantages"] *= b["response_mask"]
+    calls.clear()  # the rollout's forwards
+    lora0, base0 = _split(w)
+    w.update_actor(b)
+    return w, len(calls), lora0, base0
+
+
+def test_lora_with_gradient_checkpointing_trains_the_adapters(tiny_model):
+    """Gradient checkpointing recomputes the blocks in backward and gives the update without it. With frozen
+    embeddings a reentrant checkpoint would pass no gradient to the adapters; the loader's is non-reentrant."""
+    plain, plain_calls, _, _ = _one_update(tiny_model)
+    w, calls, lora0, base0 = _one_update(tiny_model, **{"model.gradient_checkpointing": True})
+    assert w.checkpointing and calls == 2 * plain_calls  # the attention block ran again in backward
+    lora1, base1 = _split(w)
+    assert all(torch.equal(base0[n], base1[n]) for n in base0)
+    assert all(not torch.equal(lora0[n], lora1[n]) for n in lora0 if "lora_B" in n)  # every B left its zero init
+    want = _split(plain)[0]
+    for n in want:
+        torch.testing.assert_close(lora1[n], want[n], rtol=0, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_train_state_is_the_adapters_and_fits_only_its_layout(tiny_model, dtype):
+    """The checkpointed train state of a LoRA policy: the adapters (float32) and their optimizer state, not the
+    frozen base (every worker loads it from model.path); it loads into a fresh worker, not into other targets."""
+    import copy
+
+    w, _, _, _ = _one_update(tiny_model, **{"device.dtype": dtype})
+    state = copy.deepcopy(w.state_dict())
+    adapters = {n for n, p in w.module.named_parameters() if p.requires_grad}
+    assert set(state["model"]) == adapters and all(".lora_" in n for n in adapters)
+    assert set(state["optimizer"]["state"]) == adapters
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
+    fresh = ActorRolloutWorker(_cfg(tiny_model, **{"device.dtype": dtype}))
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(fresh.master.masters, w.master.masters))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(fresh.named_weights(), w.named_weights()))
+    other = ActorRolloutWorker(_cfg(tiny_model, **{"device.dtype": dtype, "actor.lora_target_modules": ["q_proj"]}))
+    with pytest.raises(ValueError, match="another layout"):
+        other.load_state_dict(state)
+
+
+def test_all_linear_targets_every_linear_layer_but_the_head(tiny_model):
+    """actor.lora_target_modules=[all-linear] (verl's default): attention and MLP projections, not lm_head; the
+    merged weights carry the MLP's deltas too."""
+    w, _, _, base0 = _one_update(tiny_model, **{"actor.lora_target_modules": ["all-linear"]})
+    adapted = {n.split(".")[-4] for n, _ in w.module.named_parameters() if ".lora_A." in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    merged = dict(w.named_weights())
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(merged[down], base0[f"base_model.model.{down[:-len('.weight')]}.base_layer.weight"])
+    with pytest.raises(ValueError, match="all-linear"):
+        ActorRolloutWorker(_cfg(tiny_model, **{"actor.lora_target_modules": ["qproj"]}))

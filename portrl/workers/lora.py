@@ -17,11 +17,13 @@ from torch import nn
 from portrl.device import import_optional
 
 PEFT_INSTALL = "pip install 'peft>=0.13'"
+ALL_LINEAR = "all-linear"  # lora_target_modules: [all-linear] adapts every linear layer but the output head
 
 
 def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     """``model`` with LoRA adapters of ``actor.lora_rank`` / ``lora_alpha`` on ``actor.lora_target_modules``
-    (a peft ``PeftModel``; only the adapters train). ``cfg`` is the run config (or its ``actor`` group)."""
+    (a peft ``PeftModel``; only the adapters train). ``cfg`` is the run config (or its ``actor`` group).
+    ``[all-linear]`` (verl's default) adapts every linear layer but the output head."""
     actor = cfg.actor if hasattr(cfg, "actor") else cfg
     rank, alpha, targets = int(actor.lora_rank), int(actor.lora_alpha), list(actor.lora_target_modules)
     if rank <= 0:
@@ -29,11 +31,10 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     if not targets:
         raise ValueError("apply_lora: actor.lora_target_modules is empty; name the linear layers to adapt, "
                          "e.g. [q_proj, k_proj, v_proj, o_proj]")
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise ValueError(f"actor.lora_target_modules {missing} are not modules of {type(model).__name__}; "
-                         f"linear layers it has: {sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})}")
+    if targets == [ALL_LINEAR]:
+        targets = ALL_LINEAR  # peft's shorthand
+    else:
+        _check_targets(model, targets)
     peft = import_optional("peft", PEFT_INSTALL)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
                              task_type="CAUSAL_LM")
@@ -44,6 +45,16 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return peft.get_peft_model(model, config)
+
+
+def _check_targets(model: nn.Module, targets: list) -> None:
+    """A ValueError naming the targets that are no module of ``model``, and the linear layers it has."""
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"actor.lora_target_modules {missing} are not modules of {type(model).__name__}; "
+                         f"linear layers it has: {linear}, or [{ALL_LINEAR}]")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import List, Mapping, Union
 
 import torch
 
-from portrl.workers.parallel import full_train_state, load_full_train_state
+from portrl.workers.parallel import frozen_parameter_names, full_train_state, load_full_train_state, require_trainable
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -98,11 +98,15 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, maste
     """``(model state, optimizer state)`` of a worker, in one format whatever the precision and strategy: model
     tensors keyed by parameter name at full precision (the float32 masters where there are some), optimizer
     state keyed by parameter name (``torch.distributed.checkpoint``'s full state dict layout), so a checkpoint
-    loads into any number of workers and either precision path. Under FSDP2 a collective (every rank calls it)."""
+    loads into any number of workers and either precision path. Frozen parameters (a LoRA run's base model)
+    are not part of it: every worker loads them from the model at start. Under FSDP2 a collective (every rank
+    calls it)."""
     if not master.active:
         return full_train_state(module, optimizer)
     masters = {id(p): m for p, m in zip(master.params, master.masters)}  # tied weights share one Parameter
-    model_sd = {k: masters.get(id(v), v).detach().cpu() for k, v in module.state_dict(keep_vars=True).items()}
+    frozen = frozen_parameter_names(module)
+    model_sd = {k: masters.get(id(v), v).detach().cpu() for k, v in module.state_dict(keep_vars=True).items()
+                if k not in frozen}
     optim_sd = optimizer.state_dict()
     names = master.names
     state = {names[i]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
@@ -117,7 +121,9 @@ def load_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     if not master.active:
         load_full_train_state(module, optimizer, dict(model_sd), dict(optim_sd))
         return
-    module.load_state_dict(model_sd)  # float32 tensors are rounded into the compute parameters
+    require_trainable(module, model_sd)
+    # float32 tensors are rounded into the compute parameters; frozen ones absent from the state keep their values
+    module.load_state_dict(model_sd, strict=False)
     master.load_state_dict(model_sd)
     index = {n: i for i, n in enumerate(master.names)}
     state = {index[n]: s for n, s in optim_sd.get("state", {}).items()}

@@ -162,7 +162,8 @@ def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[tor
     ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)``: the sharded float32
     parameters are the master weights, gathered in the compute dtype, gradients reduced in float32.
     FSDP2 shards in place and returns the same module object (now holding DTensors); DDP returns a wrapper
-    whose ``.module`` is the model.
+    whose ``.module`` is the model. A LoRA model (peft) is wrapped alike: its frozen base is sharded (and cast
+    for compute) with the blocks that hold it; only the adapters get gradients.
     """
     strategy = resolve_strategy(strategy, backend)
     device = device if device is not None else backend.device()
@@ -225,31 +226,56 @@ def full_state_dict(model: nn.Module) -> dict:
     return out
 
 
+def frozen_parameter_names(model: nn.Module) -> set:
+    """Names of the parameters that do not train (``requires_grad`` off: a LoRA run's base model)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def require_trainable(model: nn.Module, model_state) -> None:
+    """A ValueError when ``model_state`` does not fit ``model``: it lacks a trainable parameter or has a tensor the
+    model does not (a state written for another model layout, say other LoRA targets). Frozen parameters may
+    be absent."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in model_state]
+    names = set(model.state_dict())  # under FSDP2 the local shards: nothing is gathered
+    unknown = [n for n in model_state if n not in names]
+    if missing or unknown:
+        raise ValueError(f"the saved model state does not fit this model (missing {missing[:3]}, unknown "
+                         f"{unknown[:3]}): it was written for another layout (actor.lora_rank / lora_target_modules)")
+
+
 def full_train_state(model: nn.Module, optimizer) -> tuple:
     """``(model state, optimizer state)`` with every sharded tensor gathered to a full one, keyed by parameter
     names (``torch.distributed.checkpoint.state_dict``). A collective under FSDP2: every rank must call it,
-    and every rank gets the full state. An optimizer that has not stepped yet is saved as its hyperparameters
-    only (torch's getter would initialise its state with a zero-gradient step, changing the next update)."""
+    and every rank gets the full state. Frozen parameters (a LoRA run's base model) are left out and not
+    gathered: every worker loads them from the model at start and nothing changes them. An optimizer that has
+    not stepped yet is saved as its hyperparameters only (torch's getter would initialise its state with a
+    zero-gradient step, changing the next update)."""
     # here, not at the top: this module takes ~0.8 s to import and only checkpoints need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
     if not optimizer.state:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
-    return get_state_dict(model, optimizer, options=options)
+        model_state, optim_state = get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    frozen = frozen_parameter_names(model)  # torch keeps the second name of a tied frozen weight (lm_head)
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
     """Load what :func:`full_train_state` returned (each rank keeps its shard of every full tensor).
 
+    Frozen parameters may be absent (they keep what the worker loaded); a trainable one may not: that state is
+    of another model layout (say, without LoRA adapters), a ValueError naming the first missing ones.
     An optimizer that has not stepped yet has no state to load; torch's loader would then initialise it with
     a zero-gradient step (Adam's step count 1, changing the next update), so only the hyperparameters of its
     param groups are copied."""
     # not at the top: see full_train_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
+    require_trainable(model, model_state)
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
     if optim_state.get("state"):
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
         return
