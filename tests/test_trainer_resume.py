@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({k: v for k, v in run_training(cfg).items() if isinstance(v, (int, float, str))}))
 """)
 
-VOLATILE = ("timing_s/", "perf/")
+VOLATILE = ("timing_s/", "perf/", "memory/")  # measurements of the machine, not of the run
 
 
 def _overrides(model, out, **extra):
@@ -71,7 +71,7 @@ def _metrics(out):
 
 def _kill_at_checkpoint_then_resume(tmp_path, overrides, steps):
     """Run ``overrides`` uninterrupted, then again SIGKILLed once its first checkpoint exists and relaunched; both
-    logs must hold the same metrics at every step (timings aside)."""
+    logs must hold the same metrics at every step (timings and memory aside)."""
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     _run(tmp_path, dict(overrides, **{"trainer.output_dir": str(ref_out)}))
     script = tmp_path / "run.py"
