@@ -457,3 +457,17 @@ def test_a_dead_worker_is_one_line_with_the_checkpoint(monkeypatch, capsys):
     assert err.startswith("portrl train: error: worker actor rank 1 (node 127.0.0.1, pid 4242) died")
     assert "resume from the last good checkpoint outputs/run/checkpoints/global_step_3" in err
     assert main(["--debug", "train"]) == 1 and "Traceback" in capsys.readouterr().err
+
+
+def test_lora_targets_that_are_no_layer_of_the_model_stop_in_the_preflight(inputs, no_heavy_work, tmp_path, capsys):
+    """A misspelt actor.lora_target_modules is one line naming the model's linear layers, before any model loads
+    (the model is built from its config.json on the meta device)."""
+    from portrl.models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    capsys.readouterr()  # the writer's progress bar
+    argv = ["train", f"model.path={model}", "actor.lora_rank=4", "actor.lora_target_modules=[qproj,v_proj]"]
+    assert _run_in_process(_argv(argv, inputs)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "actor.lora_target_modules ['qproj'] are not modules of Qwen2ForCausalLM" in err[0]
+    assert "q_proj" in err[0] and "all-linear" in err[0]

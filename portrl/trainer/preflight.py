@@ -50,6 +50,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
+from portrl.workers.lora import check_target_modules
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
 
 TRAIN, SFT, EVAL = "train", "sft", "eval"
@@ -78,6 +79,7 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
     if command == TRAIN:
+        _check_lora_targets(cfg)
         _check_resume(cfg)
         _check_loggers(cfg)
         check_run_dir(cfg)  # another run's output_dir, an old-format or foreign checkpoint (no checksums here)
@@ -161,6 +163,17 @@ def _load_tokenizer(cfg: Any):
         key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
         raise UserError(f"{key} {str(m.tokenizer_path or m.path)!r}: the tokenizer does not load "
                         f"({type(exc).__name__}: {exc})".replace("\n", " ")) from exc
+
+
+def _check_lora_targets(cfg: Any) -> None:
+    """``actor.lora_target_modules`` names layers of the model (with ``actor.lora_rank > 0`` and a model.path;
+    the built-in tiny model is a Qwen2 like the defaults assume)."""
+    if int(cfg.actor.lora_rank) <= 0 or not cfg.model.path or not module_available("peft"):
+        return  # no LoRA; or the built-in model; or peft missing, which _check_loggers reports
+    try:
+        check_target_modules(str(cfg.model.path), list(cfg.actor.lora_target_modules))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_output_dir(cfg: Any) -> None:

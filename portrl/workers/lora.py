@@ -47,6 +47,20 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
         return peft.get_peft_model(model, config)
 
 
+def check_target_modules(model_dir: str, targets: list) -> None:
+    """:func:`_check_targets` for the model in ``model_dir``, built from its config.json on the meta device (no
+    weights read): a wrong ``actor.lora_target_modules`` is found before any model loads."""
+    # here, not at the top: the model classes load transformers' modeling stack (~2 s), needed only with LoRA
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if list(targets) == [ALL_LINEAR]:
+        return
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check_targets(model, list(targets))
+
+
 def _check_targets(model: nn.Module, targets: list) -> None:
     """A ValueError naming the targets that are no module of ``model``, and the linear layers it has."""
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
