@@ -58,6 +58,23 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, reward_b
     return adv, returns
 
 
+def otb_returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                            rollout_is_weights: Optional[torch.Tensor], who: str):
+    """What both optimal-token-baseline estimators start from: ``(m, mf, G, W)``, the bool and float masks,
+    ``G`` = reverse cumsum of ``r·m`` and ``W = cumsum(w·m)`` with ``w_t = 1 − 2·exp(old_t) + Σπ²_t`` (times
+    ``ρ_t²`` with IS weights), in the inputs' compute dtype."""
+    m = check_rewards(token_level_rewards, response_mask, who)
+    if old_log_probs is None or sum_pi_squared is None:
+        raise ValueError(f"{who}: needs old_log_probs and sum_pi_squared (B,T)")
+    dt = compute_dtype(token_level_rewards, old_log_probs, sum_pi_squared)
+    mf = m.to(dt)
+    returns = reverse_cumsum(token_level_rewards.to(dt) * mf)
+    w = 1 - 2 * torch.exp(old_log_probs.to(dt)) + sum_pi_squared.to(dt)
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.to(dt).square()
+    return m, mf, returns, torch.cumsum(w * mf, dim=-1)
+
+
 @estimator("optimal_token_baseline", needs_old_log_probs=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
@@ -71,16 +88,8 @@ def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask,
     ``handle_zero_tail``: if one row is strictly the longest, its baseline from the second-longest
     length on is 0 (no other row informs it). ``A = (G − B)·m``. Returns ``(A, G·m)``.
     """
-    m = check_rewards(token_level_rewards, response_mask, "optimal_token_baseline")
-    if old_log_probs is None or sum_pi_squared is None:
-        raise ValueError("optimal_token_baseline: needs old_log_probs and sum_pi_squared (B,T)")
-    dt = compute_dtype(token_level_rewards, old_log_probs, sum_pi_squared)
-    mf = m.to(dt)
-    returns = reverse_cumsum(token_level_rewards.to(dt) * mf)
-    w = 1 - 2 * torch.exp(old_log_probs.to(dt)) + sum_pi_squared.to(dt)
-    if rollout_is_weights is not None:
-        w = w * rollout_is_weights.to(dt).square()
-    big_w = torch.cumsum(w * mf, dim=-1)
+    m, mf, returns, big_w = otb_returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                                    rollout_is_weights, "optimal_token_baseline")
     baseline = torch.zeros_like(returns)
     lengths = m.sum(dim=-1)
     for rows in group_rows(index, returns.shape[0], "optimal_token_baseline"):

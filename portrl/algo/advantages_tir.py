@@ -19,9 +19,8 @@ from typing import Optional
 
 import torch
 
-from portrl.algo.advantages_return import reverse_cumsum
-from portrl.algo.groups import check_rewards, group_rows
-from portrl.algo.masked import compute_dtype
+from portrl.algo.advantages_return import otb_returns_and_weights
+from portrl.algo.groups import group_rows
 from portrl.algo.spec import estimator
 
 
@@ -32,19 +31,12 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, res
                                                         rollout_is_weights: Optional[torch.Tensor] = None,
                                                         handle_zero_tail: bool = True, baseline_eps: float = 1e-8):
     """See the module docstring."""
-    m = check_rewards(token_level_rewards, response_mask, "tir_optimal_token_baseline")
-    if old_log_probs is None or sum_pi_squared is None:
-        raise ValueError("tir_optimal_token_baseline: needs old_log_probs and sum_pi_squared (B,T)")
-    dt = compute_dtype(token_level_rewards, old_log_probs, sum_pi_squared)
-    mf = m.to(dt)
-    returns = reverse_cumsum(token_level_rewards.to(dt) * mf)
-    w = 1 - 2 * torch.exp(old_log_probs.to(dt)) + sum_pi_squared.to(dt)
-    if rollout_is_weights is not None:
-        w = w * rollout_is_weights.to(dt).square()
-    big_w = torch.cumsum(w * mf, dim=-1)
+    m, mf, returns, big_w = otb_returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                                    rollout_is_weights, "tir_optimal_token_baseline")
     lengths = m.sum(dim=-1)
     width = int(lengths.max())
-    packed_g = torch.zeros(m.shape[0], width, dtype=dt, device=returns.device)  # row i's k-th valid token at column k
+    # row i's k-th valid token at column k
+    packed_g = torch.zeros(m.shape[0], width, dtype=returns.dtype, device=returns.device)
     packed_w = torch.zeros_like(packed_g)
     for i in range(m.shape[0]):
         packed_g[i, :int(lengths[i])] = returns[i, m[i]]

@@ -20,6 +20,14 @@ from portrl.algo.groups import broadcast, check_rewards, group_ids, scores
 from portrl.algo.spec import estimator
 
 
+def _group_counts_and_means(s: torch.Tensor, index, who: str):
+    """``(gid, num_groups, count, mean)`` of the scores ``s`` per group of ``index`` (one group id per row)."""
+    gid, num_groups = group_ids(index, s.shape[0], who)
+    gid = gid.to(s.device)
+    count = _group_sums(torch.ones_like(s), gid, num_groups)
+    return gid, num_groups, count, _group_sums(s, gid, num_groups) / count
+
+
 def _group_sums(values: torch.Tensor, gid: torch.Tensor, num_groups: int) -> torch.Tensor:
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, gid, values)
 
@@ -32,10 +40,7 @@ def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask
     normalisation; singleton group: ``mean 0, std 1``; zero-spread group: ``a = 0`` exactly."""
     m = check_rewards(token_level_rewards, response_mask, "grpo_vectorized")
     s = scores(token_level_rewards)
-    gid, num_groups = group_ids(index, s.shape[0], "grpo_vectorized")
-    gid = gid.to(s.device)
-    count = _group_sums(torch.ones_like(s), gid, num_groups)
-    mean = _group_sums(s, gid, num_groups) / count
+    gid, num_groups, count, mean = _group_counts_and_means(s, index, "grpo_vectorized")
     dev = s - mean[gid]
     std = (_group_sums(dev * dev, gid, num_groups) / (count - 1).clamp(min=1)).sqrt()
     high = torch.full_like(mean, -torch.inf).scatter_reduce(0, gid, s, "amax")
@@ -58,10 +63,7 @@ def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask
     """RLOO as ``rloo``: ``a_i = n/(n−1)·(s_i − mean_g)``; a singleton group keeps its raw score."""
     m = check_rewards(token_level_rewards, response_mask, "rloo_vectorized")
     s = scores(token_level_rewards)
-    gid, num_groups = group_ids(index, s.shape[0], "rloo_vectorized")
-    gid = gid.to(s.device)
-    count = _group_sums(torch.ones_like(s), gid, num_groups)
-    mean = _group_sums(s, gid, num_groups) / count
+    gid, _, count, mean = _group_counts_and_means(s, index, "rloo_vectorized")
     n = count[gid]
     a = torch.where(n > 1, (s - mean[gid]) * (n / (n - 1).clamp(min=1)), s)
     out = broadcast(a, m, token_level_rewards)
