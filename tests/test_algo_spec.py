@@ -27,7 +27,7 @@ SMALL = ["device.num_threads=1", "model.tiny.hidden_size=32", "model.tiny.interm
 
 GAE_FAMILY = {"gae", "vcppo_gae", "vapo_gae"}
 GROUPED = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_vectorized",
-           "rloo_vectorized", "gdpo"}
+           "rloo_vectorized", "gdpo", "prime"}
 OLD_LOG_PROBS = {"optimal_token_baseline", "tir_optimal_token_baseline"}
 
 
@@ -48,7 +48,9 @@ def test_builtin_estimator_records():
         assert spec.needs_groups == (name in GROUPED), name
         assert spec.needs_greedy_baseline == (name == "remax"), name
         assert spec.needs_old_log_probs == (name in OLD_LOG_PROBS), name
+        assert spec.needs_sum_pi_squared == (name in OLD_LOG_PROBS), name  # the optimal-token baselines
         assert not spec.needs_reference
+        assert spec.needs_implicit_rewards == (name == "prime"), name
     assert estimator_spec("gae").per_token_rewards and not estimator_spec("grpo").per_token_rewards
     assert estimator_spec("gae").takes("lam_actor") and not estimator_spec("vapo_gae").takes("lam_actor")
 

@@ -238,7 +238,7 @@ def test_tir_optimal_token_baseline_against_a_loop_and_otb():
     torch.testing.assert_close(a, o, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(r, r2)
     spec = estimator_spec("tir_optimal_token_baseline")
-    assert spec.needs_old_log_probs and spec.per_token_rewards and not spec.needs_critic
+    assert spec.needs_old_log_probs and spec.needs_sum_pi_squared and spec.per_token_rewards and not spec.needs_critic
 
 
 # ------------------------------------------------------------------------------- bypass mode, REINFORCE
@@ -343,8 +343,8 @@ def test_pf_ppo_resampling_follows_the_weights_and_the_seed():
     (["algorithm.pf_ppo.reweight_method=top"], "algorithm.pf_ppo.reweight_method='top' is not one of 'pow'"),
     (["algorithm.pf_ppo.weight_pow=-1"], "algorithm.pf_ppo.weight_pow=-1.0 must be >= 0"),
     (["algorithm=online_dpo", "algorithm.use_pf_ppo=true"], "breaks the response pairs"),
-    (["algorithm.adv_estimator=tir_optimal_token_baseline"], "which portrl's trainer does not compute yet"),
-    (["algorithm.adv_estimator=optimal_token_baseline"], "which portrl's trainer does not compute yet"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline", "algorithm.rollout_correction.bypass_mode=true"],
+     "which algorithm.rollout_correction.bypass_mode=true skips"),
 ])
 def test_config_checks_of_the_new_keys(over, message):
     with pytest.raises(ConfigError) as e:

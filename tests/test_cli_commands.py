@@ -39,6 +39,16 @@ def test_train_sft_eval(tmp_path, capsys):
     assert 0.0 <= metrics["val/acc/mean"] <= 1.0 and "val/acc/arith" in metrics
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "online_dpo", "prime"])
+def test_eval_of_an_algorithm_that_trains_with_more_workers(algorithm, tmp_path, capsys):
+    """Evaluation needs no critic, reference or reward model, even when the run's algorithm trains with them
+    (ppo's GAE, online DPO, PRIME): ``portrl eval algorithm=...`` must not refuse the config."""
+    report = tmp_path / "eval.json"
+    assert main(["--log-level", "WARNING", "eval", *SMALL, f"algorithm={algorithm}", "--report", str(report),
+                 f"trainer.output_dir={tmp_path / 'run'}"]) == 0, capsys.readouterr().err
+    assert 0.0 <= json.loads(report.read_text())["val/acc/mean"] <= 1.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "actor.optim.lrr=1"], "actor.optim.lr"),
     (["train", "--device", "nosuch"], "nosuch"),

@@ -123,10 +123,11 @@ def test_yaml_roundtrip_and_atomic_save(tmp_path):
 
 def test_every_preset_group_is_listed():
     assert set(list_presets("algorithm")) == {"ppo", "grpo", "dapo", "gspo", "sapo", "reinforce_pp", "rloo", "remax",
-                                              "gpg", "dr_grpo", "vapo", "sppo", "online_dpo"}
+                                              "gpg", "dr_grpo", "vapo", "sppo", "online_dpo", "spin",
+                                              "prime"}
     assert set(list_presets("device")) == {"cpu", "a100", "h100", "h200", "mi300x", "mi325x", "ascend-910b",
                                            "ascend-910c"}
-    assert set(list_presets("data")) == {"arith", "gsm8k", "math", "dapo_math"}
+    assert set(list_presets("data")) == {"arith", "gsm8k", "math", "dapo_math", "geo3k"}
     assert {"tiny", "qwen2.5-0.5b", "qwen2.5-7b-instruct"} <= set(list_presets("model"))
 
 

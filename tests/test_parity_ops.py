@@ -34,7 +34,9 @@ def test_every_case_is_there_and_nothing_fails(report):
         runnable = [n for n, why in info["available"].items() if why is None]
         assert {f"{op}[{n}]" for n in runnable} <= names
         assert info["selected"] == registry.select(op, backend="cpu")[0]
-    assert {"attention_varlen[native]", "attention_varlen[sdpa]", "attention_varlen[eager]"} <= names
+    for family in ("attention_varlen", "attention_varlen_bidirectional"):
+        assert {f"{family}[native]", f"{family}[sdpa]", f"{family}[eager]"} <= names
+    assert "rotary_multimodal[native]" in names
     failed = [(c["name"], c.get("error")) for c in report["cases"] if c["verdict"] == "fail"]
     assert not failed, failed
     assert report["summary"]["total"] == len(report["cases"]) and report["backend"] == "cpu"
@@ -55,7 +57,8 @@ def test_float32_native_ops_are_exact_to_rounding(report):
     if report["dtype"] != "float32":
         pytest.skip("float32 only")
     cases = {c["name"]: c for c in report["cases"]}
-    for name in ("attention_varlen[native]", "rms_norm[native]", "swiglu[native]", "logprobs_entropy[native]"):
+    for name in ("attention_varlen[native]", "attention_varlen_bidirectional[native]", "rms_norm[native]",
+                 "swiglu[native]", "logprobs_entropy[native]", "rotary_multimodal[native]"):
         # The element-share rule sits at its edge for the chunked log-prob weight gradient: 0.085% of
         # elements over the 0.1% relative bound with 2 threads, 0.103% (warn) with 1, from summation order
         # on near-zero elements. Exactness is the scaled-error bound below, which holds either way.
@@ -79,9 +82,11 @@ def test_a_wrong_kernel_fails(cpu):
         registry.unregister("swiglu", "broken")
 
 
-def test_attention_impls_agree_with_each_other(cpu):
-    """native vs SDPA vs eager on the same packed GQA inputs: within torch.testing's float32 defaults."""
-    cases, _ = op_cases(cpu, size="tiny", ops=["attention_varlen"])
+@pytest.mark.parametrize("family", ["attention_varlen", "attention_varlen_bidirectional"])
+def test_attention_impls_agree_with_each_other(cpu, family):
+    """native vs SDPA vs eager on the same packed inputs (causal GQA; bidirectional vision segments): within
+    torch.testing's float32 defaults; the bidirectional outputs are not the causal ones."""
+    cases, _ = op_cases(cpu, size="tiny", ops=[family])
     by_impl = {c.info["impl"]: c for c in cases}
     inputs = make_inputs(cases[0], seed=0)
     outs = {name: evaluate(c, inputs, "cpu", torch.float32) for name, c in by_impl.items()}
@@ -89,6 +94,9 @@ def test_attention_impls_agree_with_each_other(cpu):
     for name in ("sdpa", "eager"):
         for k in outs["native"]:
             torch.testing.assert_close(outs[name][k], outs["native"][k], rtol=rtol, atol=atol)
+    causal = registry.select("attention_varlen", impl="native", backend=cpu)[1](
+        inputs["q"], inputs["k"], inputs["v"], inputs["cu_seqlens"], causal=True)
+    assert torch.allclose(outs["native"]["out"], causal) == (family == "attention_varlen")
 
 
 def test_triton_kernels_under_interpreter_pass_parity(cpu, monkeypatch):

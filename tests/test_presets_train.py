@@ -17,7 +17,10 @@ about 4 times), with every hyperparameter of the preset kept except these tiny-s
 * ``rollout.n`` capped at MAX_N (DAPO, GSPO, SAPO and VAPO use 16) and ``data.train_batch_size`` =
   SEQS_PER_STEP // n prompts, one optimizer step per RL step, to bound CPU time;
 * VAPO: value pretraining of VAPO_PRETRAIN steps instead of the paper's 50, and the paper's critic
-  learning rate of twice the actor's (2e-6 against 1e-6), so 4e-4 (below).
+  learning rate of twice the actor's (2e-6 against 1e-6), so 4e-4 (below);
+* PRIME: the implicit PRM's learning rate PRM_LR. verl's 1e-6 does not move the tiny PRM, whose batch-normalised
+  token rewards are then noise: probe reward 0.607 -> 0.536 in 20 steps; 1e-3 (the tiny model preset's) +0.030,
+  1e-3 with beta_train 0.5 +0.013, 1e-2 +0.056.
 
 Measurement, with common random numbers: the mean reward of PROBE_SAMPLES samples (temperature 1,
 one fixed sampling seed) on each training prompt, before step 1 and after step STEPS. The same
@@ -27,8 +30,8 @@ sampling keeps only mixed-reward groups, so its batch reward says little about t
 
 Measured by this test (one thread, trainer.seed 0; 2026-11-30, warm start stopped at 900 steps), probe
 reward 0.607 before: dapo +0.061, dr_grpo +0.068, gpg +0.057, grpo +0.066, gspo +0.061, online_dpo
-+0.059, reinforce_pp +0.094, remax +0.050, rloo +0.054, sapo +0.061, sppo +0.055; ppo +0.087 and vapo
-+0.082 since the value head starts at zero and VAPO pretrains its critic (below). Run-to-run noise:
++0.059, reinforce_pp +0.094, remax +0.050, rloo +0.054, sapo +0.061, spin +0.055 (2026-12-01), sppo +0.055;
+ppo +0.087 and vapo +0.082 since the value head starts at zero and VAPO pretrains its critic (below). Run-to-run noise:
 the same presets, from a warm start at 0.598 with trainer.seed 0 and 1, differed by 0.000-0.019
 between the seeds (gains +0.055 to +0.099); PPO +0.087 / +0.094 / +0.065 and VAPO +0.082 / +0.080 /
 +0.042 with trainer.seed 0 / 1 / 2. MIN_GAIN (0.03) sits below the smallest of these gains.
@@ -66,6 +69,7 @@ PROBE_SEED = 4242
 LR = 2e-4
 MIN_GAIN = 0.03
 VAPO_PRETRAIN = 2000  # value pretraining steps (module docstring)
+PRM_LR = 1e-2  # PRIME's implicit PRM learning rate (module docstring)
 SFT_SCHEDULE = 1500  # the SFT's schedule (the default run's); it stops once SFT_TARGET is reached
 SFT_TARGET = 0.55  # mean probability of the right answer on the training prompts
 SFT_CHECK_EVERY = 50
@@ -108,6 +112,7 @@ def _config(name: str, model_dir, train, out_dir):
     critic_lr = 2 * LR if name == "vapo" else 1e-3
     overrides = [
         f"model.path={model_dir}", "model.sft_warm_start=false", f"actor.optim.lr={LR}", f"critic.optim.lr={critic_lr}",
+        f"reward_model.model.optim.lr={PRM_LR}",
         f"data.train_files={train}", f"data.val_files={train}", f"data.train_batch_size={prompts}",
         f"actor.ppo_mini_batch_size={prompts}", f"actor.ppo_micro_batch_size_per_device={prompts * n}",
         f"rollout.n={n}", f"trainer.total_steps={STEPS}", "trainer.test_freq=0", "trainer.val_before_train=true",

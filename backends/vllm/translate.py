@@ -11,6 +11,9 @@ vLLM facts relied on (vLLM 0.11 - 0.32):
   temperature *and* top-k / top-p truncation (``raw_logprobs``, the default, is before temperature).
   With top-k / top-p disabled that is exactly portrl's convention ``log_softmax(logits / T)``; with
   truncation on, vLLM's value is the truncated, renormalised one (higher by ``-log(kept mass)``).
+* A multimodal prompt is ``TokensPrompt(prompt_token_ids=..., multi_modal_data={"image": [PIL images]})``
+  whose ids hold ONE image placeholder per image (vLLM's processor expands each to the image's token
+  count itself, as verl's ``raw_prompt_ids``).
 * ``RequestOutput.outputs`` holds ``n`` ``CompletionOutput`` (``index``, ``token_ids``,
   ``logprobs``: one ``{token_id: Logprob(logprob=...)}`` per position, ``finish_reason``:
   "stop" | "length" | "abort"). ``token_ids`` include the EOS / stop token that ended the row.
@@ -43,12 +46,31 @@ def to_vllm_sampling_params(vllm: ModuleType, params: SamplingParams, eos_token_
     )
 
 
-def to_vllm_prompts(vllm: ModuleType, prompts: Sequence[Sequence[int]]) -> list[Any]:
-    """Token-id prompts as ``vllm.inputs.TokensPrompt`` (a TypedDict: ``{"prompt_token_ids": [...]}``)."""
-    tokens_prompt = getattr(getattr(vllm, "inputs", None), "TokensPrompt", None)
-    if tokens_prompt is None:
-        return [{"prompt_token_ids": list(p)} for p in prompts]
-    return [tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+def to_vllm_prompts(vllm: ModuleType, prompts: Sequence[Sequence[int]],
+                    multi_modal: Sequence[dict | None] | None = None) -> list[Any]:
+    """Token-id prompts as ``vllm.inputs.TokensPrompt`` (a TypedDict: ``{"prompt_token_ids": [...]}``).
+
+    ``multi_modal`` (one entry per prompt, see ``RolloutEngine.generate``): a prompt with images becomes
+    ``{"prompt_token_ids": entry["raw_prompt_ids"], "multi_modal_data": {"image": entry["images"]}}`` (its
+    expanded ids in ``prompts`` would be expanded again by vLLM); None entries stay plain token prompts.
+    """
+    if multi_modal is not None and len(multi_modal) != len(prompts):
+        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts; give one per "
+                         "prompt (None for a text prompt)")
+    tokens_prompt = getattr(getattr(vllm, "inputs", None), "TokensPrompt", None) or dict
+    out = []
+    for i, p in enumerate(prompts):
+        entry = multi_modal[i] if multi_modal is not None else None
+        if entry is None:
+            out.append(tokens_prompt(prompt_token_ids=list(p)))
+            continue
+        missing = [k for k in ("raw_prompt_ids", "images") if not entry.get(k)]
+        if missing:
+            raise ValueError(f"prompt {i}: its multi_modal entry lacks {', '.join(missing)} (a vision prompt needs "
+                             "raw_prompt_ids, one image placeholder per image, and the images)")
+        out.append(tokens_prompt(prompt_token_ids=[int(t) for t in entry["raw_prompt_ids"]],
+                                 multi_modal_data={"image": list(entry["images"])}))
+    return out
 
 
 def _sampled_logprob(position: Any, token: int) -> float:

@@ -21,8 +21,8 @@ from portrl.algo.policy_losses_bypass import compute_policy_loss_reinforce
 from portrl.algo.preference import dpo_loss, online_dpo_preference, positive_lm_loss, sppo_advantage, sppo_loss
 from portrl.algo.registry import UnknownNameError, registered
 from portrl.algo.spec import (AlgorithmSpec, EstimatorSpec, ObjectiveSpec, algorithm_spec, critic_enabled, estimator,
-                              estimator_spec, objective_spec, reference_enabled, register_estimator,
-                              register_objective)
+                              estimator_spec, implicit_prm_enabled, objective_spec, reference_enabled,
+                              register_estimator, register_objective)
 from portrl.algo.trl_aliases import TRL_LOSS_TYPE_TO_AGG_MODE, register_trl_aliases, trl_loss_type_to_agg_mode
 from portrl.algo.value import compute_entropy_loss, compute_value_loss, explained_variance
 
@@ -30,7 +30,7 @@ register_trl_aliases()
 
 __all__ = [
     "AlgorithmSpec", "EstimatorSpec", "ObjectiveSpec", "algorithm_spec", "critic_enabled", "estimator",
-    "estimator_spec", "objective_spec", "reference_enabled", "register_estimator",
+    "estimator_spec", "implicit_prm_enabled", "objective_spec", "reference_enabled", "register_estimator",
     "register_objective",
     "AdaptiveKLController", "FixedKLController", "TRL_LOSS_TYPE_TO_AGG_MODE", "UnknownNameError", "agg_loss",
     "apply_kl_penalty", "clip_by_value", "compute_advantage", "compute_decoupled_gae", "compute_entropy_loss",

@@ -3,7 +3,7 @@
 Registered names: gae, vcppo_gae, vapo_gae (``gae``), grpo, grpo_passk, reinforce_plus_plus_baseline,
 rloo, opo, gpg (``advantages_outcome``), grpo_vectorized, rloo_vectorized (``advantages_vectorized``), gdpo
 (``advantages_gdpo``), reinforce_plus_plus, remax, optimal_token_baseline (``advantages_return``),
-tir_optimal_token_baseline (``advantages_tir``), each with its record of needs (``portrl.algo.spec.EstimatorSpec``), and any an
+tir_optimal_token_baseline (``advantages_tir``), prime (``advantages_prime``), each with its record of needs (``portrl.algo.spec.EstimatorSpec``), and any an
 outside package adds with ``portrl.algo.spec.register_estimator``. Each estimator takes the keyword arguments it needs; ``compute_advantage``
 passes each only the arguments its signature names, so e.g. ``gamma`` reaches gae and
 reinforce_plus_plus but not grpo (as verl's dispatcher does).
@@ -18,6 +18,7 @@ import torch
 
 import portrl.algo.advantages_gdpo  # noqa: F401
 import portrl.algo.advantages_outcome  # noqa: F401  (registers the outcome estimators)
+import portrl.algo.advantages_prime  # noqa: F401
 import portrl.algo.advantages_return  # noqa: F401
 import portrl.algo.advantages_tir  # noqa: F401
 import portrl.algo.advantages_vectorized  # noqa: F401
@@ -51,6 +52,9 @@ def compute_advantage(
     rollout_is_weights: Optional[torch.Tensor] = None,
     reward_components: Optional[Mapping[str, Sequence[float]]] = None,
     reward_weights: Optional[Sequence[float]] = None,
+    implicit_rewards: Optional[torch.Tensor] = None,
+    reward_dpo_coef: float = 5.0,
+    reward_gt_coef: float = 5.0,
 ):
     """Advantages and returns ``(B,T)`` by ``estimator`` (float32, float64 for float64 rewards).
 
@@ -58,7 +62,8 @@ def compute_advantage(
     are ignored; a required one that is missing (values for gae, index for grouped estimators,
     reward_baselines for remax, old_log_probs/sum_pi_squared for optimal_token_baseline) raises.
     Passing lam_actor/lam_critic/vapo_alpha to an estimator other than the GAE family is an error.
-    ``reward_components`` (name -> one score per row) and ``reward_weights`` reach gdpo.
+    ``reward_components`` (name -> one score per row) and ``reward_weights`` reach gdpo; ``implicit_rewards`` (the
+    implicit PRM's token rewards) and ``reward_dpo_coef`` / ``reward_gt_coef`` reach prime.
     """
     fn = get_adv_estimator(estimator)
     offered = dict(
@@ -67,7 +72,8 @@ def compute_advantage(
         sum_pi_squared=sum_pi_squared,
         gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, lam_actor=lam_actor,
         lam_critic=lam_critic, vapo_alpha=vapo_alpha, epsilon=epsilon, rollout_is_weights=rollout_is_weights,
-        reward_components=reward_components, reward_weights=reward_weights,
+        reward_components=reward_components, reward_weights=reward_weights, implicit_rewards=implicit_rewards,
+        reward_dpo_coef=reward_dpo_coef, reward_gt_coef=reward_gt_coef,
     )
     accepted = inspect.signature(fn).parameters
     for opt in ("lam_actor", "lam_critic", "vapo_alpha"):

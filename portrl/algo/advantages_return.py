@@ -75,7 +75,7 @@ def otb_returns_and_weights(token_level_rewards, response_mask, old_log_probs, s
     return m, mf, returns, torch.cumsum(w * mf, dim=-1)
 
 
-@estimator("optimal_token_baseline", needs_old_log_probs=True, per_token_rewards=True)
+@estimator("optimal_token_baseline", needs_old_log_probs=True, needs_sum_pi_squared=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
                                              sum_pi_squared, rollout_is_weights: Optional[torch.Tensor] = None,

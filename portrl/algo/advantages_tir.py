@@ -24,7 +24,8 @@ from portrl.algo.groups import group_rows
 from portrl.algo.spec import estimator
 
 
-@estimator("tir_optimal_token_baseline", needs_old_log_probs=True, per_token_rewards=True)
+@estimator("tir_optimal_token_baseline", needs_old_log_probs=True, needs_sum_pi_squared=True,
+           per_token_rewards=True)
 @torch.no_grad()
 def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, response_mask, index, old_log_probs,
                                                         sum_pi_squared,

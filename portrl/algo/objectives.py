@@ -41,11 +41,13 @@ def estimator_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
         str(a.adv_estimator), token_level_rewards=tensors["token_level_rewards"],
         response_mask=tensors["response_mask"], index=index, values=tensors.get("values"),
         reward_baselines=tensors.get("reward_baselines"), old_log_probs=tensors.get("old_log_probs"),
-        ref_log_probs=tensors.get("ref_log_probs"),
+        ref_log_probs=tensors.get("ref_log_probs"), sum_pi_squared=tensors.get("sum_pi_squared"),
         gamma=float(a.gamma), lam=float(a.lam), norm_adv_by_std_in_grpo=bool(a.norm_adv_by_std_in_grpo),
         lam_actor=a.lam_actor, lam_critic=a.lam_critic, vapo_alpha=a.vapo_alpha,
         reward_components=reward_components(a, tensors),
-        reward_weights=None if a.get("gdpo_reward_weights") is None else list(a.gdpo_reward_weights))
+        reward_weights=None if a.get("gdpo_reward_weights") is None else list(a.gdpo_reward_weights),
+        implicit_rewards=tensors.get("implicit_rewards"), reward_dpo_coef=float(a.get("reward_dpo_coef", 5.0)),
+        reward_gt_coef=float(a.get("reward_gt_coef", 5.0)))
     return {"advantages": adv.float(), "returns": ret.float()}, {}
 
 

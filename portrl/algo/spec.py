@@ -2,7 +2,7 @@
 
 An algorithm is the pair of config keys ``algorithm.objective`` and ``algorithm.adv_estimator``;
 :func:`algorithm_spec` resolves the pair to one :class:`AlgorithmSpec`. The trainer, the workers and the
-config checks read that record (a critic? a reference? old log-probs? a greedy baseline rollout? groups?
+config checks read that record (a critic? a reference? old log-probs? Σπ²? a greedy baseline rollout? groups?
 pairs?) and call its ``advantages`` and ``loss``; no other layer compares algorithm names.
 
 * :class:`EstimatorSpec` (registry ``adv_estimator``): an advantage estimator ``fn(token_level_rewards,
@@ -11,7 +11,8 @@ pairs?) and call its ``advantages`` and ``loss``; no other layer compares algori
   ``portrl/algo/advantages_outcome.py`` (grpo, grpo_passk, rloo, opo, gpg, reinforce_plus_plus_baseline),
   ``portrl/algo/advantages_vectorized.py`` (grpo_vectorized, rloo_vectorized), ``portrl/algo/advantages_gdpo.py``
   (gdpo), ``portrl/algo/advantages_return.py`` (reinforce_plus_plus, remax, optimal_token_baseline),
-  ``portrl/algo/advantages_tir.py`` (tir_optimal_token_baseline).
+  ``portrl/algo/advantages_tir.py`` (tir_optimal_token_baseline),
+  ``portrl/algo/advantages_prime.py`` (prime).
 * :class:`ObjectiveSpec` (registry ``objective``): what the actor optimises: its advantages (through the
   estimator for ``policy_gradient``, its own for sppo and dpo) and its loss. Built-ins (policy_gradient, sppo,
   dpo) are registered in ``portrl/algo/objectives.py``.
@@ -52,7 +53,12 @@ class Needs:
       row's summed reward (outcome estimators), so reward shaping counts only through the sum;
     * ``needs_groups``: compares the responses of one prompt (``index``), so ``rollout.n >= 2``;
     * ``needs_greedy_baseline``: reads ``reward_baselines``, the reward of one greedy response per prompt
-      (ReMax), which costs the trainer an extra generation per step.
+      (ReMax), which costs the trainer an extra generation per step;
+    * ``needs_sum_pi_squared``: reads ``sum_pi_squared`` (B,T), ``Σ_v π(v | context)²`` of every response token
+      under the old policy (verl's ``actor.calculate_sum_pi_squared``), which the old-log-prob pass then computes
+      (optimal-token-baseline estimators);
+    * ``needs_implicit_rewards``: reads ``implicit_rewards``, the per-token rewards of PRIME's implicit process
+      reward model, which the trainer then starts and trains online (``portrl/trainer/prime_phase.py``).
     """
 
     needs_critic: Need = False
@@ -61,6 +67,8 @@ class Needs:
     per_token_rewards: Need = False
     needs_groups: Need = False
     needs_greedy_baseline: Need = False
+    needs_sum_pi_squared: Need = False
+    needs_implicit_rewards: Need = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ class AlgorithmSpec:
     needs_groups: bool
     needs_greedy_baseline: bool
     needs_pairs: bool
+    needs_sum_pi_squared: bool = False
+    needs_implicit_rewards: bool = False
 
     def advantages(self, algorithm: Any, tensors: Tensors, index: Sequence,
                    group_size: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
@@ -184,7 +194,8 @@ def algorithm_spec(algorithm: Any) -> AlgorithmSpec:
         needs_reference=need("needs_reference") or kl_in_reward,
         needs_old_log_probs=need("needs_old_log_probs") or kl_in_reward, per_token_rewards=need("per_token_rewards"),
         needs_groups=need("needs_groups"), needs_greedy_baseline=need("needs_greedy_baseline"),
-        needs_pairs=_need(objective.needs_pairs, algorithm))
+        needs_pairs=_need(objective.needs_pairs, algorithm), needs_sum_pi_squared=need("needs_sum_pi_squared"),
+        needs_implicit_rewards=need("needs_implicit_rewards"))
 
 
 def critic_enabled(cfg: Any) -> bool:
@@ -192,6 +203,14 @@ def critic_enabled(cfg: Any) -> bool:
     if cfg.critic.enable is not None:
         return bool(cfg.critic.enable)
     return algorithm_spec(cfg.algorithm).needs_critic
+
+
+def implicit_prm_enabled(cfg: Any) -> bool:
+    """PRIME's implicit process reward model runs when ``reward_model.enable`` says so, or (auto, null) when the
+    algorithm reads implicit rewards."""
+    if cfg.reward_model.enable is not None:
+        return bool(cfg.reward_model.enable)
+    return algorithm_spec(cfg.algorithm).needs_implicit_rewards
 
 
 def reference_enabled(cfg: Any) -> bool:

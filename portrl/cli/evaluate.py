@@ -26,8 +26,10 @@ EXTRA = [
     (("--checkpoint",), {"default": None, "help": "a run checkpoint directory (global_step_N) to load"}),
     (("--report",), {"default": None, "help": "also write the metrics as JSON here"}),
 ]
-# Evaluation trains nothing: no reference policy, critic or checkpoint resume.
-EVAL_OVERRIDES = ["ref.enable=false", "critic.enable=false", "actor.use_kl_loss=false",
+# Evaluation trains nothing: no checkpoint resume, no KL term; the workers only training needs (reference policy,
+# critic, PRIME's reward model) are switched off after the config is checked (:func:`evaluation_config`), so an
+# algorithm that needs them for training (ppo, online_dpo, prime, ...) still evaluates.
+EVAL_OVERRIDES = ["actor.use_kl_loss=false",
                   "algorithm.use_kl_in_reward=false", "trainer.resume=off", "trainer.val_before_train=true",
                   "trainer.loggers=[]", "trainer.export_hf=false", "trainer.plot=false"]
 
@@ -36,6 +38,16 @@ REST_AFTER = 0  # everything after the command is parsed by this module
 
 def add_arguments(parser) -> None:
     add_run_arguments(parser)
+
+
+def evaluation_config(cfg):
+    """``cfg`` (checked as the training run it came from) without the workers only training uses."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.set_readonly(cfg, False)
+    for section in (cfg.ref, cfg.critic, cfg.reward_model):
+        section.enable = False
+    return cfg
 
 
 def run(args) -> int:
@@ -48,7 +60,7 @@ def run(args) -> int:
     if opts.model:
         check_model_dir(opts.model, "--model")  # named as the user gave it (it becomes model.path)
         extra.append(f"model.path={opts.model}")
-    cfg = compose_from(opts, extra)  # bad input anywhere below: a UserError, printed by portrl.cli.main
+    cfg = evaluation_config(compose_from(opts, extra))  # bad input anywhere below: a UserError (portrl.cli.main)
     if opts.report and not Path(opts.report).expanduser().absolute().parent.is_dir():
         raise UserError(f"--report {opts.report}: the folder {str(Path(opts.report).parent)!r} does not exist")
     preflight(cfg, EVAL, checkpoint=opts.checkpoint)  # before the model loads

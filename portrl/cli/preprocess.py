@@ -1,4 +1,4 @@
-"""``portrl preprocess {gsm8k,math,dapo_math,arith,code,qa}``: local raw files -> verl-schema train/test parquet.
+"""``portrl preprocess {gsm8k,math,dapo_math,arith,code,qa,geo3k}``: local raw files -> verl-schema train/test parquet.
 
 Heavy modules (pyarrow, the converters) are imported when the command runs, so that ``portrl --help`` and
 ``portrl preprocess --help`` stay fast.
@@ -7,13 +7,14 @@ Heavy modules (pyarrow, the converters) are imported when the command runs, so t
 from __future__ import annotations
 
 # as portrl.data.preprocess.TASKS (not imported: --help stays fast)
-TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa")
+TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("task", choices=TASKS, help="dataset format of the input (arith: generated, no input; "
                         "code without --input: the small problem set shipped with portrl; qa: any rows with a "
-                        "question and an answer)")
+                        "question and an answer; geo3k: hiyouga/geometry3k rows with images, problem and answer, "
+                        "written as verl's multimodal parquet)")
     parser.add_argument("--input", help="raw file (.jsonl/.json/.parquet/.arrow), a folder with train*/test* files, "
                         "or a folder written by datasets' save_to_disk")
     parser.add_argument("--test-input", help="raw file for the test split (else a folder's test* file or --test-fraction)")

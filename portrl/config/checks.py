@@ -10,8 +10,8 @@
   a critic for value pretraining; estimator options go to estimators that take them;
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
-  max_ckpt_to_keep >= 1, save_freq / test_freq >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0
-  (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
+  max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq >= 1 or 0 (off), KL coefficients >= 0,
+  temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * environment: ``device.env`` names only variables a backend declares or runtime prefixes (ENV_PREFIXES);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
   ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``.
@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, registered
+from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, reference_enabled, registered
 from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
 from portrl.config.presets import ConfigError
@@ -48,6 +48,10 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "device.dtype": (None, "float32", "bfloat16", "float16"),
     "algorithm.rollout_correction.loss_type": LOSS_TYPES,
     "algorithm.pf_ppo.reweight_method": REWEIGHT_METHODS,
+    "reward_model.model.update": ("before", "after", "none"),
+    "reward_model.model.loss_type": ("ce", "dpo"),
+    "reward_model.model.optim.scheduler": ("constant", "cosine", "linear"),
+    "reward_model.prime_norm": ("batch_norm", "none"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 REGISTRY_KEYS = {
@@ -103,6 +107,7 @@ def check_consistency(cfg) -> list[str]:
         problems.append(f"rollout.n={r.n} must be >= 1")
     problems += _algorithm_needs(cfg)
     problems += _algorithm_options(cfg)
+    problems += _implicit_prm(cfg)
     if a.clip_ratio_c <= 1:
         problems.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
     if not 0 < r.gpu_memory_utilization <= 1:
@@ -158,6 +163,11 @@ def _algorithm_needs(cfg) -> list[str]:
         problems.append("ref.enable=false, but the reference policy is needed (actor.use_kl_loss, "
                         "algorithm.use_kl_in_reward or the objective reads ref_log_probs): set ref.enable=null "
                         "(auto) or true")
+    if cfg.trainer.ref_update_freq > 0 and not reference_enabled(cfg):
+        problems.append(f"trainer.ref_update_freq={cfg.trainer.ref_update_freq} refreshes the reference policy, but "
+                        f"this run has none ({what} reads no ref_log_probs, no KL term does, and ref.enable="
+                        f"{'null' if cfg.ref.enable is None else 'false'}): set "
+                        "ref.enable=true, use an algorithm with a reference (algorithm=spin), or ref_update_freq=0")
     est = estimator_spec(a.adv_estimator)
     for option in ("lam_actor", "lam_critic", "vapo_alpha"):
         if a[option] is not None and not est.takes(option):
@@ -174,10 +184,10 @@ def _algorithm_options(cfg) -> list[str]:
     a = cfg.algorithm
     spec = algorithm_spec(a)
     problems = []
-    if spec.estimator is not None and spec.estimator.takes("sum_pi_squared"):
-        problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} reads Σπ² of every token (sum_pi_squared, verl's "
-                        "actor.calculate_sum_pi_squared), which portrl's trainer does not compute yet: use another "
-                        "estimator (its function is in portrl.algo for your own loop)")
+    if spec.needs_sum_pi_squared and a.rollout_correction.bypass_mode:
+        problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} reads Σπ² of every token from the old-log-prob "
+                        "pass, which algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=false or "
+                        "use another estimator")
     keys, weights = a.gdpo_reward_keys, a.gdpo_reward_weights
     if keys is not None or weights is not None:
         takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes("reward_components")]
@@ -218,6 +228,24 @@ def _algorithm_options(cfg) -> list[str]:
     return problems
 
 
+def _implicit_prm(cfg) -> list[str]:
+    """PRIME's implicit PRM (``reward_model``) and verl's accuracy filter (``data.filter_accuracy``)."""
+    problems = []
+    rm, d = cfg.reward_model, cfg.data
+    if rm.enable is False and _known_algorithm(cfg) and algorithm_spec(cfg.algorithm).needs_implicit_rewards:
+        problems.append(f"reward_model.enable=false, but algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} reads "
+                        "the implicit PRM's rewards: set reward_model.enable=null (auto) or true")
+    if rm.model.beta_train <= 0:
+        problems.append(f"reward_model.model.beta_train={rm.model.beta_train!r} must be > 0")
+    if rm.mini_batch_size is not None and (rm.mini_batch_size < 1 or d.train_batch_size % rm.mini_batch_size):
+        problems.append(f"reward_model.mini_batch_size={rm.mini_batch_size} must be >= 1 and divide "
+                        f"data.train_batch_size={d.train_batch_size} (prompts), or null (actor.ppo_mini_batch_size)")
+    if not 0 <= d.accuracy_lower_bound <= d.accuracy_upper_bound <= 1:
+        problems.append(f"data.accuracy_lower_bound={d.accuracy_lower_bound!r} and data.accuracy_upper_bound="
+                        f"{d.accuracy_upper_bound!r} must satisfy 0 <= lower <= upper <= 1 (mean accuracy of a group)")
+    return problems
+
+
 def check_ranges(cfg) -> list[str]:
     """Numeric knobs outside their valid range, each with the range in the message."""
     problems: list[str] = []
@@ -226,8 +254,8 @@ def check_ranges(cfg) -> list[str]:
         if not ok:
             problems.append(f"{key}={_get(cfg, key)!r} {rule}")
 
-    for group in ("actor", "critic"):
-        o = cfg[group].optim
+    for group in ("actor", "critic", "reward_model.model"):
+        o = _get(cfg, group).optim
         if o.lr == 0 and o.freeze:
             pass  # an explicit freeze: the weights stay fixed
         elif o.freeze:
@@ -286,6 +314,8 @@ def check_ranges(cfg) -> list[str]:
                                                 "trainer.save_final)")
     need(t.test_freq >= 0, "trainer.test_freq", "must be >= 1, or 0 (off: no validation during training)")
     need(t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1")
+    need(t.ref_update_freq >= 0, "trainer.ref_update_freq", "must be >= 1 (refresh the reference every k steps), "
+                                                            "or 0 (never)")
     need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
     need(cfg.reward.timeout_s is None or cfg.reward.timeout_s >= 0, "reward.timeout_s",
          "must be > 0 (seconds per batch), or 0 / null (no limit)")

@@ -55,6 +55,7 @@ DEFAULT_PRESETS = {"algorithm": "grpo", "data": "arith", "model": "tiny"}
 _GROUP_ELSEWHERE = {"algorithm": (), "data": ("data.name", "data.train_files"), "model": ("model.path",)}
 PATH_KEYS = (
     "model.path", "model.tokenizer_path", "critic.model_path", "reward.model_path", "reward.custom.path",
+    "reward_model.model.path", "reward_model.model.ref_path",
     "data.train_files", "data.val_files", "trainer.output_dir",
 )
 _RESOLVERS_DONE = False

@@ -1,6 +1,6 @@
 """The structured config of a portrl run: one dataclass per group.
 
-Groups: algorithm, data, model, actor, rollout, ref, critic, reward, trainer, device. Names
+Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, device. Names
 follow verl where verl has the knob, so recipes translate one to one. Batch sizes count
 *prompts* (``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says
 sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences.
@@ -87,6 +87,10 @@ class AlgorithmConfig:
     # PF-PPO: resample the step's batch with replacement by weights of each response's score, after the advantages
     use_pf_ppo: bool = False
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
+    # PRIME (adv_estimator=prime, portrl.algo.advantages_prime): weights of the implicit process rewards and of the
+    # outcome reward in the combined advantage (verl recipe/prime's names and values)
+    reward_dpo_coef: float = 5.0
+    reward_gt_coef: float = 5.0
 
 
 # -------------------------------------------------------------------------------------- data
@@ -102,7 +106,7 @@ class ArithDataConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arith"  # arith | gsm8k | math | dapo_math | custom (files given)
+    name: str = "arith"  # arith | gsm8k | math | dapo_math | geo3k | custom (files given)
     train_files: List[str] = field(default_factory=list)  # parquet in verl's schema; empty + arith = generated
     val_files: List[str] = field(default_factory=list)
     train_batch_size: int = 16  # prompts per step
@@ -115,6 +119,12 @@ class DataConfig:
     seed: int = 0
     max_val_samples: Optional[int] = None
     arith: ArithDataConfig = field(default_factory=ArithDataConfig)
+    # verl's accuracy filter (recipe/prime): train only on prompt groups whose mean accuracy is within the bounds,
+    # generating more batches until data.train_batch_size groups pass (algorithm.filter_groups.max_num_gen_batches)
+    filter_accuracy: bool = False
+    accuracy_lower_bound: float = 0.2
+    accuracy_upper_bound: float = 0.8
+    filter_truncate: bool = False  # also drop groups with a response of >= data.max_response_length - 1 tokens
 
 
 # ------------------------------------------------------------------------------------- model
@@ -210,6 +220,7 @@ class ActorConfig:
     lora_rank: int = 0  # > 0 trains LoRA adapters (peft); merged weights go to the rollout engine
     lora_alpha: int = 16
     lora_target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    freeze_vision_tower: bool = False  # vision-language models: the vision tower gets no updates (default: it trains)
 
 
 # ----------------------------------------------------------------------------------- rollout
@@ -297,6 +308,31 @@ class RewardConfig:
     on_timeout: str = "error"  # error (stop the run, naming the function) | zero (score the rest 0, warn)
 
 
+@dataclass
+class ImplicitPRMModelConfig:
+    """PRIME's implicit process reward model (verl recipe/prime's reward_model.model): a causal LM whose token
+    rewards are beta_train * log(pi_rm / pi_ref), trained online on the outcome labels (portrl.workers.implicit_prm)."""
+
+    path: Optional[str] = None  # None = the policy's starting weights (model.path, after any SFT warm start)
+    ref_path: Optional[str] = None  # its frozen reference; None = the policy's starting weights
+    update: str = "before"  # before (train, then score) | after (score, then train) | none (never trained)
+    beta_train: float = 0.05  # beta of the implicit reward and of the ce loss
+    # ce: BCE of sigmoid(beta * summed log-ratio) against the 0/1 accuracy; dpo: each row against the other side of
+    # its prompt group (verl's detached dpo loss, portrl.algo.implicit_prm.prm_dpo_loss)
+    loss_type: str = "ce"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+
+
+@dataclass
+class RewardModelConfig:
+    """verl's reward_model section for PRIME's implicit PRM (the sequence-classification scorer is reward.model_path)."""
+
+    enable: Optional[bool] = None  # None = when the advantage estimator reads implicit rewards (prime)
+    model: ImplicitPRMModelConfig = field(default_factory=ImplicitPRMModelConfig)
+    prime_norm: str = "batch_norm"  # batch_norm (rewards / the batch's largest |return-to-go|) | none
+    mini_batch_size: Optional[int] = None  # prompts per PRM optimizer step (x rollout.n rows); None = the actor's
+
+
 # ----------------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerConfig:
@@ -327,6 +363,9 @@ class TrainerConfig:
     progress_bar: bool = True
     plot: bool = True
     save_on_interrupt: bool = True  # SIGINT / SIGTERM: checkpoint the finished step before stopping
+    # SPIN (verl recipe/spin): before every step k with k % ref_update_freq == 0 the reference policy becomes a copy
+    # of the current policy (portrl.trainer.reference_update); 0 = never (the reference stays the starting policy)
+    ref_update_freq: int = 0
     # a call to the workers that gets no answer within max(worker_timeout_s, 5 x the slowest RL step so far)
     # stops the run naming the worker (the first step gets 3 x worker_timeout_s); None = wait forever
     worker_timeout_s: Optional[float] = 300.0
@@ -360,6 +399,7 @@ class PortRLConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 

@@ -21,14 +21,15 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from portrl.data import code, dapo_math, gsm8k, hendrycks_math, qa
+from portrl.data import code, dapo_math, geo3k, gsm8k, hendrycks_math, qa
 from portrl.data.arith import make_arith_rows, make_arith_sft_rows
+from portrl.data.images import IMAGE_KEY, IMAGES_TYPE
 from portrl.data.schema import DataError
 from portrl.user_files import ordinary_permissions
 
 log = logging.getLogger(__name__)
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
-TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa")
+TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
 TEST_PREFIXES = ("test", "validation", "valid", "val")  # the first prefix that names files is the test split
 
 
@@ -136,10 +137,15 @@ def find_split_files(directory: Path) -> dict[str, list[Path]]:
 
 
 def write_split(rows: list[dict], path: str | Path) -> Path:
-    """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed."""
+    """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed. The columns are
+    every row's keys (None where a row has none); an ``images`` column is a list of ``{"bytes": binary, "path":
+    string}`` (portrl.data.images.IMAGES_TYPE)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(list(rows))
+    rows = list(rows)
+    names = list(dict.fromkeys(k for r in rows for k in r))  # every row's columns (from_pylist takes the first's)
+    table = pa.table({k: pa.array([r.get(k) for r in rows], type=IMAGES_TYPE if k == IMAGE_KEY else None)
+                      for k in names})
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -165,7 +171,7 @@ def split_records(records: list, test_fraction: float, seed: int) -> tuple[list,
 
 _CONVERTERS: dict[str, Callable[..., list[dict]]] = {
     "gsm8k": gsm8k.convert, "math": hendrycks_math.convert, "dapo_math": dapo_math.convert, "code": code.convert,
-    "qa": qa.convert,
+    "qa": qa.convert, "geo3k": geo3k.convert,
 }  # arith is generated, not converted
 
 

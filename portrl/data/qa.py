@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from portrl.data.dapo_math import DAPO_PREFIX, DAPO_SUFFIX
+from portrl.data.geo3k import GEO3K_INSTRUCTION
 from portrl.data.gsm8k import extract_ground_truth
 from portrl.data.schema import GSM8K_INSTRUCTION, MATH_INSTRUCTION, DataError, make_row
 from portrl.rewards.registry import UnknownDataSource, reward_kind
@@ -37,8 +38,8 @@ DEFAULT_DATA_SOURCE = "qa_boxed"
 #: reward kind -> (text before the question, text after it); the instruction asks for what the reward reads
 INSTRUCTIONS = {"math": ("", " " + MATH_INSTRUCTION), "gsm8k": ("", " " + GSM8K_INSTRUCTION),
                 "dapo_math": (DAPO_PREFIX, DAPO_SUFFIX), "arith": ("", ""),
-                # numina_* and hiyouga/geometry3k read the last \boxed{} too; searchR1_* an <answer> tag
-                "prime_math": ("", " " + MATH_INSTRUCTION), "geo3k": ("", " " + MATH_INSTRUCTION),
+                # numina_* read the last \boxed{} too; hiyouga/geometry3k also a <think> block; searchR1_* an <answer> tag
+                "prime_math": ("", " " + MATH_INSTRUCTION), "geo3k": ("", " " + GEO3K_INSTRUCTION),
                 "search_qa": ("", " Give the final answer between <answer> and </answer>.")}
 
 

@@ -5,6 +5,15 @@ and are tokenised without extra special tokens. A prompt longer than ``max_promp
 when ``filter_overlong_prompts`` (default), else handled by ``truncation``: "error" (DataError naming
 the file and row), "left" (keep the last tokens) or "right" (keep the first tokens).
 
+Rows with images (an ``images`` column beside ``prompt``, one ``<image>`` placeholder per image; see
+portrl/data/images.py) need ``processor=`` (the vision-language model's processor): their prompt ids are the
+processor's, each image's pad token expanded (portrl/data/multimodal.py), and ``max_prompt_length`` counts
+those expanded ids; such a prompt is never truncated (too long: dropped when ``filter_overlong_prompts``, else a
+DataError). ``PromptBatch.multi_modal[i]`` is None for a text row, else ``{"images": [RGB PIL images],
+"raw_prompt_ids": [ids with one pad token per image], "inputs": {"pixel_values", "image_grid_thw", ...}}``, the
+processor run again on the row's images when the batch is built (only ids are kept between batches). Text rows
+are tokenised as above with or without a processor.
+
 ``batches(batch_size)`` iterates forever: each epoch is a permutation of the rows seeded by
 ``(seed, epoch)`` (or file order when ``shuffle=False``); the last incomplete batch of an epoch is
 dropped. ``state_dict()`` after a batch and ``load_state_dict`` before ``batches`` resume exactly at
@@ -22,6 +31,8 @@ from typing import Iterator, Sequence
 import pyarrow.parquet as pq
 import torch
 
+from portrl.data.images import IMAGE_KEY, check_row_images, decode_image
+from portrl.data.multimodal import encode_image_prompt
 from portrl.data.schema import DataError, MissingDataFile, check_row
 
 log = logging.getLogger(__name__)
@@ -38,6 +49,7 @@ class PromptBatch:
     extra_info: list[dict]
     uid: list[str]  # unique per prompt per epoch: "e{epoch}-r{row}"
     messages: list[list[dict]]  # the chat messages, for logging
+    multi_modal: list[dict | None] | None = None  # per prompt: None (text) or images, raw_prompt_ids, inputs
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -88,7 +100,8 @@ class RLDataset:
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 1024,
                  filter_overlong_prompts: bool = True, truncation: str = "error", shuffle: bool = True,
-                 seed: int = 0, prompt_key: str = "prompt", pad_to_max_length: bool = False):
+                 seed: int = 0, prompt_key: str = "prompt", pad_to_max_length: bool = False, processor=None,
+                 image_key: str = IMAGE_KEY):
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         if max_prompt_length <= 0:
@@ -100,7 +113,9 @@ class RLDataset:
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.pad_id = pad_token_id(tokenizer)
         self.pad_to_max_length = pad_to_max_length
+        self.processor = processor
         self._rows: list[tuple[list[int], str, str, dict, list[dict]]] = []
+        self._images: dict[int, tuple[list, str, list[int]]] = {}  # row -> (stored images, text, raw_prompt_ids)
         dropped = 0
         for path in self.files:
             try:
@@ -109,6 +124,20 @@ class RLDataset:
                 raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
             for i, rec in enumerate(records):
                 messages, source, truth, extra = check_row(rec, str(path), i, prompt_key)
+                images = check_row_images(rec, str(path), i, messages, image_key)
+                if images is not None:
+                    prompt = self._image_prompt(images, messages, str(path), i)
+                    ids = prompt.ids
+                    if len(ids) > self.max_prompt_length:
+                        if filter_overlong_prompts:
+                            dropped += 1
+                            continue
+                        raise DataError(f"{path}: row {i}: prompt has {len(ids)} tokens with its images > "
+                                        f"max_prompt_length {self.max_prompt_length}, and a prompt with images is "
+                                        "not truncated (set filter_overlong_prompts or raise max_prompt_length)")
+                    self._images[len(self._rows)] = (images, prompt.text, prompt.raw_prompt_ids)
+                    self._rows.append((ids, source, truth, extra, messages))
+                    continue
                 ids = encode_messages(tokenizer, messages)
                 if len(ids) > self.max_prompt_length:
                     if filter_overlong_prompts:
@@ -125,6 +154,26 @@ class RLDataset:
             raise DataError(f"the dataset is empty after filtering ({dropped} prompts over max_prompt_length "
                             f"{self.max_prompt_length}) in {', '.join(map(str, self.files))}")
         self.epoch, self.position = 0, 0
+
+    def _image_prompt(self, images: list, messages: list[dict], where: str, index: int):
+        if self.processor is None:
+            raise DataError(f"{where}: row {index}: the row has {len(images)} image(s), but the model has no image "
+                            "processor; train on images with a vision-language model (a model directory with "
+                            "preprocessor_config.json, e.g. Qwen2.5-VL), or use text-only data")
+        return encode_image_prompt(self.processor, messages, [decode_image(im) for im in images])
+
+    def _multi_modal(self, row: int) -> dict | None:
+        """The row's images and processor inputs (None for a text row), the ids checked against the stored ones."""
+        entry = self._images.get(row)
+        if entry is None:
+            return None
+        images, text, raw_prompt_ids = entry
+        pil = [decode_image(im) for im in images]
+        prompt = encode_image_prompt(self.processor, self._rows[row][4], pil, text=text)
+        if prompt.ids != self._rows[row][0]:
+            raise RuntimeError(f"the processor expanded row {row}'s images to other ids than when the dataset was "
+                               "built; the image processor must be deterministic")
+        return {"images": pil, "raw_prompt_ids": list(raw_prompt_ids), "inputs": prompt.inputs}
 
     @property
     def num_rows(self) -> int:
@@ -161,6 +210,7 @@ class RLDataset:
             data_source=[r[1] for r in rows], ground_truth=[r[2] for r in rows],
             extra_info=[dict(r[3]) for r in rows], uid=[f"e{epoch}-r{i}" for i in picked],
             messages=[r[4] for r in rows],
+            multi_modal=[self._multi_modal(i) for i in picked] if self._images else [None] * len(rows),
         )
 
     def state_dict(self) -> dict:

@@ -1,9 +1,10 @@
 """Checks of dataset files before a run loads anything heavy (portrl.trainer.preflight).
 
 :func:`read_verl_file` reads one verl-schema parquet the way RLDataset will and checks every row
-(:func:`portrl.data.schema.check_row`); :func:`count_fitting_prompts` counts prompts that fit
-``max_prompt_length`` (stopping once enough are found); :func:`check_sft_file` checks the columns
-``portrl sft`` needs. Every problem is a :class:`~portrl.data.schema.DataError` (a user error) naming the
+(:func:`portrl.data.schema.check_row`, and for rows with images :func:`portrl.data.images.check_row_images`:
+every image decodes, as many as ``<image>`` placeholders); :func:`count_fitting_prompts` counts prompts that fit
+``max_prompt_length`` (image rows: the processor's expanded ids; stopping once enough are found);
+:func:`check_sft_file` checks the columns ``portrl sft`` needs. Every problem is a :class:`~portrl.data.schema.DataError` (a user error) naming the
 file, the config key or flag it came from and, for a row, its index.
 """
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from portrl.data.images import IMAGE_KEY, check_row_images, decode_image
+from portrl.data.multimodal import encode_image_prompt
 from portrl.data.rl_dataset import encode_messages
 from portrl.data.schema import DataError, check_row
 
@@ -41,22 +44,46 @@ def _need_columns(path, table, columns, key: str, hint: str) -> None:
                         f"; {hint}")
 
 
-def read_verl_file(path: str | Path, key: str, prompt_key: str = "prompt") -> list[tuple[list[dict], str, str, dict]]:
-    """The checked rows ``(messages, data_source, ground_truth, extra_info)`` of one verl parquet file."""
+def read_verl_file(path: str | Path, key: str, prompt_key: str = "prompt", image_key: str = IMAGE_KEY
+                   ) -> list[tuple[list[dict], str, str, dict, list | None]]:
+    """The checked rows ``(messages, data_source, ground_truth, extra_info, images)`` of one verl parquet file;
+    ``images`` is None for a text row, else the row's stored images (each checked to decode)."""
     table = _read_table(path, key)
     columns = tuple(prompt_key if c == "prompt" else c for c in VERL_COLUMNS)
     _need_columns(path, table, columns, key, VERL_HINT)
     if table.num_rows == 0:
         raise DataError(f"{path} ({key}) has no rows")
-    return [check_row(rec, str(path), i, prompt_key) for i, rec in enumerate(table.to_pylist())]
+    rows = []
+    for i, rec in enumerate(table.to_pylist()):
+        checked = check_row(rec, str(path), i, prompt_key)
+        rows.append((*checked, check_row_images(rec, str(path), i, checked[0], image_key)))
+    return rows
 
 
-def count_fitting_prompts(rows, tokenizer, max_prompt_length: int, enough: int) -> int:
-    """How many rows' prompts (chat template + generation prompt, as RLDataset encodes them) have at most
-    ``max_prompt_length`` tokens; counting stops at ``enough``."""
+def read_verl_files(files, key: str) -> tuple[list, str | None]:
+    """The checked rows of several files (:func:`read_verl_file`), and where the first row with images is
+    (``"FILE row N"``; None when every row is text)."""
+    rows, first_image = [], None
+    for f in files:
+        file_rows = read_verl_file(f, key)
+        if first_image is None:
+            first_image = next((f"{f} row {i}" for i, r in enumerate(file_rows) if r[4] is not None), None)
+        rows.extend(file_rows)
+    return rows, first_image
+
+
+def count_fitting_prompts(rows, tokenizer, max_prompt_length: int, enough: int, processor=None) -> int:
+    """How many rows' prompts (chat template + generation prompt, as RLDataset encodes them; for a row with
+    images the ``processor``'s ids, each image expanded) have at most ``max_prompt_length`` tokens; counting
+    stops at ``enough``."""
     fitting = 0
-    for messages, *_ in rows:
-        if len(encode_messages(tokenizer, messages)) <= max_prompt_length:
+    for messages, *rest in rows:
+        images = rest[3] if len(rest) > 3 else None
+        if images is not None:
+            n = len(encode_image_prompt(processor, messages, [decode_image(im) for im in images]).ids)
+        else:
+            n = len(encode_messages(tokenizer, messages))
+        if n <= max_prompt_length:
             fitting += 1
             if fitting >= enough:
                 break

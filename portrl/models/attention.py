@@ -1,7 +1,7 @@
 """Plug a varlen attention implementation (portrl.ops) into Hugging Face transformers.
 
-:func:`register_attention` registers, under the name ``portrl_<backend>_<impl>``, an attention
-function in transformers' ``AttentionInterface`` and a mask function in its
+:func:`register_attention` registers, under the name ``portrl_<backend>_<impl>`` (:func:`attention_name`),
+an attention function in transformers' ``AttentionInterface`` and a mask function in its
 ``AttentionMaskInterface``; a model loaded with ``attn_implementation=<that name>`` then runs
 every layer through the op. Any architecture whose attention layers dispatch through
 ``ALL_ATTENTION_FUNCTIONS`` (Qwen2 / Qwen2.5, Llama, Mistral, Qwen3, ...) works.
@@ -15,7 +15,13 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
   output is scattered back (padded positions get zeros);
 * ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
 * a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
-  q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output.
+  q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output;
+* a bidirectional call (``is_causal=False``, or a module with ``is_causal = False``: the vision tower of
+  Qwen2-VL / Qwen2.5-VL, whose blocks attend within each image or window) without a mask: the varlen op
+  with ``causal=False``, each row one sequence. transformers calls the vision attention once per image or
+  window when the implementation is not a "flash" one (ours never is, see :func:`attention_name`). The
+  decoder's packing keywords (``cu_seq_lens_q``, ``position_ids``, the shared-prompt plan), which reach the
+  vision blocks through the model's ``**kwargs``, are not the vision tokens' and are ignored there.
 
 transformers' attention and mask plumbing is imported where it is used, when a model is built or run: it
 loads transformers' modeling stack (~2 s), and this package is imported by ``portrl.trainer.preflight``,
@@ -81,6 +87,10 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
                              f"sequence length {seq} (disable use_sliding_window in the model config)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
+        if not causal and attention_mask is None:
+            cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
+            out = varlen_fn(q, k, v, cu, seq, scaling, False)
+            return out.reshape(batch, seq, *out.shape[1:]), None
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None and attention_mask is None:
             plan.reads += 1
@@ -104,12 +114,19 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
     return attention_forward
 
 
+def attention_name(backend_name: str, impl_name: str) -> str:
+    """``portrl_<backend>_<impl>`` with every "flash" in it spelled "fa": transformers
+    (5.x) takes any implementation name containing "flash" for a flash-attention kernel, imports it when a model
+    is built (which fails for a name of ours) and sends vision towers down its flash-only code path."""
+    return f"{PREFIX}_{backend_name}_{impl_name}".replace("flash", "fa")
+
+
 def register_attention(backend_name: str, impl_name: str, varlen_fn: Callable) -> str:
     """Register ``varlen_fn`` with transformers; return the ``attn_implementation`` name to load models with."""
     from transformers import AttentionInterface  # see module docstring
     from transformers.masking_utils import AttentionMaskInterface
 
-    name = f"{PREFIX}_{backend_name}_{impl_name}"
+    name = attention_name(backend_name, impl_name)
     AttentionInterface.register(name, make_attention_forward(varlen_fn))
     AttentionMaskInterface.register(name, _mask_function)
     return name

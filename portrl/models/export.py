@@ -5,7 +5,8 @@ Training changes a loaded model in memory in ways that are not part of the model
 would write that flag (and a pad token portrl filled in) into ``tokenizer_config.json``.
 :func:`export_pretrained` writes the weights and config with ``save_pretrained``, puts back the config keys of
 :data:`RUNTIME_CONFIG_KEYS` as the source directory had them, and copies the tokenizer files byte for byte
-from the tokenizer's source directory. The directory is written under a unique temporary name beside
+from the tokenizer's source directory, and a vision-language model's processor files (:data:`PROCESSOR_FILES`)
+from the model's. The directory is written under a unique temporary name beside
 ``out_dir`` with ordinary permissions (umask) and renamed into place; an older export there is replaced
 only once the new one is complete.
 """
@@ -23,6 +24,8 @@ from portrl.user_files import new_dir
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 RUNTIME_CONFIG_KEYS = ("use_cache",)  # set in memory for training, not properties of the model
+# a vision-language model's processor (image / video processor settings), beside its tokenizer files
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def restore_config(saved: Path, source: Path) -> None:
@@ -32,12 +35,19 @@ def restore_config(saved: Path, source: Path) -> None:
         return
     want = json.loads(source.read_text())
     got = json.loads(saved.read_text())
+    _restore_keys(got, want)
+    for name, sub in got.items():  # a composite config's parts (a vision-language model's text_config, ...)
+        if isinstance(sub, dict) and "model_type" in sub:
+            _restore_keys(sub, want.get(name) if isinstance(want.get(name), dict) else {})
+    saved.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+
+
+def _restore_keys(got: dict, want: dict) -> None:
     for key in RUNTIME_CONFIG_KEYS:
         if key in want:
             got[key] = want[key]
         else:
             got.pop(key, None)
-    saved.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> list:
@@ -62,4 +72,7 @@ def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str
         restore_config(tmp / "config.json", Path(source_dir) / "config.json")
         if not copy_tokenizer_files(Path(tokenizer_dir or source_dir), tmp) and tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        for name in PROCESSOR_FILES:
+            if (Path(source_dir) / name).is_file():
+                shutil.copyfile(Path(source_dir) / name, tmp / name)
     return out

@@ -16,6 +16,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from portrl.errors import UserError
 from portrl.models.attention import register_attention
+from portrl.models.multimodal import is_vision_language
+from portrl.models.processor import load_vl_processor
 from portrl.ops.registry import _resolve_backend, select
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,20 @@ def load_tokenizer(path):
     return tok
 
 
+def load_processor(path):
+    """The model's processor (``AutoProcessor``: tokenizer + image processor + chat template) when the directory
+    has an image processor (``preprocessor_config.json``), else None (a text model). Local files only; see
+    portrl/models/processor.py for how it loads without torchvision."""
+    p = check_model_dir(path, "model path", config=False)
+    if not (p / "preprocessor_config.json").is_file():
+        return None
+    processor = load_vl_processor(p)
+    tok = getattr(processor, "tokenizer", None)
+    if tok is not None and tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return processor
+
+
 def torch_dtype(dtype):
     """A torch dtype from its name ("float32", "bfloat16", ...) or a torch dtype."""
     if isinstance(dtype, torch.dtype):
@@ -76,9 +92,20 @@ def torch_dtype(dtype):
     return getattr(torch, dtype)
 
 
+def model_class(config):
+    """transformers' auto class for ``config``: ``AutoModelForImageTextToText`` for a vision-language model
+    (Qwen2-VL, Qwen2.5-VL), else ``AutoModelForCausalLM``."""
+    # here, not at the top: the model classes load transformers' modeling stack (~2 s), which the checks of
+    # portrl.trainer.preflight (check_model_dir, load_tokenizer) must not wait for
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient_checkpointing: bool = False,
                    device=None):
-    """Load ``AutoModelForCausalLM`` from a local directory with the backend's varlen attention plugged in.
+    """Load ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for a vision-language model) from a local
+    directory with the backend's varlen attention plugged in.
 
     ``backend``: a Backend, a backend name or None (resolved: --device / PORTRL_DEVICE / detection).
     ``attn_impl``: an implementation name of the ``attention_varlen`` op (None: the backend's first
@@ -88,10 +115,6 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
     With ``gradient_checkpointing`` the decoder layers recompute activations in backward (non-reentrant)
     and the KV cache is disabled. ``device``: move the model there after loading.
     """
-    # here, not at the top: the model classes load transformers' modeling stack (~2 s), which the checks of
-    # portrl.trainer.preflight (check_model_dir, load_tokenizer) must not wait for
-    from transformers import AutoModelForCausalLM
-
     p = check_model_dir(path)
     be = _resolve_backend(backend)
     if attn_impl in HF_ATTENTION:
@@ -100,8 +123,11 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
         impl, fn = select("attention_varlen", impl=attn_impl, backend=be)
         attn_name = register_attention(be.name, impl, fn)
     config = AutoConfig.from_pretrained(str(p), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(p), config=config, dtype=torch_dtype(dtype),
-                                                 attn_implementation=attn_name, local_files_only=True)
+    # a vision-language model (Qwen2-VL, Qwen2.5-VL) loads as transformers' image-text-to-text class; the attention
+    # implementation applies to its text decoder and its vision tower alike (the vision blocks call it
+    # non-causally per image / window; portrl/models/attention.py)
+    model = model_class(config).from_pretrained(str(p), config=config, dtype=torch_dtype(dtype), attn_implementation=attn_name,
+                                 local_files_only=True)
     lp_impl, lp_fn = select("logprobs_entropy", backend=be)
     model.portrl_kernels = {"attention_varlen": impl, "logprobs_entropy": lp_impl}
     model.portrl_logprobs_entropy = lp_fn

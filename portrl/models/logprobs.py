@@ -26,9 +26,10 @@ import torch
 
 from portrl.models.attention import PREFIX
 from portrl.models import forward_tape
+from portrl.models.multimodal import is_vision_language, vl_response_hidden_states
 from portrl.models.prefix_sharing import PLAN_KWARG, plan_shared_prompts
 from portrl.ops.attention import cu_seqlens_from_lengths
-from portrl.ops.logprobs import logprobs_entropy
+from portrl.ops.logprobs import default_chunk_size, logprobs_entropy
 
 
 def _decoder_and_head(model):
@@ -44,10 +45,14 @@ def _decoder_and_head(model):
 _warned: set = set()
 
 
-def _warn_once(message: str) -> None:
+def _log_once(level: int, message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        logging.getLogger(__name__).warning(message)
+        logging.getLogger(__name__).log(level, message)
+
+
+def _warn_once(message: str) -> None:
+    _log_once(logging.WARNING, message)
 
 
 def _attention_layers(base) -> int:
@@ -130,7 +135,8 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
 
 def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                      temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
-                     chunk_size: int | None = None, share_prompts: bool = True, tape=None):
+                     chunk_size: int | None = None, share_prompts: bool = True, tape=None,
+                     with_sum_pi_squared: bool = False, multi_modal=None):
     """``(logp (B, T), entropy (B, T) or None)`` of the response tokens, float32, differentiable.
 
     ``packed=False`` runs the padded batch instead (position_ids = cumsum(mask) - 1); same result.
@@ -138,14 +144,53 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     one of portrl's (``portrl_*``, which reads the shared-prompt plan); other attention falls back to
     plain packing. ``tape``: see :func:`response_hidden_states`.
     The log-prob kernel is the one :func:`portrl.models.load_causal_lm` selected, else native.
+    ``with_sum_pi_squared``: a third value, ``Σ_v π(v)²`` (B, T) of every response token's distribution
+    (:func:`sum_pi_squared`, no gradient), for the optimal-token-baseline estimators; 0 at padding.
+    Vision-language models (:mod:`portrl.models.multimodal`): ``multi_modal`` is the batch's image inputs
+    (``pixel_values``, ``image_grid_thw`` of its rows in order; None for text rows only); shared prompts and the
+    tape are not used for them.
     """
     inner, base, head = _decoder_and_head(model)
     fn = getattr(inner, "portrl_logprobs_entropy", None) or logprobs_entropy
-    hidden, resp_valid = response_hidden_states(base, input_ids, attention_mask, response_length, packed,
-                                                share_prompts, tape)
+    if is_vision_language(inner):
+        if share_prompts or tape is not None:
+            _log_once(logging.INFO, "vision-language model: log-probs run plain packed rows (shared prompts and the rollout's "
+                       "forward replay are off: different images can share token ids)")
+        hidden, resp_valid = vl_response_hidden_states(base, input_ids, attention_mask, response_length, packed,
+                                                       multi_modal)
+    else:
+        if multi_modal is not None:
+            raise ValueError(f"{type(inner).__name__} is a text model; it cannot take image inputs")
+        hidden, resp_valid = response_hidden_states(base, input_ids, attention_mask, response_length, packed,
+                                                    share_prompts, tape)
     labels = input_ids[:, input_ids.shape[1] - resp_valid.shape[1]:][resp_valid]
-    logp_v, ent_v = fn(hidden, head.weight, labels, temperature, getattr(head, "bias", None), chunk_size)
+    bias = getattr(head, "bias", None)
+    logp_v, ent_v = fn(hidden, head.weight, labels, temperature, bias, chunk_size)
     zeros = torch.zeros(resp_valid.shape, dtype=logp_v.dtype, device=logp_v.device)
     logp = zeros.index_put((resp_valid,), logp_v)
     entropy = zeros.index_put((resp_valid,), ent_v) if with_entropy else None
-    return logp, entropy
+    if not with_sum_pi_squared:
+        return logp, entropy
+    spi = sum_pi_squared(hidden, head.weight, temperature, bias, chunk_size)
+    return logp, entropy, zeros.index_put((resp_valid,), spi.to(zeros.dtype))
+
+
+@torch.no_grad()
+def sum_pi_squared(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0,
+                   bias: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """``Σ_v softmax(z_n)_v²`` (N,) for logits ``z = (h W^T + b) / temperature``, in at least float32, as
+    ``exp(logsumexp(2z) − 2·logsumexp(z))`` (stable for any logit scale). Rows go ``chunk_size`` at a time
+    (default: the log-prob op's chunk), so the full (N, V) logits never exist; the LM head's matmul runs once more
+    for these rows (the log-prob kernels keep no logits).
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    chunk = default_chunk_size(n, vocab) if chunk_size is None else max(1, int(chunk_size))
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.empty(n, dtype=compute, device=hidden.device)
+    for s in range(0, n, chunk):
+        z = torch.nn.functional.linear(hidden[s:s + chunk], weight, bias).to(compute)
+        if temperature != 1.0:
+            z.div_(float(temperature))
+        lse = torch.logsumexp(z, dim=-1)
+        out[s:s + chunk] = torch.exp(torch.logsumexp(z.mul_(2.0), dim=-1) - 2.0 * lse)
+    return out

@@ -40,6 +40,7 @@ def rl_batch(g: torch.Generator) -> dict:
         "reward_baselines": torch.rand(BATCH, generator=g),
         "sum_pi_squared": 0.2 + 0.6 * torch.rand(BATCH, RESP_LEN, generator=g), "scores": scores,
         "returns": torch.randn(BATCH, RESP_LEN, generator=g), "loss_mat": torch.randn(BATCH, RESP_LEN, generator=g),
+        "implicit_rewards": 0.05 * torch.randn(BATCH, RESP_LEN, generator=g),  # PRIME's token rewards
     }
 
 
@@ -50,7 +51,8 @@ def _advantage(name):
         adv, ret = algo.compute_advantage(
             name, token_level_rewards=x["token_level_rewards"], response_mask=x["response_mask"], index=INDEX,
             values=x["values"], reward_baselines=x["reward_baselines"], old_log_probs=x["old_log_prob"],
-            sum_pi_squared=x["sum_pi_squared"], gamma=0.99 if critic else 1.0, lam=0.95)
+            sum_pi_squared=x["sum_pi_squared"], implicit_rewards=x["implicit_rewards"], gamma=0.99 if critic else 1.0,
+            lam=0.95)
         return {"advantages": adv, "returns": ret}
     return run
 

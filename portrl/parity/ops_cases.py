@@ -4,6 +4,11 @@ Shapes (``SIZES``): "standard" keeps a float32 + bfloat16 run on two CPU cores w
 minute; "large" is the 4 x 512-token batch of a 0.5B-class model for accelerators. Both use
 hidden 1024 (16 query heads, 4 key/value heads of dim 64: grouped-query attention), vocab 32000.
 "tiny" is for kernels run through an interpreter (Triton's TRITON_INTERPRET=1) in tests.
+
+The vision path adds two families: ``attention_varlen_bidirectional`` (the ``attention_varlen`` op with
+``causal=False`` on the segments a vision tower attends within: whole images and 8x8-patch windows, all heads
+with their own key/value, head dim 80 as Qwen2.5-VL's vision tower) and ``rotary_multimodal`` (M-RoPE on the
+3-D positions of rows holding an image, ``portrl/ops/rotary_multimodal.py``).
 """
 
 from __future__ import annotations
@@ -16,16 +21,22 @@ from portrl.ops import registry
 from portrl.ops.attention import attention_varlen, cu_seqlens_from_lengths
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
+from portrl.ops.rotary_multimodal import apply_multimodal_rotary, multimodal_rope_index
 from portrl.parity.case import Case
 
 SIZES: dict[str, dict[str, Any]] = {
     "standard": dict(seq_lens=(384, 256, 192, 128), heads=16, kv_heads=4, head_dim=64, hidden=1024,
-                     intermediate=2816, vocab=32000, logprob_rows=128),
+                     intermediate=2816, vocab=32000, logprob_rows=128,
+                     vision_segments=(196, 64, 64, 100), vision_heads=16, vision_head_dim=80),
     "tiny": dict(seq_lens=(16, 8, 5), heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=96, vocab=300,
-                 logprob_rows=24),
+                 logprob_rows=24, vision_segments=(16, 4, 4, 9), vision_heads=2, vision_head_dim=8),
     "large": dict(seq_lens=(512, 512, 512, 512), heads=16, kv_heads=4, head_dim=64, hidden=1024,
-                  intermediate=2816, vocab=32000, logprob_rows=2048),
+                  intermediate=2816, vocab=32000, logprob_rows=2048,
+                  vision_segments=(1024, 1024) + (64,) * 32, vision_heads=16, vision_head_dim=80),
 }
+
+#: case families that exercise an op in another setting (their case names start with the family): family -> op
+FAMILY_OPS = {"attention_varlen_bidirectional": "attention_varlen"}
 
 
 def size_spec(size: str) -> dict[str, Any]:
@@ -51,8 +62,46 @@ def _attention_inputs(s):
     return make
 
 
-def _attention_fn(fn, max_len):
-    return lambda x: {"out": fn(x["q"], x["k"], x["v"], x["cu_seqlens"], max_len)}
+def _attention_fn(fn, max_len, causal=True):
+    return lambda x: {"out": fn(x["q"], x["k"], x["v"], x["cu_seqlens"], max_len, None, causal)}
+
+
+def _vision_attention_inputs(s):
+    segments, heads, d = s["vision_segments"], s["vision_heads"], s["vision_head_dim"]
+    total = sum(segments)
+    return lambda g: {"q": torch.randn(total, heads, d, generator=g), "k": torch.randn(total, heads, d, generator=g),
+                      "v": torch.randn(total, heads, d, generator=g),
+                      "cu_seqlens": cu_seqlens_from_lengths(list(segments))}
+
+
+def mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """The temporal / height / width split of ``head_dim / 2`` rotary frequencies, in Qwen2-VL's 16/24/24
+    proportions (head dim 128)."""
+    t = head_dim // 8
+    return t, (head_dim // 2 - t) // 2, head_dim // 2 - t - (head_dim // 2 - t) // 2
+
+
+def _image_row_positions(n: int) -> torch.Tensor:
+    """(3, n) M-RoPE positions of a row of ``n`` tokens: a short text, a square-ish image of about n/2 tokens,
+    then text."""
+    side = max(1, int((n // 2) ** 0.5))
+    before = min(3, n - side * side)
+    image_token = 1
+    ids = [0] * before + [image_token] * (side * side) + [0] * (n - before - side * side)
+    pos, _ = multimodal_rope_index(torch.tensor([ids]), torch.tensor([[1, 2 * side, 2 * side]]), image_token, 2)
+    return pos[:, 0]
+
+
+def _rotary_multimodal_inputs(s):
+    total, d = sum(s["seq_lens"]), s["head_dim"]
+
+    def make(g):
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        pos = torch.cat([_image_row_positions(n) for n in s["seq_lens"]], dim=1)  # (3, total)
+        ang = pos.float()[..., None] * inv_freq
+        emb = torch.cat([ang, ang], dim=-1)[:, :, None, :]  # (3, total, 1, D): one table per axis
+        return {"x": torch.randn(total, s["heads"], d, generator=g), "cos": emb.cos(), "sin": emb.sin()}
+    return make
 
 
 def _logprobs_inputs(s):
@@ -111,35 +160,41 @@ def _linear_fn(fn):
 def op_specs(size: str = "standard") -> dict[str, tuple]:
     """op -> (make_inputs, wrap(fn) -> case fn, grad_inputs)."""
     s = size_spec(size)
-    max_len = max(s["seq_lens"])
+    max_len, max_segment = max(s["seq_lens"]), max(s["vision_segments"])
+    section = mrope_section(s["head_dim"])
     return {
         "attention_varlen": (_attention_inputs(s), lambda fn: _attention_fn(fn, max_len), ("q", "k", "v")),
+        "attention_varlen_bidirectional": (_vision_attention_inputs(s),
+                                           lambda fn: _attention_fn(fn, max_segment, causal=False), ("q", "k", "v")),
         "linear_prepacked": (_linear_inputs(s), _linear_fn, ()),  # inference only (decode loops)
         "logprobs_entropy": (_logprobs_inputs(s), _logprobs_fn, ("hidden", "weight")),
         "rms_norm": (_rms_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["weight"], 1e-6)}), ("x", "weight")),
         "rotary": (_rotary_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["cos"], x["sin"])}), ("x",)),
+        "rotary_multimodal": (_rotary_multimodal_inputs(s),
+                              lambda fn: (lambda x: {"out": fn(x["x"], x["cos"], x["sin"], section)}), ("x",)),
         "swiglu": (_swiglu_inputs(s), lambda fn: (lambda x: {"out": fn(x["gate"], x["up"])}), ("gate", "up")),
     }
 
 
 def _native(op: str):
     return {"attention_varlen": attention_varlen, "linear_prepacked": linear_prepacked,
-            "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm,
-            "rotary": apply_rotary, "swiglu": swiglu}[op]
+            "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm, "rotary": apply_rotary,
+            "rotary_multimodal": apply_multimodal_rotary, "swiglu": swiglu}[op]
 
 
 def op_cases(backend, size: str = "standard", ops=None, all_impls: bool = True) -> tuple[list[Case], dict]:
-    """Cases for each op: the implementation the backend selects, plus (``all_impls``) every other one that
-    can run here. Returns ``(cases, impls)`` with ``impls[op] = {"selected": name, "available": {name: None |
-    reason it cannot run}}`` for the report."""
+    """Cases for each op (and each family of :data:`FAMILY_OPS`; ``ops`` may name either): the implementation
+    the backend selects, plus (``all_impls``) every other one that can run here. Returns ``(cases, impls)``
+    with ``impls[op] = {"selected": name, "available": {name: None | reason it cannot run}}`` for the report."""
     specs = op_specs(size)
     ops = list(ops) if ops else list(specs)
     unknown = [op for op in ops if op not in specs]
     if unknown:
         raise ValueError(f"unknown ops {unknown}; valid: {', '.join(specs)}")
     cases, impls = [], {}
-    for op in ops:
-        make, wrap, grads = specs[op]
+    for family in ops:
+        op = FAMILY_OPS.get(family, family)
+        make, wrap, grads = specs[family]
         selected, _ = registry.select(op, backend=backend)
         available = registry.implementations(op)
         impls[op] = {"selected": selected, "available": available}
@@ -147,7 +202,7 @@ def op_cases(backend, size: str = "standard", ops=None, all_impls: bool = True) 
         ref = wrap(_native(op))
         for name in names:
             _, fn = registry.select(op, impl=name, backend=backend)
-            cases.append(Case(name=f"{op}[{name}]", group="ops", make_inputs=make, fn=wrap(fn), ref_fn=ref,
-                              grad_inputs=grads, inputs_key=f"ops/{op}", ref_key=f"ops/{op}",
+            cases.append(Case(name=f"{family}[{name}]", group="ops", make_inputs=make, fn=wrap(fn), ref_fn=ref,
+                              grad_inputs=grads, inputs_key=f"ops/{family}", ref_key=f"ops/{family}",
                               info={"op": op, "impl": name, "selected": name == selected}))
     return cases, impls

@@ -7,6 +7,12 @@
 
 So a right boxed answer with the think block scores 1.0, without it 0.9; a wrong one 0.1 or 0.0.
 ``format_score`` changes the 0.1 weight.
+
+Checked against verl's geo3k scorer (mathruler's ``extract_boxed_content`` and
+``grade_answer``, the PRM800K rule) on the table of tests/test_rewards_geo3k.py, whose expected scores were
+computed with mathruler 0.1.0 itself. Known differences, none reachable with Geometry3K's answers: a mixed number
+(``7 3/4``, ``7\\frac{3}{4}``) is not read as ``31/4`` (portrl/rewards/symbolic.py), and a response without a box
+is wrong even against the ground truth ``None`` (mathruler returns the string ``"None"`` for a missing box).
 """
 
 from __future__ import annotations

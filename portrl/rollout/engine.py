@@ -85,10 +85,16 @@ class RolloutEngine(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 multi_modal: Sequence[dict | None] | None = None) -> RolloutOutput:
         """Sample ``params.n`` responses for every prompt (token ids, unpadded).
 
         Rows come back prompt-major: row ``i * n + j`` is sample ``j`` of prompt ``i``.
+        ``multi_modal`` (engines of vision-language models): one entry per prompt, None for a text prompt, else
+        the data layer's dict ``{"images": [PIL images], "raw_prompt_ids": [ids with one image pad per image],
+        "inputs": {"pixel_values", "image_grid_thw"}}`` (``PromptBatch.multi_modal``, portrl/data/); then
+        ``prompts[i]`` holds the expanded ids. Callers pass it only when some prompt has images, so an engine
+        for text models may leave the parameter out.
         """
 
     @abc.abstractmethod

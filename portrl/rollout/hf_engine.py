@@ -12,6 +12,11 @@ out of the same pass):
 3. a row stops after EOS or a stop id; finished rows are dropped from the batch and its cache once
    they make up ``compact_fraction`` of it, and the loop ends when every row has finished.
 
+Image prompts (a vision-language model, ``generate(..., multi_modal=...)``) decode on the generic loop: the
+prefill takes the prompts' ``pixel_values`` / ``image_grid_thw`` and their 3-D rotary positions
+(:func:`portrl.ops.multimodal_rope_index`), and every decoded token sits at its index plus the row's rope delta
+on all three axes, as in transformers' own generation (portrl/models/multimodal.py).
+
 The engine either wraps the trainer's module (colocated, weights shared: ``update_weights`` only
 checks that the tensors are the module's own) or owns a model loaded from ``model_path``
 (``update_weights`` copies tensors in). Deterministic for a given seed, model, device and batch.
@@ -26,7 +31,10 @@ from typing import Any, Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from portrl.errors import UserError
 from portrl.models import load_causal_lm
+from portrl.models.multimodal import batch_image_inputs, is_vision_language
+from portrl.ops.rotary_multimodal import multimodal_rope_index
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.fast_decode import decode_chunk, fast_decoder_for
@@ -126,8 +134,13 @@ class HFEngine(RolloutEngine):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 multi_modal: Sequence[Any] | None = None) -> RolloutOutput:
+        """``multi_modal``: per prompt None (text) or its images' entry (portrl/data/rl_dataset.py: the processor's
+        ``pixel_values`` / ``image_grid_thw`` under ``"inputs"``, the prompt ids already expanded); image prompts
+        need a vision-language model and decode on the generic loop."""
         prompts = check_prompts(prompts)
+        entries = self._check_images(multi_modal, len(prompts))
         if self._offloaded_from is not None:
             raise RuntimeError("the hf engine is asleep; call wake() before generate()")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
@@ -143,14 +156,27 @@ class HFEngine(RolloutEngine):
         try:
             with torch.inference_mode():
                 for start in range(0, len(prompts), per_chunk):
+                    images = batch_image_inputs(entries[start:start + per_chunk], self.device) if entries else None
                     ids, lps, reasons = self._generate_chunk(prompts[start:start + per_chunk], params, stop, generator,
-                                                             record)
+                                                             record, images)
                     out.response_ids += ids
                     out.logprobs += lps
                     out.finish_reasons += reasons
         finally:
             self.model.train(was_training)
         return out
+
+    def _check_images(self, multi_modal: Sequence[Any] | None, n_prompts: int) -> list | None:
+        """``multi_modal`` as a list when some prompt has images (None otherwise), checked against the model."""
+        if multi_modal is None or all(entry is None for entry in multi_modal):
+            return None
+        if len(multi_modal) != n_prompts:
+            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {n_prompts} prompts; give one per "
+                             "prompt (None for a text prompt)")
+        if not is_vision_language(self.model):
+            raise UserError(f"the prompts have images but the model ({type(self.model).__name__}) is a text model; "
+                            "use a vision-language model (e.g. Qwen2.5-VL) or text-only data")
+        return list(multi_modal)  # (the fast decoder takes text model types only: these decode on the generic loop)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         counts = load_named_tensors(self.model, named_tensors)
@@ -196,9 +222,9 @@ class HFEngine(RolloutEngine):
 
     def _generate_chunk(
         self, prompts: list[list[int]], params: SamplingParams, stop: torch.Tensor, generator: torch.Generator,
-        record: bool = False,
+        record: bool = False, images: dict | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        if self._fast is not None:
+        if self._fast is not None and images is None:
             out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
                                record=record)
             self._last_tape, self._fast.tape = self._fast.tape, None
@@ -209,18 +235,29 @@ class HFEngine(RolloutEngine):
         mask = mask.long()
         padded = bool((lengths != plen).any())
         cache = DynamicCache(config=self.model.config)
-        out = self._forward(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_(min=0), cache=cache
-        )
+        # image prompts: the vision inputs and 3-D rotary positions at prefill; each row's decoded tokens then
+        # sit at (index + rope delta) on all three axes (portrl/models/multimodal.py)
+        delta = None
+        if images is not None:
+            positions, delta = multimodal_rope_index(ids, images["image_grid_thw"], self.model.config.image_token_id,
+                                                     self.model.config.vision_config.spatial_merge_size, mask)
+            extra = {"pixel_values": images["pixel_values"], "image_grid_thw": images["image_grid_thw"],
+                     "mm_token_type_ids": (ids == self.model.config.image_token_id).long() * mask}
+        else:
+            positions, extra = (mask.cumsum(-1) - 1).clamp_(min=0), {}
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, **extra)
         logits = out.logits[:, -1]
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
             mask, lengths = mask.repeat_interleave(n, dim=0), lengths.repeat_interleave(n)
+            delta = None if delta is None else delta.repeat_interleave(n, dim=0)
         rows = DecodeRows(logits.shape[0], max_new, self.pad_token_id, stop, self.compact_fraction, dev)
         full_mask = torch.ones(logits.shape[0], plen + max_new, dtype=torch.long, device=dev)
         full_mask[:, :plen] = mask
         position = lengths.clone()  # position id of the next token of each row
+        if delta is not None:
+            position += delta.reshape(-1).to(position.device)
         for t in range(max_new):
             tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
             if rows.record(t, tok, lp):
@@ -230,9 +267,8 @@ class HFEngine(RolloutEngine):
                 cache.batch_select_indices(keep)
                 tok, position, full_mask = tok[keep], position[keep], full_mask[keep]
             step_mask = full_mask[:, : plen + t + 1] if padded else None
-            out = self._forward(
-                input_ids=tok[:, None], attention_mask=step_mask, position_ids=position[:, None], cache=cache
-            )
+            step_pos = position[:, None] if delta is None else position[None, :, None].expand(3, -1, -1)
+            out = self._forward(input_ids=tok[:, None], attention_mask=step_mask, position_ids=step_pos, cache=cache)
             logits = out.logits[:, -1]
             position += 1
         return rows.outputs()

@@ -14,6 +14,11 @@ locations; a user's own files can be smaller or elsewhere. What is fitted, each 
   user set is refused with the key to change.
 * **The SFT warm start.** ``model.sft_warm_start`` is built in for ``data.name=arith`` only: elsewhere a preset's
   ``true`` is turned off with a note, a user's is refused.
+* **The micro-batch token budget.** ``actor.max_tokens_per_micro_batch=null`` (the ``cpu`` preset's), not set by
+  the user, becomes a budget sized by the model for models of at least 100M parameters (where gradient
+  checkpointing turns itself on too, ``portrl/workers/setup.py``): :func:`token_budget`. It caps every
+  micro-batch of the actor's and the critic's update and log-prob passes (reference included), so a longer
+  response or a larger batch adds micro-batches instead of memory. The tiny model keeps rows alone.
 
 Whether the user set a key comes from :func:`portrl.config.composition.explicit_keys` (the user YAML and the
 dotted overrides); a config it does not know is treated as all set by the user (nothing is changed).
@@ -31,6 +36,7 @@ from omegaconf import read_write
 
 from portrl.config.composition import explicit_keys
 from portrl.errors import UserError
+from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, count_parameters
 
 log = logging.getLogger(__name__)
 # id(config) -> (the config, notes logged for it, notes held back or None): the preflight and the trainer both
@@ -182,3 +188,35 @@ def fit_train_batch(cfg: Any, usable: int, total: int, files: list[str]) -> None
     with read_write(cfg):
         d.train_batch_size = usable
         a.ppo_mini_batch_size = new_mini
+
+
+#: activation memory one micro-batch may take under gradient checkpointing (float32), which sizes the token budget
+MICRO_BATCH_ACTIVATION_BYTES = 1 << 30
+
+
+def token_budget(hidden: int, layers: int, intermediate: int) -> int:
+    """Tokens per micro-batch whose training activations take about MICRO_BATCH_ACTIVATION_BYTES with gradient
+    checkpointing: per token, each layer's saved input (``hidden``) plus one layer recomputed in full (about 8
+    hidden-wide and 3 ``intermediate``-wide tensors), float32, twice for the backward's gradients; a multiple of
+    256, at least 256. Qwen2.5-0.5B (896, 24, 4864): 3072; 1.5B: 1536; 7B: 512."""
+    per_token = 4 * 2 * (hidden * (layers + 8) + 3 * intermediate)
+    return max(256, MICRO_BATCH_ACTIVATION_BYTES // per_token // 256 * 256)
+
+
+def fit_token_budget(cfg: Any) -> None:
+    """``actor.max_tokens_per_micro_batch``: a null the user did not set becomes :func:`token_budget` of
+    ``model.path`` when it has at least AUTO_CHECKPOINTING_PARAMS parameters (logged once); kept otherwise."""
+    a, path = cfg.actor, cfg.model.path
+    if a.max_tokens_per_micro_batch is not None or not path or user_set(cfg, "actor.max_tokens_per_micro_batch"):
+        return
+    if count_parameters(str(path)) < AUTO_CHECKPOINTING_PARAMS:
+        return
+    from transformers import AutoConfig  # here, not at the top: transformers takes seconds to import
+
+    c = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    c = getattr(c, "text_config", None) or c
+    budget = token_budget(int(c.hidden_size), int(c.num_hidden_layers), int(c.intermediate_size))
+    note_once(cfg, f"actor.max_tokens_per_micro_batch=null -> {budget} tokens per micro-batch for {path} (about "
+                   f"{MICRO_BATCH_ACTIVATION_BYTES >> 30} GiB of activations; set it to choose)")
+    with read_write(cfg):
+        a.max_tokens_per_micro_batch = budget

@@ -30,6 +30,7 @@ import contextlib
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from portrl.errors import UserError
@@ -166,3 +167,22 @@ def worker_timeout(base_s: Optional[float], slowest_step_s: Optional[float]) -> 
     if slowest_step_s is None:
         return FIRST_STEP_FACTOR * base
     return max(base, STEP_FACTOR * float(slowest_step_s))
+
+
+def stopped_message(signal_name: str, step: int, total: int, resume: str, checkpoint: Optional[Path],
+                    at_once: bool = False, abandoned: str = "") -> str:
+    """One line: what stopped the run (a signal after ``step`` of ``total``; a second signal mid-step, ``at_once``;
+    a step that could not finish, ``abandoned`` = why), and how to resume from ``checkpoint`` given
+    ``trainer.resume`` (``resume``)."""
+    if abandoned:
+        what = f"stopped by {signal_name} during step {step + 1} of {total}, which could not finish ({abandoned})"
+    elif at_once:
+        what = f"stopped at once by a second {signal_name} during step {step + 1} of {total}"
+    else:
+        when = f"after step {step}" if step else "before step 1"
+        what = f"stopped by {signal_name} {when} of {total}"
+    if checkpoint is None:
+        return f"{what}; no checkpoint was written: rerun the same command to start again"
+    how = ("rerun the same command (trainer.resume=auto)" if resume == "auto"
+           else "rerun the same command with trainer.resume=auto")
+    return f"{what}; to resume from the checkpoint {checkpoint}, {how}"

@@ -9,7 +9,8 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
 * the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
   Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template);
 * the data: ``data.train_files`` / ``data.val_files`` exist, are parquet with the verl columns, and every row
-  is valid (NaN or empty ground truths name the row); every data_source has a reward; the train split has
+  is valid (NaN or empty ground truths name the row; images decode, one per ``<image>`` placeholder, and a model
+  with an image processor reads them); every data_source has a reward; the train split has
   ``data.train_batch_size`` prompts within ``data.max_prompt_length``; a run that needs files has them;
 * the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
   truth as the response) without raising and returns a float or a dict with "score";
@@ -32,13 +33,13 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from portrl.algo import critic_enabled
+from portrl.algo import critic_enabled, implicit_prm_enabled
 from portrl.data.arith import make_arith_rows
 from portrl.data.schema import check_row
-from portrl.data.validate import count_fitting_prompts, read_verl_file
+from portrl.data.validate import count_fitting_prompts, read_verl_files
 from portrl.device.backend import module_available
 from portrl.errors import UserError
-from portrl.models import load_tokenizer
+from portrl.models import load_processor, load_tokenizer
 from portrl.models.loader import check_model_dir
 from portrl.models.tokenizer import build_tokenizer
 from portrl.rewards.custom import RewardFunctionError, load_custom_reward
@@ -47,7 +48,7 @@ from portrl.rewards.registry import UnknownDataSource, reward_kind
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
 from portrl.rollout import engine_factory, offered_engines
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
-from portrl.trainer.data_fit import fit_train_batch, fit_val_files, fit_warm_start, held_notes
+from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
 from portrl.workers.lora import check_target_modules
@@ -75,6 +76,7 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
         fit_warm_start(cfg)  # a preset's warm start off with a note; the user's refused
     if command == TRAIN:
         fit_val_files(cfg)  # empty (or a preset's elsewhere): the test split beside the training split, or off
+        fit_token_budget(cfg)  # a null micro-batch token budget sized by the model (>= 100M parameters)
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
@@ -143,6 +145,9 @@ def _check_model(cfg: Any, command: str):
             check_model_dir(str(cfg.critic.model_path), "critic.model_path")
         if cfg.reward.model_path:
             check_model_dir(str(cfg.reward.model_path), "reward.model_path")
+        for key in ("path", "ref_path"):  # PRIME's implicit PRM and its reference
+            if cfg.reward_model.model[key] and implicit_prm_enabled(cfg):
+                check_model_dir(str(cfg.reward_model.model[key]), f"reward_model.model.{key}")
     tokenizer = _load_tokenizer(cfg)
     if command != SFT and getattr(tokenizer, "chat_template", None) is None:
         where = m.tokenizer_path or m.path
@@ -194,8 +199,9 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
         raise UserError(f"no validation data: data.val_files is empty and only data.name=arith is generated "
                         f"(data.name={d.name!r}); pass data.val_files=[TEST.parquet] (`portrl preprocess` writes "
                         "test.parquet)")
-    train_rows = [] if command == EVAL else [r for f in train_files for r in read_verl_file(f, "data.train_files")]
-    val_rows = [r for f in val_files for r in read_verl_file(f, "data.val_files")]
+    train_rows, train_images = ([], None) if command == EVAL else read_verl_files(train_files, "data.train_files")
+    val_rows, val_images = read_verl_files(val_files, "data.val_files")
+    processor = _check_processor(cfg, train_images or val_images)
     _check_sources(cfg, train_files, train_rows, val_files, val_rows)
     if command == TRAIN and not train_files and int(d.arith.num_train) < int(d.train_batch_size):
         raise UserError(f"data.train_batch_size={d.train_batch_size} is more than the data.arith.num_train="
@@ -204,9 +210,30 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
         want, limit = int(d.train_batch_size), int(d.max_prompt_length)
         usable = min(len(train_rows), want)
         if bool(d.filter_overlong_prompts):
-            usable = count_fitting_prompts(train_rows, tokenizer, limit, want)
+            usable = count_fitting_prompts(train_rows, tokenizer, limit, want, processor)
         fit_train_batch(cfg, usable, len(train_rows), train_files)  # a preset's batch lowered; the user's refused
     return train_rows, val_rows
+
+
+def _check_processor(cfg: Any, image_row: Optional[str]):
+    """The model's processor when the data has images (``image_row``: where the first is), else None; a model
+    without an image processor is a UserError (it cannot read the images)."""
+    if image_row is None:
+        return None
+    path = cfg.model.path
+    try:
+        processor = load_processor(str(path)) if path else None
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' many ways to reject a processor's files
+        raise UserError(f"model.path {str(path)!r}: the image processor does not load ({type(exc).__name__}: "
+                        f"{exc})".replace("\n", " ")) from exc
+    if processor is None:
+        model = f"model.path {str(path)!r}" if path else "the built-in tiny model (model.path empty)"
+        raise UserError(f"the data has images ({image_row}), but {model} has no image processor "
+                        "(preprocessor_config.json); train on images with a vision-language model such as "
+                        "Qwen2.5-VL-7B-Instruct, or use text-only data")
+    return processor
 
 
 def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> None:
@@ -238,7 +265,7 @@ def _check_reward(cfg: Any, first_row) -> None:
     load_custom_reward(str(custom.path), str(custom.name))  # RewardFileError naming the file
     if first_row is None:
         return
-    messages, source, truth, extra = first_row
+    messages, source, truth, extra = first_row[:4]
     custom_fn = (str(custom.path), str(custom.name))
     limit = float(cfg.reward.timeout_s) if cfg.reward.timeout_s else None
     try:

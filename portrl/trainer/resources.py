@@ -24,7 +24,7 @@ from portrl.models import write_tiny_model
 from portrl.models.loader import check_model_dir
 from portrl.trainer.data_fit import fit_val_files
 
-PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
+PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math", "geo3k")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
 
 
 def no_train_files_message(cfg: Any) -> str:

@@ -35,18 +35,21 @@ import torch
 
 from omegaconf import OmegaConf
 
-from portrl.algo import algorithm_spec, critic_enabled, filter_groups, get_kl_controller, reference_enabled
+from portrl.algo import algorithm_spec, critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
 from portrl.config.composition import copy_config
 from portrl.data import RLDataset
 from portrl.errors import RunStopped
-from portrl.models import load_tokenizer
+from portrl.models import load_processor, load_tokenizer
 from portrl.rewards import per_source_metrics
-from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, seq_metric
+from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.checkpoint import CheckpointManager
-from portrl.trainer.interrupts import StopSignals, stop_signals, worker_timeout
+from portrl.trainer.group_filter import group_filter_enabled, keep_groups
+from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.plot import plot_run
+from portrl.trainer.prime_phase import build_prime_phase
+from portrl.trainer.reference_update import refresh_reference
 from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve_model_path
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
@@ -86,11 +89,12 @@ class RLTrainer:
         self.out_dir = Path(str(cfg.trainer.output_dir))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        self.processor = load_processor(cfg.model.path)  # a vision-language model's; None for a text model
         train_files, val_files = resolve_data_files(cfg)
         d = cfg.data
         self.train_ds = RLDataset(train_files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
                                   filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
-                                  shuffle=bool(d.shuffle), seed=int(d.seed))
+                                  shuffle=bool(d.shuffle), seed=int(d.seed), processor=self.processor)
         self.val_prompts = self._val_prompts(val_files)
         self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
@@ -100,6 +104,7 @@ class RLTrainer:
         self.critic = None
         if critic_enabled(cfg):
             self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
+        self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.reward = RewardScorer(cfg, self.tokenizer)
         self.use_ref = reference_enabled(cfg)
         self.kl_ctrl = None
@@ -118,7 +123,7 @@ class RLTrainer:
         d = self.cfg.data
         ds = RLDataset(files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
                        filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
-                       shuffle=False, seed=0)
+                       shuffle=False, seed=0, processor=self.processor)
         n = ds.num_rows if d.max_val_samples is None else min(ds.num_rows, int(d.max_val_samples))
         return _prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
 
@@ -162,9 +167,9 @@ class RLTrainer:
                     batch["reward_baselines"] = self._greedy_baselines(prompts, step, gen_batches)
             if first_batch is None:
                 first_batch = batch
-            if not fg.enable:
+            if not group_filter_enabled(cfg):
                 return batch, metrics
-            keep = filter_groups(batch.meta["uid"], seq_metric(cfg, batch))
+            keep = keep_groups(cfg, batch)  # DAPO's dynamic sampling, verl's accuracy / truncation filters
             if bool(keep.any()):
                 kept.append(batch.select(keep))
                 n_prompts += len(set(kept[-1].meta["uid"]))
@@ -197,6 +202,7 @@ class RLTrainer:
         m: Dict[str, float] = {}
         t0 = time.perf_counter()
         with timer("step"):
+            refresh_reference(self, step, timer)  # SPIN: trainer.ref_update_freq
             batch, gm = self._rollout(step, timer)
             m.update(gm)
             if batch is None:
@@ -220,6 +226,7 @@ class RLTrainer:
             if self.critic is not None:
                 with timer("values"):
                     batch.union(self.critic.concat("compute_values", batch))
+            m.update(self.prm.run(self, batch, timer) if self.prm is not None else {})  # PRIME: implicit rewards
             with timer("adv"):
                 m.update(apply_reward_kl(cfg, batch, self.kl_ctrl))
                 m.update(compute_batch_advantages(cfg, batch))
@@ -395,21 +402,9 @@ class RLTrainer:
 
     def _stopped_message(self, signal_name: str, checkpoint: Optional[Path], at_once: bool = False,
                          abandoned: str = "") -> str:
-        """One line: what stopped the run, after which step, and how to resume."""
-        total = int(self.cfg.trainer.total_steps)
-        if abandoned:
-            what = (f"stopped by {signal_name} during step {self.global_step + 1} of {total}, which could not "
-                    f"finish ({abandoned})")
-        elif at_once:
-            what = f"stopped at once by a second {signal_name} during step {self.global_step + 1} of {total}"
-        else:
-            when = f"after step {self.global_step}" if self.global_step else "before step 1"
-            what = f"stopped by {signal_name} {when} of {total}"
-        if checkpoint is None:
-            return f"{what}; no checkpoint was written: rerun the same command to start again"
-        how = ("rerun the same command (trainer.resume=auto)" if str(self.cfg.trainer.resume) == "auto"
-               else "rerun the same command with trainer.resume=auto")
-        return f"{what}; to resume from the checkpoint {checkpoint}, {how}"
+        """One line: what stopped the run, after which step, and how to resume (interrupts.stopped_message)."""
+        return stopped_message(signal_name, self.global_step, int(self.cfg.trainer.total_steps),
+                               str(self.cfg.trainer.resume), checkpoint, at_once=at_once, abandoned=abandoned)
 
     def _set_worker_timeout(self, limit: Optional[float]) -> None:
         """The time limit on each call to Ray workers (portrl.trainer.interrupts.worker_timeout)."""
@@ -442,9 +437,11 @@ class RLTrainer:
 
 
 def _prompt_batch(pb: Any) -> Batch:
-    """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes)."""
+    """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes); ``multi_modal`` only when
+    some prompt has images (portrl/data/rl_dataset.py)."""
+    images = {"multi_modal": pb.multi_modal} if any(m is not None for m in pb.multi_modal or ()) else {}
     return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
-                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info})
+                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info, **images})
 
 
 def run_training(cfg: Any) -> Dict[str, Any]:

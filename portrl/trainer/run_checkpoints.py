@@ -3,30 +3,41 @@
 One checkpoint (``<output_dir>/checkpoints/global_step_<step>/``, written atomically and verified by
 :class:`portrl.trainer.checkpoint.CheckpointManager`, files in the format of ``portrl/trainer/checkpoint_io.py``):
 
-* ``actor``: rank 0's full state (model, optimizer, LR schedule, RNG, update count; under FSDP2 every rank joins
-  the gather), never a metrics reduction over ranks;
+* ``actor``: rank 0's full state (model, optimizer, LR schedule, RNG, update count), never a metrics reduction
+  over ranks; under FSDP2 over several ranks, every rank's own shard instead (``actor/rank_<r>.*``, written by
+  that rank with nothing gathered, so a model larger than one worker's memory can be saved; the output
+  directory must then be on a filesystem every worker sees), which loads back into any number of ranks;
 * ``critic``: the same for the critic, when the run has one;
+* ``prm``: PRIME's implicit process reward model (model, optimizer, LR schedule; its reference when it holds the
+  warm-started policy), when the run has one (``portrl/trainer/prime_phase.py``);
 * ``trainer``: the step, the data position, the driver's RNG and the adaptive KL coefficient.
 
 The frozen reference policy is not copied into every checkpoint: it is written once per run to
 ``checkpoints/reference`` (after an SFT warm start it is the post-SFT policy, which nothing else holds) and each
-checkpoint's manifest pins it by sha256 (:class:`ReferenceCopy`). A run's manifest also records the format,
-portrl's version and the run identity (``portrl/trainer/run_identity.py``), checked before anything loads.
+checkpoint's manifest pins it by sha256 (:class:`ReferenceCopy`). A reference that moves (SPIN,
+``trainer.ref_update_freq > 0``) is written into each checkpoint instead (``ref``, meta ``reference_in_checkpoint``),
+verified with the checkpoint's other files, so a resume restores the reference of that very step. A run's manifest
+also records the format, portrl's version and the run identity (``portrl/trainer/run_identity.py``), checked before
+anything loads.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointError, CheckpointManager, open_checkpoint, \
     sha256_file
-from portrl.trainer.checkpoint_io import StateFormatError, load_state, save_state
+from portrl.trainer.checkpoint_io import ShardedState, StateFormatError, is_sharded, load_state, save_state
 from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, fingerprint, run_identity
 from portrl.workers.training import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
+
+#: ``meta`` key of a checkpoint that holds its own reference policy (``ref``): written with
+#: ``trainer.ref_update_freq > 0``, where the reference changes during the run (portrl/trainer/reference_update.py)
+OWN_REFERENCE = "reference_in_checkpoint"
 
 
 class ReferenceCopy:
@@ -56,21 +67,47 @@ def save_run_checkpoint(trainer: Any) -> Path:
     """A checkpoint of ``trainer`` (an :class:`portrl.trainer.rl_trainer.RLTrainer`) at its current step."""
     ident = run_identity(trainer.cfg)
     meta: Dict[str, Any] = {"step": trainer.global_step, "identity": ident, "fingerprint": fingerprint(ident)}
-    actor = trainer.actor.rank0("state_dict")
-    critic = trainer.critic.rank0("state_dict") if trainer.critic is not None else None
-    ref = actor.pop("ref", None)
-    if ref is not None:
+    groups = [(name, group) for name, group in (("actor", trainer.actor), ("critic", trainer.critic))
+              if group is not None]
+    # FSDP2 over several ranks: every rank writes its own shard in write(); otherwise rank 0's gathered state
+    states = {name: None if group.rank0("sharded_checkpoint") else group.rank0("state_dict") for name, group in groups}
+    actor = states["actor"]
+    prm = trainer.prm.state_dict() if getattr(trainer, "prm", None) is not None else None
+    ref = trainer.actor.rank0("reference_state") if actor is None else actor.pop("ref", None)
+    own_ref = ref is not None and int(trainer.cfg.trainer.ref_update_freq) > 0  # SPIN: the reference moves
+    if own_ref:
+        meta[OWN_REFERENCE] = True
+    elif ref is not None:
         meta["reference"] = trainer.reference_copy.pinned(trainer.ckpt, ref)
     state = {"step": trainer.global_step, "data": trainer.train_ds.state_dict(), "rng": rng_state(),
              "kl_coef": None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)}
 
     def write(path: Path) -> None:
-        save_state(path, "actor", actor)
-        if critic is not None:
-            save_state(path, "critic", critic)
+        for name, group in groups:
+            if states[name] is None:
+                group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
+            else:
+                save_state(path, name, states[name])
+        if prm is not None:
+            save_state(path, "prm", prm)
         save_state(path, "trainer", state)
+        if own_ref:
+            save_state(path, "ref", ref)
 
     return trainer.ckpt.save(trainer.global_step, write, meta)
+
+
+def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bool]:
+    """``(state, by_rank)`` of worker state ``name`` in checkpoint ``path`` for ``group``: the whole state (one
+    file pair, or shards joined for a group that does not shard), or, for a sharded group and shards
+    (``by_rank``), its JSON part alone: every rank then reads its own rows (``load_shard``), from a checkpoint
+    of any number of ranks. Raises StateFormatError."""
+    if not is_sharded(path, name):
+        return load_state(path, name), False
+    shards = ShardedState(path, name)  # checks that the shards are one complete set
+    if group.rank0("sharded_checkpoint"):
+        return shards.load(tensors=False), True
+    return shards.load(), False
 
 
 def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> None:
@@ -83,11 +120,15 @@ def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> 
     manifest = open_checkpoint(path, run_identity(trainer.cfg), only=MODEL_KEYS, with_reference=use_ref)
     ref_meta = manifest["meta"].get("reference")
     try:
-        actor = load_state(path, "actor")
-        critic = load_state(path, "critic") if trainer.critic is not None and not policy_only else None
+        actor, actor_by_rank = _worker_state(path, "actor", trainer.actor)
+        critic, critic_by_rank = _worker_state(path, "critic", trainer.critic) \
+            if trainer.critic is not None and not policy_only else (None, False)
+        prm = load_state(path, "prm") if getattr(trainer, "prm", None) is not None and not policy_only else None
         state = None if policy_only else load_state(path, "trainer")
         if use_ref and ref_meta is not None:  # the run's reference, written once (save_run_checkpoint)
             actor["ref"] = load_state(path.parent / ref_meta["dir"], "ref")
+        elif use_ref and manifest["meta"].get(OWN_REFERENCE):  # the reference of this very step
+            actor["ref"] = load_state(path, "ref")
     except StateFormatError as exc:
         raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
     if policy_only:
@@ -96,13 +137,25 @@ def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> 
     if ref_meta is not None and ckpt is not None and path.parent.resolve() == ckpt.root.resolve():
         trainer.reference_copy.remember(ckpt.root, ref_meta)  # resumed in place: no need to write it again
     for worker_state, optim, key in ((actor, trainer.cfg.actor.optim, "actor.optim.lr"),
-                                     (critic, trainer.cfg.critic.optim, "critic.optim.lr")):
+                                     (critic, trainer.cfg.critic.optim, "critic.optim.lr"),
+                                     (prm, trainer.cfg.reward_model.model.optim, "reward_model.model.optim.lr")):
         note = apply_lr(worker_state, float(optim.lr), key) if worker_state is not None else None
         if note and not policy_only:
             log.warning("%s", note)
-    trainer.actor.run("load_state_dict", actor)
-    if critic is not None:
-        trainer.critic.run("load_state_dict", critic)
+    for name, group, worker_state, by_rank in (("actor", trainer.actor, actor, actor_by_rank),
+                                               ("critic", trainer.critic, critic, critic_by_rank)):
+        if worker_state is None:
+            continue
+        if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
+            extra = {"scheduler": worker_state["scheduler"],
+                     "optimizer": {"param_groups": worker_state["optimizer"]["param_groups"]}}
+            if "ref" in worker_state:
+                extra["ref"] = worker_state["ref"]
+            group.run("load_shard", str(path.resolve()), name, extra)  # a Ray worker's cwd may differ
+        else:
+            group.run("load_state_dict", worker_state)
+    if prm is not None:
+        trainer.prm.load_state_dict(prm)
     trainer.global_step = int(manifest["step"])
     if state is None:
         return

@@ -29,13 +29,15 @@ from portrl.algo.rollout_correction import rollout_diff_stats
 from portrl.algo.spec import algorithm_spec
 from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer
 from portrl.models.export import export_pretrained
+from portrl.models.multimodal import batch_image_inputs, freeze_vision_tower
 from portrl.rollout import choose_engine, engine_capabilities, make_engine
 from portrl.rollout.weights import load_named_tensors
+from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.parallel import ForwardModule, resolve_strategy, wrap_model
+from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.training import (
@@ -74,6 +76,8 @@ class ActorRolloutWorker:
                                      backend=self.backend, attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
                                      gradient_checkpointing=self.checkpointing)
         self.module.to(self.device).eval()
+        if bool(cfg.actor.freeze_vision_tower):  # a vision-language model's image encoder stays as loaded
+            freeze_vision_tower(self.module)
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
             self.module = apply_lora(self.module, cfg)
@@ -148,6 +152,15 @@ class ActorRolloutWorker:
         """Freeze a copy of the current policy as the reference (call after any SFT warm start)."""
         self.ref_module = self._plain_copy()
 
+    def update_reference(self) -> None:
+        """Make the reference a copy of the current policy (SPIN's ``trainer.ref_update_freq``), in place: the
+        weights the engine would get (LoRA deltas merged, :func:`portrl.workers.lora.merged_weights`) are copied
+        into the existing reference module. A collective under FSDP2 (the shards are gathered): every rank calls it."""
+        if self.ref_module is None:
+            self.init_reference()
+        else:
+            load_named_tensors(self.ref_module, merged_weights(self.module))
+
     # -------------------------------------------------------------------------------- rollout
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
@@ -177,26 +190,33 @@ class ActorRolloutWorker:
         return self.generate(prompts.meta["prompt_ids"], sampling, meta, for_update=for_update)
 
     # ------------------------------------------------------------------------------ log-probs
-    def _forward(self, module, batch: Batch, with_entropy: bool, tape=None):
+    def _forward(self, module, batch: Batch, with_entropy: bool, tape=None, **extra):
         """Log-probs through ``module``: the data-parallel wrapper (already bound to compute_logprobs, see
-        :meth:`_wrap`) or a plain causal LM (``tape``: a recorded rollout forward it may replay)."""
+        :meth:`_wrap`) or a plain causal LM (``tape``: a recorded rollout forward it may replay). ``extra``:
+        more keywords of compute_logprobs (``with_sum_pi_squared``)."""
         fn = module if module is self.train_module and module is not self.module else (
             lambda *a, **k: compute_logprobs(module, *a, tape=tape, **k))
         model = self.cfg.model
+        if "multi_modal" in batch:  # image rows: their processor inputs, in row order (portrl.models.multimodal)
+            extra["multi_modal"] = batch_image_inputs(batch.meta["multi_modal"], self.device)
         return fn(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
                   response_length=batch.tensors["responses"].shape[1], temperature=float(self.cfg.rollout.temperature),
                   with_entropy=with_entropy, packed=bool(model.use_packing), chunk_size=model.logprob_chunk_size,
-                  share_prompts=bool(model.share_prompts))
+                  share_prompts=bool(model.share_prompts), **extra)
 
     @torch.no_grad()
-    def _log_probs(self, module, batch: Batch, with_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _log_probs(self, module, batch: Batch, with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple:
+        """``(logp, entropy or None)`` (B,T) on the CPU, plus ``sum_pi_squared`` with ``with_sum_pi_squared``."""
         micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
                                     self.cfg.actor.max_tokens_per_micro_batch)
         if module is self.train_module:
             micro = same_piece_count(batch, micro, self.world_size)
-        parts = [self._forward(module, mb, with_entropy) for mb in micro]
+        extra = {"with_sum_pi_squared": True} if with_sum_pi_squared else {}
+        parts = [self._forward(module, mb, with_entropy, **extra) for mb in micro]
         logp = torch.cat([p[0].float() for p in parts]).cpu()
         ent = torch.cat([p[1].float() for p in parts]).cpu() if with_entropy else None
+        if with_sum_pi_squared:
+            return logp, ent, torch.cat([p[2].float() for p in parts]).cpu()
         return logp, ent
 
     def needs_old_log_probs(self, num_rows: int) -> bool:
@@ -204,9 +224,14 @@ class ActorRolloutWorker:
         return old_log_probs_needed(self.cfg, num_rows)
 
     def compute_log_probs(self, batch: Batch) -> Batch:
-        """``old_log_probs`` and ``entropys`` (B,T) under the current policy."""
-        logp, ent = self._log_probs(self.train_module, batch, with_entropy=True)
-        return Batch({"old_log_probs": logp, "entropys": ent})
+        """``old_log_probs`` and ``entropys`` (B,T) under the current policy, and ``sum_pi_squared`` (B,T) when the
+        algorithm's record needs it (``needs_sum_pi_squared``: optimal-token-baseline estimators)."""
+        spi = algorithm_spec(self.cfg.algorithm).needs_sum_pi_squared
+        parts = self._log_probs(self.train_module, batch, with_entropy=True, with_sum_pi_squared=spi)
+        out = Batch({"old_log_probs": parts[0], "entropys": parts[1]})
+        if spi:
+            out["sum_pi_squared"] = parts[2]
+        return out
 
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         """``ref_log_probs`` (B,T) under the frozen reference (created on first use if needed)."""
@@ -302,13 +327,37 @@ class ActorRolloutWorker:
         model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
         state = {"model": model_sd, "optimizer": optim_sd,
                  "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "update_count": self.update_count}
-        if self.ref_module is not None:
-            state["ref"] = self.ref_module.state_dict()
+        ref = self.reference_state()
+        if ref is not None:
+            state["ref"] = ref
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The inverse of :meth:`state_dict` (every rank gets the same full state)."""
-        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"])
+    def reference_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The frozen reference's weights (a full copy on every rank; None while there is none)."""
+        return None if self.ref_module is None else self.ref_module.state_dict()
+
+    def sharded_checkpoint(self) -> bool:
+        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks:
+        :meth:`save_shard`) instead of rank 0 writing the gathered :meth:`state_dict`."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    def save_shard(self, directory: str, name: str) -> None:
+        """This rank's part of :meth:`state_dict` (the reference aside) written by this rank, nothing gathered:
+        ``<directory>/<name>/rank_<rank>.*`` (portrl.state_files.save_shard). Every rank calls it."""
+        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master, sharded=True)
+        save_shard(directory, name, {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                                     "rng": rng_state(), "update_count": self.update_count}, self.rank, self.world_size)
+
+    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> None:
+        """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
+        that replace the saved ones (a rescaled learning-rate schedule, the reference). Every rank calls it."""
+        state = ShardedState(directory, name).load(self.rank, self.world_size, wrap=shard_wrap(self.module))
+        self.load_state_dict(merge_state(state, extra or {}), sharded=True)
+
+    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> None:
+        """The inverse of :meth:`state_dict` (every rank gets the same full state); ``sharded``: of
+        :meth:`load_shard` (this rank's DTensor shards)."""
+        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"], sharded)
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.update_count = int(state.get("update_count", 0))
@@ -331,11 +380,12 @@ class ActorRolloutWorker:
 
 def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
     """Whether the step computes ``old_log_probs``: when the algorithm reads them (its record's
-    ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline), or when the old
-    policy may differ from the current one at the update. It provably equals it with one PPO epoch and all
-    ``num_rows`` rows of the step in one mini-batch (one optimizer step): then the update uses
-    ``old = logp.detach()`` (no extra forward) and gets exactly the same loss and gradient."""
-    if algorithm_spec(cfg.algorithm).needs_old_log_probs:
+    ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline) or Σπ²
+    (``needs_sum_pi_squared``), or when the old policy may differ from the current one at the update. It provably
+    equals it with one PPO epoch and all ``num_rows`` rows of the step in one mini-batch (one optimizer step): then
+    the update uses ``old = logp.detach()`` (no extra forward) and gets exactly the same loss and gradient."""
+    spec = algorithm_spec(cfg.algorithm)
+    if spec.needs_old_log_probs or spec.needs_sum_pi_squared:  # Σπ² comes from the same pass
         return True
     mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
     return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)

@@ -19,9 +19,10 @@ import torch
 from portrl.algo import compute_value_loss, masked_mean
 from portrl.models import load_causal_lm
 from portrl.models.logprobs import response_hidden_states
+from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.parallel import resolve_strategy, wrap_model
+from portrl.workers.parallel import resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.training import build_lr_scheduler, build_optimizer, same_piece_count, split_micro_batches
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
@@ -143,6 +144,24 @@ class CriticWorker:
         model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"])
+    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> None:
+        """The inverse of :meth:`state_dict`; ``sharded``: of :meth:`load_shard` (this rank's DTensor shards)."""
+        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"], sharded)
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def sharded_checkpoint(self) -> bool:
+        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks)."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    def save_shard(self, directory: str, name: str) -> None:
+        """This rank's part of :meth:`state_dict`, written by this rank with nothing gathered:
+        ``<directory>/<name>/rank_<rank>.*`` (portrl.state_files.save_shard). Every rank calls it."""
+        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master, sharded=True)
+        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+        save_shard(directory, name, state, self.rank, self.world_size)
+
+    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> None:
+        """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
+        that replace the saved ones (a rescaled learning-rate schedule). Every rank calls it."""
+        state = ShardedState(directory, name).load(self.rank, self.world_size, wrap=shard_wrap(self.module))
+        self.load_state_dict(merge_state(state, extra or {}), sharded=True)

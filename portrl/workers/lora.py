@@ -9,12 +9,16 @@ q_proj.weight``), which is what a rollout engine built from the base checkpoint 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator, Tuple
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from portrl.device import import_optional
+from portrl.models.loader import model_class
+from portrl.models.multimodal import vision_tower
 
 PEFT_INSTALL = "pip install 'peft>=0.13'"
 ALL_LINEAR = "all-linear"  # lora_target_modules: [all-linear] adapts every linear layer but the output head
@@ -23,7 +27,8 @@ ALL_LINEAR = "all-linear"  # lora_target_modules: [all-linear] adapts every line
 def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     """``model`` with LoRA adapters of ``actor.lora_rank`` / ``lora_alpha`` on ``actor.lora_target_modules``
     (a peft ``PeftModel``; only the adapters train). ``cfg`` is the run config (or its ``actor`` group).
-    ``[all-linear]`` (verl's default) adapts every linear layer but the output head."""
+    ``[all-linear]`` (verl's default) adapts every linear layer but the output head; a vision-language model's
+    vision tower is excluded (its language model is adapted)."""
     actor = cfg.actor if hasattr(cfg, "actor") else cfg
     rank, alpha, targets = int(actor.lora_rank), int(actor.lora_alpha), list(actor.lora_target_modules)
     if rank <= 0:
@@ -36,8 +41,13 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     else:
         _check_targets(model, targets)
     peft = import_optional("peft", PEFT_INSTALL)
+    # a vision-language model adapts its language model only: the vision tower (whose MLP shares the decoder's
+    # layer names) gets no adapters and, like every base weight under LoRA, stays frozen
+    tower = vision_tower(model)
+    prefix = next((n for n, m in model.named_modules() if m is tower), None) if tower is not None else None
+    exclude = {"exclude_modules": rf"{re.escape(prefix)}(\..*)?"} if prefix else {}
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-                             task_type="CAUSAL_LM")
+                             task_type="CAUSAL_LM", **exclude)
     # The adapters' random init (A; B starts at zero) comes from trainer.seed alone: every data-parallel rank must
     # build the same adapters (FSDP2 shards what each rank built; nothing broadcasts it), and the init must not
     # depend on what else drew random numbers before (a flag such as gradient checkpointing changed it).
@@ -50,14 +60,11 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
 def check_target_modules(model_dir: str, targets: list) -> None:
     """:func:`_check_targets` for the model in ``model_dir``, built from its config.json on the meta device (no
     weights read): a wrong ``actor.lora_target_modules`` is found before any model loads."""
-    # here, not at the top: the model classes load transformers' modeling stack (~2 s), needed only with LoRA
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if list(targets) == [ALL_LINEAR]:
         return
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config).from_config(config)
     _check_targets(model, list(targets))
 
 

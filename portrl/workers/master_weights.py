@@ -94,15 +94,17 @@ class MasterWeights:
         self.masters_to_params()
 
 
-def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights) -> tuple:
+def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights,
+                sharded: bool = False) -> tuple:
     """``(model state, optimizer state)`` of a worker, in one format whatever the precision and strategy: model
     tensors keyed by parameter name at full precision (the float32 masters where there are some), optimizer
     state keyed by parameter name (``torch.distributed.checkpoint``'s full state dict layout), so a checkpoint
     loads into any number of workers and either precision path. Frozen parameters (a LoRA run's base model)
     are not part of it: every worker loads them from the model at start. Under FSDP2 a collective (every rank
-    calls it)."""
+    calls it); ``sharded``: under FSDP2, each rank's DTensor shards instead (nothing gathered; the layout of
+    ``portrl.state_files.save_shard``)."""
     if not master.active:
-        return full_train_state(module, optimizer)
+        return full_train_state(module, optimizer, full=not sharded)
     masters = {id(p): m for p, m in zip(master.params, master.masters)}  # tied weights share one Parameter
     frozen = frozen_parameter_names(module)
     model_sd = {k: masters.get(id(v), v).detach().cpu() for k, v in module.state_dict(keep_vars=True).items()
@@ -116,10 +118,11 @@ def train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, maste
 
 
 def load_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, master: MasterWeights,
-                     model_sd: Mapping[str, torch.Tensor], optim_sd: Mapping) -> None:
-    """Load what :func:`train_state` returned (on any precision path and number of workers)."""
+                     model_sd: Mapping[str, torch.Tensor], optim_sd: Mapping, sharded: bool = False) -> None:
+    """Load what :func:`train_state` returned (on any precision path and number of workers); ``sharded``: its
+    FSDP2 shards (DTensors of this rank's rows)."""
     if not master.active:
-        load_full_train_state(module, optimizer, dict(model_sd), dict(optim_sd))
+        load_full_train_state(module, optimizer, dict(model_sd), dict(optim_sd), full=not sharded)
         return
     require_trainable(module, model_sd)
     # float32 tensors are rounded into the compute parameters; frozen ones absent from the state keep their values

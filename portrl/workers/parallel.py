@@ -243,17 +243,18 @@ def require_trainable(model: nn.Module, model_state) -> None:
                          f"{unknown[:3]}): it was written for another layout (actor.lora_rank / lora_target_modules)")
 
 
-def full_train_state(model: nn.Module, optimizer) -> tuple:
+def full_train_state(model: nn.Module, optimizer, full: bool = True) -> tuple:
     """``(model state, optimizer state)`` with every sharded tensor gathered to a full one, keyed by parameter
     names (``torch.distributed.checkpoint.state_dict``). A collective under FSDP2: every rank must call it,
-    and every rank gets the full state. Frozen parameters (a LoRA run's base model) are left out and not
-    gathered: every worker loads them from the model at start and nothing changes them. An optimizer that has
-    not stepped yet is saved as its hyperparameters only (torch's getter would initialise its state with a
-    zero-gradient step, changing the next update)."""
+    and every rank gets the full state. ``full=False``: the same, FSDP2's sharded tensors left
+    as this rank's DTensors (nothing gathered; what ``portrl.state_files.save_shard`` writes). Frozen parameters (a LoRA run's base model) are left
+    out and not gathered: every worker loads them from the model at start and nothing changes them. An
+    optimizer that has not stepped yet is saved as its hyperparameters only (torch's getter would initialise
+    its state with a zero-gradient step, changing the next update)."""
     # here, not at the top: this module takes ~0.8 s to import and only checkpoints need it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True)
     if not optimizer.state:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_state, optim_state = get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
@@ -263,8 +264,24 @@ def full_train_state(model: nn.Module, optimizer) -> tuple:
     return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
-def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load what :func:`full_train_state` returned (each rank keeps its shard of every full tensor).
+def shard_wrap(model: nn.Module):
+    """``wrap(local, shape, dim)`` for ``portrl.state_files.ShardedState.load``: a loaded shard as a DTensor on
+    the mesh of ``model``'s sharded parameters, as FSDP2 places them (``Shard(dim)``)."""
+    from torch.distributed.tensor import DTensor, Shard  # not at the top: see fsdp_supported
+
+    mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
+
+    def wrap(local: torch.Tensor, shape: tuple, dim: int):
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local.to(mesh.device_type), mesh, [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+    return wrap
+
+
+def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_state: dict,
+                          full: bool = True) -> None:
+    """Load what :func:`full_train_state` returned (each rank keeps its shard of every full tensor); ``full=False``:
+    what it returned with ``full=False`` (DTensors of this rank's rows, see :func:`shard_wrap`).
 
     Frozen parameters may be absent (they keep what the worker loaded); a trainable one may not: that state is
     of another model layout (say, without LoRA adapters), a ValueError naming the first missing ones.
@@ -275,7 +292,8 @@ def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     require_trainable(model, model_state)
-    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    # sharded: torch's loader would want the frozen parameters too; require_trainable has checked the layout
+    options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True, strict=full)
     if optim_state.get("state"):
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
         return

@@ -13,10 +13,12 @@ engine with ``update_weights``.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from portrl.errors import UserError
 from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
@@ -31,7 +33,9 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     """Sample ``sampling["n"]`` responses per prompt with ``engine`` (the tokenizer's EOS added to the stop ids)
     -> a rollout Batch (rows prompt-major; ``meta`` lists, one entry per prompt, repeated for each sample;
     ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths).
-    ``sleep_after``: put the engine to sleep after generating, where it declares the ``sleep_wake`` capability."""
+    ``sleep_after``: put the engine to sleep after generating, where it declares the ``sleep_wake`` capability.
+    ``meta["multi_modal"]`` (image prompts, portrl/data/rl_dataset.py) goes to the engine as ``multi_modal=``
+    when some prompt has images; the rollout rows then carry their prompt's entry like every meta list."""
     params = SamplingParams(**dict(sampling))
     stop = tuple(params.stop_token_ids)
     eos = tokenizer.eos_token_id
@@ -40,7 +44,14 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     sleeps = engine.capabilities.sleep_wake
     if sleeps:
         engine.wake()
-    out = engine.generate([list(p) for p in prompt_ids], params)
+    images = (meta or {}).get("multi_modal")
+    if images is not None and any(entry is not None for entry in images):  # image prompts: the engine takes them
+        if "multi_modal" not in inspect.signature(engine.generate).parameters:
+            raise UserError(f"the {engine.name or type(engine).__name__} rollout engine cannot generate from images; "
+                            "use rollout.engine=hf (or an engine that takes multi_modal prompts)")
+        out = engine.generate([list(p) for p in prompt_ids], params, multi_modal=list(images))
+    else:
+        out = engine.generate([list(p) for p in prompt_ids], params)
     if sleep_after and sleeps:
         engine.sleep()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
 from portrl.device import resolve_backend
+from portrl.models.loader import model_class
 
 
 def worker_backend(cfg: Any):
@@ -112,13 +113,9 @@ AUTO_CHECKPOINTING_PARAMS = 100_000_000
 def count_parameters(model_dir: str) -> int:
     """Parameters of the causal LM in ``model_dir``, from its config.json alone (built on the meta device:
     no weights are read or allocated; tied weights count once)."""
-    # here, not at the top: the model classes load transformers' modeling stack (~2 s), and
-    # portrl.trainer.preflight imports this module (worker_backend, resolve_dtype) before any model loads
-    from transformers import AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # model_class loads transformers' modeling stack only now (preflight imports this)
+        model = model_class(config).from_config(config)  # a vision-language model counts its vision tower too
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,0 +1,101 @@
+"""PRIME's implicit-reward phase of a step: train the implicit PRM online and put its token rewards in the batch.
+
+PRIME (Cui et al. 2025, arXiv:2502.01456; verl recipe/prime ``prime_ray_trainer.py``). Run after the outcome
+reward (the rows' ``acc`` are the PRM's labels) and before the advantages, in the order of
+``reward_model.model.update``:
+
+* ``before`` (verl's default): update the PRM on the step's rows, then score them with the updated PRM;
+* ``after``: score with the current PRM, then update it. verl scores with the forward of its update pass, which
+  is the same scores when the rows make one PRM mini-batch (the recipe's setting); with several mini-batches, its
+  later ones are scored by a PRM already stepped on the earlier ones, which portrl does not copy;
+* ``none``: score only (the PRM stays as it started).
+
+The scores: ``implicit_rewards = β·(log π_rm − log π_ref)`` on the response tokens (``β`` =
+``reward_model.model.beta_train``), divided by the batch's largest absolute return-to-go with
+``reward_model.prime_norm=batch_norm`` (verl normalises each data-parallel rank's share; portrl the whole batch,
+the same with one worker). The ``prime`` estimator (``portrl/algo/advantages_prime.py``) reads them.
+
+Where the PRM starts: ``reward_model.model.path`` / ``ref_path``; unset, the policy's starting weights. After an
+SFT warm start those are the warm-started policy's, handed to the PRM workers at the first step of a fresh run
+(a resumed run loads the PRM from its checkpoint instead: :meth:`PrimePhase.load_state_dict`).
+
+With ``reward_model.model.loss_type=dpo`` the rows are scored once more before the update (verl's ``reverse``
+order): the dpo loss compares each row with the mean of the other side of its group as scored then.
+
+Metrics (verl's names): ``reward_model/ce_loss`` (or ``dpo_loss``: the loss of each PRM mini-batch before its optimizer step,
+mean), ``reward_model/grad_norm``, ``reward_model/lr``, ``reward_model/reward`` (mean summed implicit reward after
+normalisation), ``reward_model/raw_reward`` (mean summed log-ratio), ``reward_model/dpo_acc`` and
+``reward_model/dpo_acc_abs`` (portrl.algo.implicit_prm).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from portrl.algo import implicit_prm_enabled
+from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
+from portrl.trainer.metrics import Timer
+from portrl.workers.batch import Batch
+from portrl.workers.group import WorkerGroup
+from portrl.workers.implicit_prm import ImplicitPRMWorker
+
+
+class PrimePhase:
+    """The implicit PRM's worker group and its step (:meth:`run`); its state goes into the run's checkpoints."""
+
+    def __init__(self, cfg: Any, backend: Any):
+        self.cfg = cfg
+        self.group = WorkerGroup(ImplicitPRMWorker, cfg, int(cfg.trainer.num_workers), backend)
+        rm = cfg.reward_model.model
+        warm = bool(cfg.model.sft_warm_start)
+        self.into_model, self.into_ref = warm and rm.path is None, warm and rm.ref_path is None
+        self.pending_policy = self.into_model or self.into_ref  # hand the warm-started policy over at step 1
+
+    def run(self, trainer: Any, batch: Batch, timer: Timer) -> Dict[str, float]:
+        """Update (per ``reward_model.model.update``) and score: ``batch["implicit_rewards"]`` ``(B,T)``; metrics."""
+        rm = self.cfg.reward_model
+        self.group.timeout_s = trainer.actor.timeout_s  # the same time limit as the actor's calls
+        if self.pending_policy:
+            weights = trainer.actor.rank0("state_dict")["model"]
+            self.group.run("start_from_policy", weights, self.into_model, self.into_ref)
+            self.pending_policy = False
+        update = str(rm.model["update"])  # a key named like the mapping method: item access
+        m: Dict[str, float] = {}
+        dpo = str(rm.model.loss_type) == "dpo" and update != "none"
+        with timer("reward_model"):
+            q = None
+            if update == "after" or dpo:  # the dpo loss compares each row with its group as scored before the update
+                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+            if dpo:
+                batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
+            if update == "before":
+                m.update(self.group.metrics("update_rm", batch))
+                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+            elif update == "after":
+                m.update(self.group.metrics("update_rm", batch))
+            elif q is None:
+                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+        rewards = q * float(rm.model.beta_train)
+        if str(rm.prime_norm) == "batch_norm":
+            rewards = prime_batch_norm(rewards)
+        batch["implicit_rewards"] = rewards
+        mask, acc = batch.tensors["response_mask"], batch.tensors["acc"].float()
+        m["reward_model/reward"] = float(rewards.sum(-1).mean())
+        m["reward_model/raw_reward"] = float(q.sum(-1).mean())
+        m["reward_model/dpo_acc"] = prm_dpo_accuracy(rewards, acc, mask, batch.meta["uid"])
+        m["reward_model/dpo_acc_abs"] = prm_dpo_abs_accuracy(rewards, acc, mask)
+        return m
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The PRM workers' state (rank 0's: full tensors, never a metrics reduction)."""
+        return self.group.rank0("state_dict")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load a checkpoint's PRM state; the PRM then does not take the policy's weights at the next step."""
+        self.group.run("load_state_dict", state)
+        self.pending_policy = False
+
+
+def build_prime_phase(cfg: Any, backend: Any) -> Optional[PrimePhase]:
+    """The phase when the run has an implicit PRM (``reward_model.enable``, or the algorithm's record), else None."""
+    return PrimePhase(cfg, backend) if implicit_prm_enabled(cfg) else None
