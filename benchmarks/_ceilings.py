@@ -12,14 +12,17 @@ A GRPO step on a CPU has two halves with different limits (benchmarks/vs_trl.py 
 * **the update** is compute-bound: its matmul FLOPs are :func:`update_flops`, the ``6 x params x tokens``
   rule (2 per parameter and token forward, 4 backward) applied separately to the decoder layers and the
   LM head, plus one more forward of the layers (``x 4/3`` on their part) under gradient checkpointing,
-  which recomputes each checkpointed layer in backward (the head is not checkpointed). Attention's
+  which recomputes each checkpointed layer in backward (the head is not checkpointed); when the update
+  replays the rollout's recorded forward (portrl/models/forward_tape.py) the layers run only their backward
+  matmuls, ``4 x params x tokens``. Attention's
   ``q k^T`` / ``p v`` products and the elementwise work are left out. Ceiling: :func:`matmul_flops`, the best
   of a few ``n x n @ n x n`` float32 matmuls (``2 n^3`` FLOPs each).
 
 Percentages are achieved / ceiling; both ceilings run on ``torch.get_num_threads()`` threads, which the
 caller sets to the threads its workload ran on. :class:`DecodeProbe` times portrl's decode (prefill, steps)
-by wrapping the hf engine's fast path; :func:`report` and :func:`print_report` turn a benchmark side's pooled
-steps and ceilings into the figures above.
+by wrapping the hf engine's fast path; :class:`ReplayProbe` tells which updates replayed the rollout's
+forward; :func:`report` and :func:`print_report` turn a benchmark side's pooled steps and ceilings into the
+figures above.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from portrl.models import forward_tape
 from portrl.rollout import fast_decode, hf_engine
 
 #: the memory-read tensor: this many times the last-level cache, and at least / at most these sizes
@@ -126,12 +130,15 @@ def update_tokens(prompts: int, rows: int, prompt_tokens: float, response_tokens
     return {"body": body_prompt + response_tokens - rows, "head": float(response_tokens)}
 
 
-def update_flops(params: dict, tokens: dict, checkpointing: bool) -> float:
+def update_flops(params: dict, tokens: dict, checkpointing: bool, replayed: bool = False) -> float:
     """Matmul FLOPs of one update pass: ``2 (3 + r) N_body T_body + 6 N_head T_head`` with ``r = 1`` under
     gradient checkpointing (the layers' forward runs again in backward), else 0: the ``6 N T`` rule, with
-    ``x 4/3`` on the checkpointed layers."""
+    ``x 4/3`` on the checkpointed layers. ``replayed``: the update replayed the rollout's recorded forward
+    (portrl/models/forward_tape.py), so the layers run no forward matmul in either pass and their part is the
+    backward's ``4 N_body T_body``."""
     r = 1 if checkpointing else 0
-    return 2.0 * (3 + r) * params["body"] * tokens["body"] + 6.0 * params["head"] * tokens["head"]
+    body = 4.0 * params["body"] * tokens["body"] if replayed else 2.0 * (3 + r) * params["body"] * tokens["body"]
+    return body + 6.0 * params["head"] * tokens["head"]
 
 
 def achieved_bandwidth(bytes_per_step: int, steps: int, seconds: float) -> float:
@@ -204,6 +211,35 @@ class DecodeProbe:
         return out
 
 
+class ReplayProbe:
+    """Counts the update's replays of a recorded rollout forward (``portrl.models.forward_tape.replay_hidden_states``
+    calls, benchmark instrumentation only): :meth:`take` is True when one ran since the last take. The wrapper stays
+    in place until :meth:`close` (``with ReplayProbe() as probe:``)."""
+
+    def __init__(self):
+        self.count = 0
+        self._original = forward_tape.replay_hidden_states
+
+        def counted(*a, **k):
+            self.count += 1
+            return self._original(*a, **k)
+
+        forward_tape.replay_hidden_states = counted
+
+    def take(self) -> bool:
+        replayed, self.count = self.count > 0, 0
+        return replayed
+
+    def close(self) -> None:
+        forward_tape.replay_hidden_states = self._original
+
+    def __enter__(self) -> "ReplayProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def report(res: dict, model_dir: str) -> dict:
     """Achieved decode bandwidth and update FLOP/s of portrl's pooled timed steps, and their share of the
     machine's ceilings (the formulas: benchmarks/_ceilings.py). Empty when the run measured no ceilings."""
@@ -217,7 +253,7 @@ def report(res: dict, model_dir: str) -> dict:
     bw = achieved_bandwidth(step_bytes, steps, dec_s)
     fwd_bw = achieved_bandwidth(step_bytes, steps, sum(d["decode_forward_s"] for d in dec))
     up = res["update"]
-    flops = sum(update_flops(params, u, res.get("checkpointing", False)) for u in up)
+    flops = sum(update_flops(params, u, res.get("checkpointing", False), u.get("replayed", False)) for u in up)
     up_s = sum(u["seconds"] for u in up)
     read, mm = res["ceilings"]["read"]["bytes_per_s"], res["ceilings"]["matmul"]["flops_per_s"]
     return {
@@ -227,7 +263,8 @@ def report(res: dict, model_dir: str) -> dict:
         "params": params, "update_tokens": (sum(u["body"] for u in up), sum(u["head"] for u in up)),
         "update_flops": flops, "update_s": up_s, "update_flops_per_s": flops / up_s if up_s > 0 else float("nan"),
         "matmul_flops_per_s": mm, "update_pct": 100 * flops / up_s / mm if up_s > 0 else float("nan"),
-        "checkpointing": res.get("checkpointing", False), "read_bytes": res["ceilings"]["read"]["bytes"],
+        "checkpointing": res.get("checkpointing", False), "replayed": [bool(u.get("replayed")) for u in up],
+        "read_bytes": res["ceilings"]["read"]["bytes"],
         "matmul_n": res["ceilings"]["matmul"]["n"],
     }
 
@@ -248,6 +285,9 @@ def print_report(name: str, c: dict, threads: int) -> None:
         print("  decode: n/a (the model decoded off the fast path, so no decode steps were timed)")
     rule = "2*(3+1)*N_body*T_body + 6*N_head*T_head (gradient checkpointing)" if c["checkpointing"] else \
         "6*N_body*T_body + 6*N_head*T_head"
+    if any(c["replayed"]):
+        rule = (f"4*N_body*T_body + 6*N_head*T_head (the rollout's forward replayed in {sum(c['replayed'])} of "
+                f"{len(c['replayed'])} updates; the others {rule})")
     print(f"  update: {rule}, N_body {c['params']['body'] / 1e6:.1f}M, N_head {c['params']['head'] / 1e6:.1f}M, "
           f"T_body {c['update_tokens'][0]:.0f}, T_head {c['update_tokens'][1]:.0f} -> {c['update_flops'] / 1e12:.2f} "
           f"TFLOP / {c['update_s']:.2f} s = {c['update_flops_per_s'] / 1e9:.0f} GFLOP/s vs {c['matmul_n']}^3 matmul "

@@ -197,7 +197,8 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
     _common.set_threads(THREADS)
     torch.manual_seed(SEED)
     total = warmup + steps
-    with _ceilings.DecodeProbe() as probe, tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
+    with _ceilings.DecodeProbe() as probe, _ceilings.ReplayProbe() as replays, \
+            tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
         train_file = str(Path(tmp) / "train.parquet")
         write_split(_common.prompt_rows(data, prompts_per_step * total, seed=SEED), train_file)
         cfg = portrl_config(model_dir, train_file, str(Path(tmp) / "run"), total, prompts_per_step, samples, max_new,
@@ -215,7 +216,7 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
             rows = prompts_per_step * samples
             tokens = _ceilings.update_tokens(prompts_per_step, rows, m["prompt_length/mean"] * rows,
                                              m["response_length/mean"] * rows, share_prompts=bool(cfg.model.share_prompts))
-            update.append({"seconds": m["timing_s/update_actor"], **tokens})
+            update.append({"seconds": m["timing_s/update_actor"], "replayed": replays.take(), **tokens})
         phases = {k: v for k, v in m.items() if k.startswith("timing_s/")}
         del trainer
     out = {"side": "portrl", "step_times": step_times[warmup:], "step_cpu": step_cpu[warmup:],

@@ -73,6 +73,9 @@ def test_update_flops_rule():
     assert _ceilings.update_flops(params, tokens, checkpointing=False) == 6 * 1000 * 40 + 6 * 50 * 30
     # gradient checkpointing runs the layers' forward once more: 4/3 of their share, none of the head's
     assert _ceilings.update_flops(params, tokens, checkpointing=True) == 8 * 1000 * 40 + 6 * 50 * 30
+    # a replayed rollout forward: the layers' matmuls run in backward only, checkpointing or not
+    for ckpt in (False, True):
+        assert _ceilings.update_flops(params, tokens, ckpt, replayed=True) == 4 * 1000 * 40 + 6 * 50 * 30
     assert _ceilings.achieved_bandwidth(100, 8, 2.0) == 400.0
     assert math.isnan(_ceilings.achieved_bandwidth(100, 8, 0.0))
 

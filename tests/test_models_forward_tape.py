@@ -101,3 +101,42 @@ def test_engine_records_only_when_asked(tiny):
     recorded = engine.generate(PROMPTS, params)
     assert engine.stop_recording() is not None
     assert recorded.response_ids == plain.response_ids  # recording changes nothing in the sampling
+
+
+def test_replay_under_gradient_checkpointing_equals_fresh_forward_and_runs_no_layer_matmul(tiny, monkeypatch):
+    """Under the model's gradient checkpointing the replay recomputes each layer in backward from the tape: same
+    log-probs, entropies and gradients as the checkpointed fresh forward, and no matmul of a layer's weights runs
+    in either pass (only the backward's products, whose shapes differ)."""
+    model = load_causal_lm(tiny, backend="cpu", gradient_checkpointing=True)
+    tape, batch, _ = _rollout(model)
+    model.train()
+    fresh = _logprobs_and_grads(model, batch)
+    recomputes = []
+    real = forward_tape._replay_layer
+    monkeypatch.setattr(forward_tape, "_replay_layer", lambda *a: recomputes.append(torch.is_grad_enabled()) or real(*a))
+    layer_weights = {id(p) for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
+    forward_products = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: forward_products.append(id(w) in layer_weights) or linear(x, w, b))
+    _logprobs_and_grads(model, batch)
+    assert any(forward_products) and not recomputes  # the fresh forward runs the layer linears
+    forward_products.clear()
+    replayed = _logprobs_and_grads(model, batch, tape=tape)
+    _assert_same(replayed, fresh)
+    layers = len(model.model.layers)
+    assert len(recomputes) == 2 * layers  # the forward, then the checkpoint's recompute in backward
+    assert not any(forward_products)  # no layer linear ran: the tape gave every output
+
+
+def test_engine_skips_a_recording_over_its_byte_budget(tiny):
+    model = load_causal_lm(tiny, backend="cpu")
+    engine = make_engine("hf", model=model, backend="cpu")
+    params = SamplingParams(n=2, max_new_tokens=5, seed=1)
+    need = forward_tape.tape_nbytes(model, len(PROMPTS), max(map(len, PROMPTS)), 2, 4)
+    engine.start_recording(max_bytes=need)
+    tape = engine.generate(PROMPTS, params) and engine.stop_recording()
+    assert tape is not None and sum(b.numel() * b.element_size() for layer in tape.buffers for b in layer) == need
+    engine.start_recording(max_bytes=need - 1)
+    engine.generate(PROMPTS, params)
+    assert engine.stop_recording() is None

@@ -76,13 +76,16 @@ def _kill_at_checkpoint_then_resume(tmp_path, overrides, steps):
     _run(tmp_path, dict(overrides, **{"trainer.output_dir": str(ref_out)}))
     script = tmp_path / "run.py"
     killed = dict(overrides, **{"trainer.output_dir": str(out)})
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(killed)], env=_env(tmp_path),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "killed.log"  # a file, not a pipe: nobody reads the output while the run goes on
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(script), json.dumps(killed)], env=_env(tmp_path),
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     ckpt = out / "checkpoints" / "global_step_2"
     deadline = time.time() + 240
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    assert proc.poll() is None, (f"the run ended before it could be killed (exit code {proc.returncode}); "
+                                 f"its output ends with:\n{log.read_text(errors='replace')[-3000:]}")
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and its Ray workers, as a crash of the machine would
     proc.wait()
     summary = _run(tmp_path, killed)

@@ -170,3 +170,30 @@ def test_update_same_with_and_without_replayed_rollout_forward(tiny_model, monke
     assert replays == [1]  # the first mini-batch only: its optimizer step changes the weights
     torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
     assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
+
+
+def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(tiny_model, monkeypatch):
+    """Under gradient checkpointing the rollout is recorded while its tape is at most TAPE_PARAM_MULTIPLE x the
+    policy's parameter bytes, and the update replays it (same update as recomputing); over the budget nothing is
+    recorded and the update recomputes."""
+    import portrl.models.forward_tape as forward_tape
+    import portrl.workers.actor as actor_module
+
+    replays = []
+    real = forward_tape.replay_hidden_states
+    monkeypatch.setattr(forward_tape, "replay_hidden_states", lambda *a: replays.append(1) or real(*a))
+    params, metrics = [], []
+    for reuse in (True, False):
+        w = ActorRolloutWorker(_cfg(tiny_model, **{"model.reuse_rollout_forward": reuse, "model.gradient_checkpointing": True}))
+        assert w.checkpointing
+        b = _rollout(w, for_update=True)
+        assert (w._tape is not None) == reuse
+        metrics.append(w.update_actor(b))
+        params.append(_params(w))
+    assert replays == [1]
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
+    assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
+    monkeypatch.setattr(actor_module, "TAPE_PARAM_MULTIPLE", 1e-9)  # a budget below any tape
+    w = ActorRolloutWorker(_cfg(tiny_model, **{"model.gradient_checkpointing": True}))
+    _rollout(w, for_update=True)
+    assert w._tape is None

@@ -7,7 +7,8 @@
 * consistency: batch sizes divide, bounds hold, and the algorithm gets what its record
   (``portrl.algo.spec.algorithm_spec``) needs: ``rollout.n > 1`` for group comparisons, an even
   ``rollout.n`` for pairs, the critic / reference it reads not switched off (``critic.enable`` / ``ref.enable``),
-  a critic for value pretraining; estimator options go to estimators that take them;
+  a critic for value pretraining; estimator options go to estimators that take them (the algorithm's checks live
+  in portrl/config/checks_algorithm.py);
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
   max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq >= 1 or 0 (off), KL coefficients >= 0,
@@ -26,9 +27,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from portrl.algo import algorithm_spec, critic_enabled, estimator_spec, reference_enabled, registered
+from portrl.algo import critic_enabled, estimator_spec, registered
 from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
+from portrl.config.checks_algorithm import check_algorithm, known_algorithm
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
@@ -105,9 +107,7 @@ def check_consistency(cfg) -> list[str]:
         problems.append("actor.ppo_micro_batch_size_per_device must be >= 1")
     if r.n < 1:
         problems.append(f"rollout.n={r.n} must be >= 1")
-    problems += _algorithm_needs(cfg)
-    problems += _algorithm_options(cfg)
-    problems += _implicit_prm(cfg)
+    problems += check_algorithm(cfg)  # what the algorithm needs of the config (portrl/config/checks_algorithm.py)
     if a.clip_ratio_c <= 1:
         problems.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual-clip bound)")
     if not 0 < r.gpu_memory_utilization <= 1:
@@ -129,120 +129,10 @@ def check_consistency(cfg) -> list[str]:
     if c.pretrain_target_ev is not None and not (c.pretrain_target_ev < 1 and c.pretrain_steps > 0):
         problems.append(f"critic.pretrain_target_ev={c.pretrain_target_ev} needs critic.pretrain_steps > 0 (the cap) "
                         "and a value < 1 (explained variance is at most 1)")
-    if c.pretrain_steps > 0 and _known_algorithm(cfg) and not critic_enabled(cfg):
+    if c.pretrain_steps > 0 and known_algorithm(cfg) and not critic_enabled(cfg):
         critics = [n for n in registered("adv_estimator") if estimator_spec(n).needs_critic]
         problems.append(f"critic.pretrain_steps={c.pretrain_steps} pretrains a critic, but none runs: set "
                         f"critic.enable=true or use an estimator with a critic ({', '.join(critics)})")
-    return problems
-
-
-def _known_algorithm(cfg) -> bool:
-    """Both names are registered (unknown ones are reported by :func:`check_registries`)."""
-    a = cfg.algorithm
-    return a.objective in registered("objective") and a.adv_estimator in registered("adv_estimator")
-
-
-def _algorithm_needs(cfg) -> list[str]:
-    """What the algorithm's record needs of the rest of the config; estimator options it cannot take."""
-    if not _known_algorithm(cfg):
-        return []
-    a, n = cfg.algorithm, cfg.rollout.n
-    spec = algorithm_spec(a)
-    problems = []
-    what = f"algorithm.adv_estimator={a.adv_estimator!r}" if spec.estimator is not None \
-        else f"algorithm.objective={a.objective!r}"
-    if spec.needs_groups and n < 2:
-        problems.append(f"{what} compares responses within a prompt group and needs rollout.n > 1 (got {n})")
-    if spec.needs_pairs and n % 2:
-        problems.append(f"algorithm.objective={a.objective!r} pairs sampled responses: rollout.n must be even "
-                        f"(got {n})")
-    if cfg.critic.enable is False and spec.needs_critic:
-        problems.append(f"critic.enable=false, but {what} reads the critic's values: set critic.enable=null (auto) "
-                        "or true, or use an estimator without a critic")
-    if cfg.ref.enable is False and (spec.needs_reference or cfg.actor.use_kl_loss):
-        problems.append("ref.enable=false, but the reference policy is needed (actor.use_kl_loss, "
-                        "algorithm.use_kl_in_reward or the objective reads ref_log_probs): set ref.enable=null "
-                        "(auto) or true")
-    if cfg.trainer.ref_update_freq > 0 and not reference_enabled(cfg):
-        problems.append(f"trainer.ref_update_freq={cfg.trainer.ref_update_freq} refreshes the reference policy, but "
-                        f"this run has none ({what} reads no ref_log_probs, no KL term does, and ref.enable="
-                        f"{'null' if cfg.ref.enable is None else 'false'}): set "
-                        "ref.enable=true, use an algorithm with a reference (algorithm=spin), or ref_update_freq=0")
-    est = estimator_spec(a.adv_estimator)
-    for option in ("lam_actor", "lam_critic", "vapo_alpha"):
-        if a[option] is not None and not est.takes(option):
-            takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes(option)]
-            problems.append(f"algorithm.{option} only applies to the estimators that take it "
-                            f"({', '.join(takers)}), not {a.adv_estimator!r}")
-    return problems
-
-
-def _algorithm_options(cfg) -> list[str]:
-    """GDPO's reward keys and weights, bypass mode and PF-PPO against the algorithm they apply to."""
-    if not _known_algorithm(cfg):
-        return []
-    a = cfg.algorithm
-    spec = algorithm_spec(a)
-    problems = []
-    if spec.needs_sum_pi_squared and a.rollout_correction.bypass_mode:
-        problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} reads Σπ² of every token from the old-log-prob "
-                        "pass, which algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=false or "
-                        "use another estimator")
-    keys, weights = a.gdpo_reward_keys, a.gdpo_reward_weights
-    if keys is not None or weights is not None:
-        takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes("reward_components")]
-        if spec.estimator is None or not spec.estimator.takes("reward_components"):
-            problems.append(f"algorithm.gdpo_reward_keys / gdpo_reward_weights only apply to the estimators that "
-                            f"take reward components ({', '.join(takers)}), not {a.adv_estimator!r}")
-    if keys is not None:
-        names = [str(k) for k in keys]
-        if not names or any(not k.strip() for k in names) or len(set(names)) != len(names):
-            problems.append(f"algorithm.gdpo_reward_keys={names!r} must be a non-empty list of distinct names "
-                            "(keys of the dict your reward function returns), or null (the summed score only)")
-    if weights is not None:
-        if keys is None:
-            problems.append("algorithm.gdpo_reward_weights is set but algorithm.gdpo_reward_keys is null: give one "
-                            "key per weight")
-        elif len(weights) != len(keys):
-            problems.append(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
-                            "gdpo_reward_keys: give one weight per key")
-    rc = a.rollout_correction
-    mode = str(cfg.actor.policy_loss.loss_mode)
-    if rc.bypass_mode:
-        if spec.estimator is None:
-            problems.append(f"algorithm.rollout_correction.bypass_mode=true changes the policy-gradient loss; "
-                            f"algorithm.objective={a.objective!r} has its own loss: set bypass_mode=false")
-        if mode not in ("vanilla", "bypass_mode"):
-            problems.append(f"algorithm.rollout_correction.bypass_mode=true uses the loss bypass_mode "
-                            f"(rollout_correction.loss_type ppo_clip or reinforce), so "
-                            f"actor.policy_loss.loss_mode={mode!r} would not be used: set it to vanilla or bypass_mode")
-    elif mode == "bypass_mode":
-        problems.append("actor.policy_loss.loss_mode='bypass_mode' needs algorithm.rollout_correction.bypass_mode=true "
-                        "(the old policy is then the rollout engine's)")
-    elif rc.loss_type != "ppo_clip":
-        problems.append(f"algorithm.rollout_correction.loss_type={rc.loss_type!r} only applies with "
-                        "algorithm.rollout_correction.bypass_mode=true")
-    if a.use_pf_ppo and spec.needs_pairs:
-        problems.append(f"algorithm.use_pf_ppo=true resamples rows, which breaks the response pairs of "
-                        f"algorithm.objective={a.objective!r}: set use_pf_ppo=false")
-    return problems
-
-
-def _implicit_prm(cfg) -> list[str]:
-    """PRIME's implicit PRM (``reward_model``) and verl's accuracy filter (``data.filter_accuracy``)."""
-    problems = []
-    rm, d = cfg.reward_model, cfg.data
-    if rm.enable is False and _known_algorithm(cfg) and algorithm_spec(cfg.algorithm).needs_implicit_rewards:
-        problems.append(f"reward_model.enable=false, but algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} reads "
-                        "the implicit PRM's rewards: set reward_model.enable=null (auto) or true")
-    if rm.model.beta_train <= 0:
-        problems.append(f"reward_model.model.beta_train={rm.model.beta_train!r} must be > 0")
-    if rm.mini_batch_size is not None and (rm.mini_batch_size < 1 or d.train_batch_size % rm.mini_batch_size):
-        problems.append(f"reward_model.mini_batch_size={rm.mini_batch_size} must be >= 1 and divide "
-                        f"data.train_batch_size={d.train_batch_size} (prompts), or null (actor.ppo_mini_batch_size)")
-    if not 0 <= d.accuracy_lower_bound <= d.accuracy_upper_bound <= 1:
-        problems.append(f"data.accuracy_lower_bound={d.accuracy_lower_bound!r} and data.accuracy_upper_bound="
-                        f"{d.accuracy_upper_bound!r} must satisfy 0 <= lower <= upper <= 1 (mean accuracy of a group)")
     return problems
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from portrl.models.prefix_sharing import PLAN_KWARG
 from portrl.ops.layers import rotate_half
@@ -155,30 +156,47 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
 
     Mirrors the decoder layer of those models: ``h = x + o(attn(rope(q), rope(k), v))``,
     ``x' = h + down(act(gate) * up)``, pre-norm, through the model's own norm, rotary and attention
-    modules (the attention must be a portrl one, which reads the layout's plan)."""
+    modules (the attention must be a portrl one, which reads the layout's plan). Under the model's gradient
+    checkpointing (``base.gradient_checkpointing``, as transformers' ``gradient_checkpointing_enable`` sets it)
+    each layer keeps only its input and replays again in backward: the replay re-reads the tape, so neither
+    pass runs the layer's matmuls."""
     # lazy: transformers.modeling_utils takes seconds to import, and the checks before a run load no model
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = ALL_ATTENTION_FUNCTIONS[base.config._attn_implementation]
     ids, positions = layout.flat_ids, layout.position_ids
-    N = ids.shape[0]
     x = base.embed_tokens(ids)
     cos, sin = base.rotary_emb(x[None], positions[None])
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, D)
+    checkpointing = bool(getattr(base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
     for li, layer in enumerate(base.layers):
-        a, m = layer.self_attn, layer.mlp
-        H, D = a.config.num_attention_heads, a.head_dim
-        KV = a.config.num_key_value_heads
-        q, k, v = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
-        q, k, v = q.reshape(N, H, D), k.reshape(N, KV, D), v.reshape(N, KV, D)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
-                           **{PLAN_KWARG: layout.plan})
-        x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]
-        gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
-                                    [m.gate_proj, m.up_proj])
-        x = x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
+        args = (x, layer, li, tape, slots, cos, sin, attention, layout.plan)
+        x = checkpoint(_replay_layer, *args, use_reentrant=False) if checkpointing else _replay_layer(*args)
     return base.norm(x)
+
+
+def _replay_layer(x: torch.Tensor, layer: torch.nn.Module, li: int, tape: ForwardTape, slots: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, attention: Any, plan: Any) -> torch.Tensor:
+    """One decoder layer of :func:`replay_hidden_states` on the hidden states ``x (N, H)``."""
+    a, m = layer.self_attn, layer.mlp
+    N, H, D, KV = x.shape[0], a.config.num_attention_heads, a.head_dim, a.config.num_key_value_heads
+    q, k, v = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
+    q, k, v = q.reshape(N, H, D), k.reshape(N, KV, D), v.reshape(N, KV, D)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
+                       **{PLAN_KWARG: plan})
+    x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]
+    gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
+                                [m.gate_proj, m.up_proj])
+    return x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
+
+
+def tape_nbytes(model: torch.nn.Module, num_prompts: int, prompt_slots: int, n: int, steps: int) -> int:
+    """Bytes the ForwardTape of one generate call holds: ``(num_prompts x prompt_slots + num_prompts x n x steps)``
+    slots (the layout in the module docstring) x the four matmul widths x layers x the weights' element size."""
+    slots = num_prompts * prompt_slots + num_prompts * n * steps
+    weight = model.model.embed_tokens.weight
+    return slots * sum(tape_widths(model)) * len(model.model.layers) * weight.element_size()
 
 
 def tape_widths(model: torch.nn.Module) -> List[int]:

@@ -121,7 +121,9 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
         g_logp = g_logp.to(compute) if g_logp is not None else torch.zeros_like(lse)
         g_entropy = g_entropy.to(compute) if g_entropy is not None else None
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=compute, device=weight.device) if need_w else None
+        # the first chunk's product is written into grad_w, later ones added: no zero-fill pass over a (V, H) buffer
+        grad_w = (torch.empty if hidden.shape[0] else torch.zeros)(weight.shape, dtype=compute,
+                                                                  device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=compute, device=weight.device) if need_b else None
         for s in range(0, hidden.shape[0], chunk):
             e = s + chunk
@@ -136,7 +138,9 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
             dz = dz.to(weight.dtype)
             if need_h:
                 grad_h[s:e] = dz @ weight
-            if need_w:
+            if need_w and s == 0:
+                torch.mm(dz.t().to(compute), h.to(compute), out=grad_w)
+            elif need_w:
                 grad_w.addmm_(dz.t().to(compute), h.to(compute))
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)

@@ -111,8 +111,9 @@ class RolloutEngine(abc.ABC):
         """True when the next ``generate`` calls can be recorded (:meth:`start_recording`)."""
         return False
 
-    def start_recording(self) -> None:
-        """Record the forward of the following ``generate`` calls (only where :meth:`can_record_forward`)."""
+    def start_recording(self, max_bytes: int | None = None) -> None:
+        """Record the forward of the following ``generate`` calls (only where :meth:`can_record_forward`); a call
+        whose recording would hold more than ``max_bytes`` (None: no limit) is not recorded."""
         raise NotImplementedError(f"the {self.name or type(self).__name__} engine cannot record its forward")
 
     def stop_recording(self) -> Any:

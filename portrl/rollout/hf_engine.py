@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from portrl.errors import UserError
 from portrl.models import load_causal_lm
 from portrl.models.multimodal import batch_image_inputs, is_vision_language
+from portrl.models.forward_tape import tape_nbytes
 from portrl.ops.rotary_multimodal import multimodal_rope_index
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
@@ -126,7 +127,7 @@ class HFEngine(RolloutEngine):
         self._offloaded_from: torch.device | None = None
         self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
         # while recording, each generate call leaves its ForwardTape in _last_tape (fast path, one chunk)
-        self._recording = False
+        self._recording, self._record_max_bytes = False, None
         self._last_tape = None
 
     # --- contract -----------------------------------------------------------------------------
@@ -150,7 +151,8 @@ class HFEngine(RolloutEngine):
         per_chunk = len(prompts) if self.max_batch_rows is None else max(1, self.max_batch_rows // params.n)
         out = RolloutOutput()
         self._last_tape = None
-        record = self._recording and self._fast is not None and per_chunk >= len(prompts)
+        record = (self._recording and self._fast is not None and per_chunk >= len(prompts)
+                  and self._tape_fits(prompts, params))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -189,15 +191,26 @@ class HFEngine(RolloutEngine):
         """Only the fast decode path records (Llama-family models, ``fast_decode=True``)."""
         return self._fast is not None
 
-    def start_recording(self) -> None:
+    def start_recording(self, max_bytes: int | None = None) -> None:
         if self._fast is None:
             raise RuntimeError("the hf engine records only on its fast decode path (fast_decode=True, a "
                                "Llama-family model); check can_record_forward() first")
-        self._recording = True
+        self._recording, self._record_max_bytes = True, max_bytes
 
     def stop_recording(self):
         tape, self._last_tape, self._recording = self._last_tape, None, False
         return tape
+
+    def _tape_fits(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> bool:
+        """Whether this call's ForwardTape stays within start_recording's ``max_bytes``."""
+        if self._record_max_bytes is None:
+            return True
+        need = tape_nbytes(self.model, len(prompts), max(len(p) for p in prompts), params.n, params.max_new_tokens - 1)
+        if need > self._record_max_bytes:
+            log.info("not recording this rollout's forward: it would hold %.2f GB, more than the %.2f GB allowed",
+                     need / 1e9, self._record_max_bytes / 1e9)
+            return False
+        return True
 
     def sleep(self) -> None:
         """An engine that owns its model moves it to host memory; a colocated one has nothing of its own to free."""

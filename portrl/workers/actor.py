@@ -45,13 +45,17 @@ from portrl.workers.training import (
     all_reduce_sum,
     build_lr_scheduler,
     build_optimizer,
+    inference_micro_batches,
     rng_state,
-    same_piece_count,
     set_rng_state,
-    split_micro_batches,
 )
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
+
+
+#: under gradient checkpointing a recorded rollout forward may hold up to this many times the policy's parameter
+#: bytes (Qwen2.5-0.5B, 4 prompts x 4 samples x 128 new tokens: a 3.2 GB tape against 2.0 GB of weights)
+TAPE_PARAM_MULTIPLE = 2
 
 
 class ActorRolloutWorker:
@@ -137,12 +141,21 @@ class ActorRolloutWorker:
 
     def _can_record_forward(self) -> bool:
         """Whether the update can replay the rollout's recorded forward (portrl.models.forward_tape): one process,
-        the hf engine decoding this very module on its fast path, packed shared-prompt forwards, no
-        gradient checkpointing (which exists to not keep activations), and model.reuse_rollout_forward."""
+        the hf engine decoding this very module on its fast path, packed shared-prompt forwards, and
+        model.reuse_rollout_forward."""
         m = self.cfg.model
         return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
                 and self.engine.shares_module(self.module) and self.engine.can_record_forward()
-                and bool(m.use_packing) and bool(m.share_prompts) and not self.checkpointing)
+                and bool(m.use_packing) and bool(m.share_prompts))
+
+    def _tape_budget(self) -> Optional[int]:
+        """Most bytes a recorded rollout forward may hold: no limit without gradient checkpointing (the update
+        keeps every activation then, more than the tape); under it, TAPE_PARAM_MULTIPLE x the policy's parameter
+        bytes (memory of the order the weights and their gradients already take), so that checkpointing still
+        bounds a large rollout's memory: a bigger rollout is recomputed instead of replayed."""
+        if not self.checkpointing:
+            return None
+        return TAPE_PARAM_MULTIPLE * sum(p.numel() * p.element_size() for p in self.module.parameters())
 
     def _num_params(self) -> int:
         """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
@@ -174,7 +187,7 @@ class ActorRolloutWorker:
                                "RolloutWorker group (portrl.workers.rollout_worker)")
         record = for_update and self._can_record_forward()
         if record:
-            self.engine.start_recording()
+            self.engine.start_recording(max_bytes=self._tape_budget())
         try:
             batch = generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
                                    sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
@@ -207,10 +220,8 @@ class ActorRolloutWorker:
     @torch.no_grad()
     def _log_probs(self, module, batch: Batch, with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple:
         """``(logp, entropy or None)`` (B,T) on the CPU, plus ``sum_pi_squared`` with ``with_sum_pi_squared``."""
-        micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
-                                    self.cfg.actor.max_tokens_per_micro_batch)
-        if module is self.train_module:
-            micro = same_piece_count(batch, micro, self.world_size)
+        # only the trained (sharded) module's forward is a collective; the others run alone on each rank
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size if module is self.train_module else 1)
         extra = {"with_sum_pi_squared": True} if with_sum_pi_squared else {}
         parts = [self._forward(module, mb, with_entropy, **extra) for mb in micro]
         logp = torch.cat([p[0].float() for p in parts]).cpu()

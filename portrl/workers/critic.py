@@ -24,7 +24,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.parallel import resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, same_piece_count, split_micro_batches
+from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
@@ -102,9 +102,7 @@ class CriticWorker:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """``values (B,T)`` of the current critic (0 on padding)."""
-        micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
-                                    self.cfg.actor.max_tokens_per_micro_batch)
-        micro = same_piece_count(batch, micro, self.world_size)  # FSDP2 forwards are collectives
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size)
         return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
 
     def loop_settings(self) -> LoopSettings:

@@ -31,7 +31,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.parallel import ForwardModule, resolve_strategy, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, same_piece_count, split_micro_batches
+from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
@@ -104,9 +104,7 @@ class ImplicitPRMWorker:
 
     def compute_log_ratio(self, batch: Batch) -> Batch:
         """``implicit_log_ratio`` ``(B,T)``: ``log π_rm − log π_ref`` of the current PRM on the response tokens."""
-        micro = split_micro_batches(batch, 4 * int(self.cfg.actor.ppo_micro_batch_size_per_device),
-                                    self.cfg.actor.max_tokens_per_micro_batch)
-        micro = same_piece_count(batch, micro, self.world_size)  # FSDP2 forwards are collectives
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size)
         return Batch({"implicit_log_ratio": torch.cat([self._q(self.train_module, mb).cpu() for mb in micro])})
 
     # ------------------------------------------------------------------------------- update

@@ -150,6 +150,17 @@ def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int]
     return out
 
 
+def inference_micro_batches(batch: Batch, actor_cfg: Any, world_size: int) -> List[Batch]:
+    """``batch`` cut for a no-grad forward (log-probs, values): micro-batches of at most
+    ``4 * actor_cfg.ppo_micro_batch_size_per_device`` rows and ``actor_cfg.max_tokens_per_micro_batch`` tokens
+    (:func:`split_micro_batches`; ``actor_cfg`` is the ``actor`` config section), then re-cut so all
+    ``world_size`` data-parallel ranks run the same number of forwards (:func:`same_piece_count`: a sharded
+    model's forward is a collective). Pass ``world_size=1`` for a module each rank runs alone (no re-cut)."""
+    pieces = split_micro_batches(batch, 4 * int(actor_cfg.ppo_micro_batch_size_per_device),
+                                 actor_cfg.max_tokens_per_micro_batch)
+    return same_piece_count(batch, pieces, world_size)
+
+
 def rng_state() -> Dict[str, Any]:
     """torch (host), python and numpy RNG states."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
