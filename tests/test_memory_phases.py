@@ -32,6 +32,18 @@ def test_cpu_memory_stats_and_reset():
     assert after["peak_allocated"] < high - 100 * MIB  # the mark restarted below the freed block
 
 
+def test_cpu_memory_available_is_the_hosts_and_drops_when_memory_is_taken():
+    cpu = get_backend("cpu")
+    free = cpu.memory_available()
+    if free is None:
+        pytest.skip("no /proc/meminfo here")
+    total = int(open("/proc/meminfo").readline().split()[1]) * 1024  # MemTotal, the first line
+    assert 0 < free <= total
+    block = _touch(512)
+    assert cpu.memory_available() < free - 256 * MIB  # other processes move it too: half the block is the margin
+    del block
+
+
 def test_timer_peaks_per_phase_fold_into_the_enclosing_phase():
     cpu = get_backend("cpu")
     if not cpu.memory_stats():

@@ -174,8 +174,8 @@ def test_update_same_with_and_without_replayed_rollout_forward(tiny_model, monke
 
 def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(tiny_model, monkeypatch):
     """Under gradient checkpointing the rollout is recorded while its tape is at most TAPE_PARAM_MULTIPLE x the
-    policy's parameter bytes, and the update replays it (same update as recomputing); over the budget nothing is
-    recorded and the update recomputes."""
+    policy's parameter bytes and TAPE_FREE_FRACTION of the free memory, and the update replays it (same update as
+    recomputing); over either budget nothing is recorded and the update recomputes."""
     import portrl.models.forward_tape as forward_tape
     import portrl.workers.actor as actor_module
 
@@ -193,7 +193,14 @@ def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(
     assert replays == [1]
     torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
     assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
-    monkeypatch.setattr(actor_module, "TAPE_PARAM_MULTIPLE", 1e-9)  # a budget below any tape
     w = ActorRolloutWorker(_cfg(tiny_model, **{"model.gradient_checkpointing": True}))
+    with monkeypatch.context() as m:
+        m.setattr(actor_module, "TAPE_PARAM_MULTIPLE", 1e-9)  # a budget below any tape
+        _rollout(w, for_update=True)
+        assert w._tape is None
+    with monkeypatch.context() as m:  # a device with almost no free memory left
+        m.setattr(type(w.backend), "memory_available", lambda self: 1000)
+        _rollout(w, for_update=True)
+        assert w._tape is None
     _rollout(w, for_update=True)
-    assert w._tape is None
+    assert w._tape is not None

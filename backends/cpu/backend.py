@@ -71,6 +71,16 @@ class CPUBackend(Backend):
         kib = {k: int(v.split()[0]) for k, v in fields.items()}
         return {"allocated": kib["VmRSS"] * 1024, "peak_allocated": kib["VmHWM"] * 1024} if len(kib) == 2 else {}
 
+    def memory_available(self) -> int | None:
+        """The host's ``MemAvailable`` from /proc/meminfo (what the kernel can give without swapping), None
+        without /proc."""
+        try:
+            with open("/proc/meminfo") as f:
+                line = next((line for line in f if line.startswith("MemAvailable:")), None)
+        except OSError:
+            return None
+        return int(line.split()[1]) * 1024 if line else None
+
     def reset_peak_memory(self) -> None:
         """Restart the high-water mark from the current resident size (writes 5 to /proc/self/clear_refs, Linux
         4.0 and later); where that is not possible the peak keeps counting from the process start."""

@@ -10,7 +10,8 @@ Method families:
   ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
 * probe: :meth:`probe` -> :class:`ProbeResult`
 * device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
-  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`reset_peak_memory`, :meth:`manual_seed`
+  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`reset_peak_memory`,
+  :meth:`memory_available`, :meth:`manual_seed`
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
@@ -154,6 +155,15 @@ class Backend:
     def reset_peak_memory(self) -> None:
         """Restart ``memory_stats()["peak_allocated"]`` from what is allocated now (per-phase peaks)."""
         self._module().reset_peak_memory_stats()
+
+    def memory_available(self) -> int | None:
+        """Bytes the current device could still allocate now (the device module's ``mem_get_info()`` free
+        bytes), None where the device does not say."""
+        info = getattr(self._module(), "mem_get_info", None)
+        try:
+            return int(info()[0]) if info is not None else None
+        except RuntimeError:
+            return None
 
     def manual_seed(self, seed: int) -> None:
         """Seed torch on the host and on every device of this backend."""

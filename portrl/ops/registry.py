@@ -23,6 +23,7 @@ from portrl.device import get_backend, resolve_backend
 from portrl.ops.attention import attention_varlen
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
+from portrl.ops.logprobs_vocab import logprobs_entropy_vocab_blocks
 from portrl.ops.rotary_multimodal import apply_multimodal_rotary
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ for _op, _fn in (("attention_varlen", attention_varlen), ("linear_prepacked", li
                  ("rotary_multimodal", apply_multimodal_rotary), ("swiglu", swiglu)):
     register(_op, NATIVE, _fn)
 del _op, _fn
+# pure torch too, for any backend whose preferences name it: the log-prob op in vocabulary blocks
+register("logprobs_entropy", "vocab_blocks", logprobs_entropy_vocab_blocks)
 
 
 def _resolve_backend(backend: Any):

@@ -56,6 +56,9 @@ from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_b
 #: under gradient checkpointing a recorded rollout forward may hold up to this many times the policy's parameter
 #: bytes (Qwen2.5-0.5B, 4 prompts x 4 samples x 128 new tokens: a 3.2 GB tape against 2.0 GB of weights)
 TAPE_PARAM_MULTIPLE = 2
+#: ... and up to this fraction of the device's free memory at the rollout (the update's gradients come on top:
+#: at that size 2.1 GB; a 16 GB host that holds 10.3 GB of the 0.5B run recomputes instead)
+TAPE_FREE_FRACTION = 0.5
 
 
 class ActorRolloutWorker:
@@ -150,12 +153,14 @@ class ActorRolloutWorker:
 
     def _tape_budget(self) -> Optional[int]:
         """Most bytes a recorded rollout forward may hold: no limit without gradient checkpointing (the update
-        keeps every activation then, more than the tape); under it, TAPE_PARAM_MULTIPLE x the policy's parameter
-        bytes (memory of the order the weights and their gradients already take), so that checkpointing still
-        bounds a large rollout's memory: a bigger rollout is recomputed instead of replayed."""
+        keeps every activation then, more than the tape). Under it, the smaller of TAPE_PARAM_MULTIPLE x the
+        policy's parameter bytes and TAPE_FREE_FRACTION of the memory the device has free now, so that
+        checkpointing still bounds the run's memory: a rollout over that is recomputed instead of replayed."""
         if not self.checkpointing:
             return None
-        return TAPE_PARAM_MULTIPLE * sum(p.numel() * p.element_size() for p in self.module.parameters())
+        budget = TAPE_PARAM_MULTIPLE * sum(p.numel() * p.element_size() for p in self.module.parameters())
+        free = self.backend.memory_available()
+        return int(budget if free is None else min(budget, TAPE_FREE_FRACTION * free))
 
     def _num_params(self) -> int:
         """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
