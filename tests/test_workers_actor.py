@@ -204,3 +204,20 @@ def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(
         assert w._tape is None
     _rollout(w, for_update=True)
     assert w._tape is not None
+
+
+def test_device_kernels_choose_the_models_op_implementations(tiny_model, caplog):
+    """``device.kernels`` is applied when a worker starts: the model's log-prob op is the one named; a name that
+    cannot run here is one warning and the backend's order continues (a GPU preset's choice on another host)."""
+    from portrl.ops import registry
+
+    try:
+        assert ActorRolloutWorker(_cfg(tiny_model)).module.portrl_kernels["logprobs_entropy"] == "vocab_blocks"
+        w = ActorRolloutWorker(_cfg(tiny_model, **{"device.kernels": {"logprobs_entropy": "native"}}))
+        assert w.module.portrl_kernels["logprobs_entropy"] == "native"
+        registry.choose({"logprobs_entropy": "triton"})  # not runnable on this CPU without a GPU
+        with caplog.at_level("WARNING", logger="portrl.ops.registry"):
+            assert registry.select("logprobs_entropy", backend="cpu")[0] == "vocab_blocks"
+        assert "device.kernels.logprobs_entropy=triton cannot run here" in caplog.text
+    finally:
+        registry.choose({})

@@ -128,8 +128,25 @@ def runnable(op: str) -> list[str]:
     return [name for name, why in implementations(op).items() if why is None]
 
 
+#: this process's choices by op (``device.kernels`` of the run: :func:`choose`), taken before a backend's order
+_chosen: dict[str, str] = {}
+
+
+def choose(kernels: dict) -> None:
+    """Make ``kernels`` (op -> implementation name, the run's ``device.kernels``) this process's first choice for
+    those ops: where its caller names no implementation, :func:`select` takes it when it can run here, else
+    warns once and goes on down the backend's order (a preset's choice must not stop a machine without that
+    kernel's package). Replaces earlier choices."""
+    for op in kernels:
+        _check_op(op)
+    with _lock:
+        _chosen.clear()
+        _chosen.update({str(op): str(name) for op, name in kernels.items()})
+
+
 def select(op: str, impl: str | None = None, backend: Any = None) -> tuple[str, Callable]:
-    """Choose the implementation of ``op``: ``impl`` if given, else the backend's preference order then native.
+    """Choose the implementation of ``op``: ``impl`` if given, else this process's choice (:func:`choose`) when it
+    can run here, else the backend's preference order then native.
 
     ``backend`` is a Backend, a backend name, or None for the resolved current backend; its kernels
     are registered on first use. Returns ``(impl_name, fn)``.
@@ -147,8 +164,13 @@ def select(op: str, impl: str | None = None, backend: Any = None) -> tuple[str, 
                           f"implementations that can: {can}")
         chosen = impl
     else:
-        order = tuple(be.kernel_preferences().get(op, ())) + (NATIVE,)
+        first = _chosen.get(op)
+        order = ((first,) if first else ()) + tuple(be.kernel_preferences().get(op, ())) + (NATIVE,)
         chosen = next(name for name in order if name in table and table[name].why_not() is None)
+        if first and chosen != first and (be.name, op, first) not in _logged:
+            _logged.add((be.name, op, first))
+            why = "not registered" if first not in table else table[first].why_not()
+            log.warning("device.kernels.%s=%s cannot run here (%s); using %s", op, first, why, chosen)
     key = (be.name, op, chosen)
     if key not in _logged:
         _logged.add(key)

@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from portrl.device import resolve_backend
 from portrl.models.loader import model_class
+from portrl.ops import registry
 
 
 def worker_backend(cfg: Any):
@@ -57,7 +58,8 @@ def resolve_num_workers(cfg: Any, backend: Any) -> int:
 
 
 def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
-    """Apply the backend's env presets and ``device.env``, torch threads and the determinism flag.
+    """Apply the backend's env presets and ``device.env``, torch threads, the determinism flag and the op
+    implementations of ``device.kernels`` (``portrl.ops.registry.choose``).
 
     ``trainer.deterministic``: ``torch.use_deterministic_algorithms(True)`` plus the backend's
     deterministic env presets (set before the first kernel runs, as the libraries read them then).
@@ -74,6 +76,7 @@ def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
             torch.set_num_threads(int(threads))
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=False)
+    registry.choose(dict(cfg.device.kernels or {}))
     hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would drown the training console
 
 
