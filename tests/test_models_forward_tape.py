@@ -140,3 +140,4 @@ def test_engine_skips_a_recording_over_its_byte_budget(tiny):
     engine.start_recording(max_bytes=need - 1)
     engine.generate(PROMPTS, params)
     assert engine.stop_recording() is None
+    assert engine._fast._last_tape is None  # the earlier recording's buffers were let go, not kept for reuse

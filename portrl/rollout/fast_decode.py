@@ -136,6 +136,10 @@ class FastDecoder:
         self.final_norm_w = self.inner.norm.weight
         self.final_eps = getattr(self.inner.norm, "variance_epsilon", self.eps)
 
+    def drop_recording_buffers(self) -> None:
+        """Free the buffers the last recording kept for the next one to reuse (a call that will not record)."""
+        self._last_tape = None
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only cache rows ``index`` (drop finished sequences, or repeat prompts for n samples)."""
         self.k_cache = self.k_cache.index_select(1, index)

@@ -209,6 +209,7 @@ class HFEngine(RolloutEngine):
         if need > self._record_max_bytes:
             log.info("not recording this rollout's forward: it would hold %.2f GB, more than the %.2f GB allowed",
                      need / 1e9, self._record_max_bytes / 1e9)
+            self._fast.drop_recording_buffers()  # an earlier recording's buffers are not kept for nothing
             return False
         return True
 

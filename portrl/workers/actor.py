@@ -56,8 +56,8 @@ from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_b
 #: under gradient checkpointing a recorded rollout forward may hold up to this many times the policy's parameter
 #: bytes (Qwen2.5-0.5B, 4 prompts x 4 samples x 128 new tokens: a 3.2 GB tape against 2.0 GB of weights)
 TAPE_PARAM_MULTIPLE = 2
-#: ... and up to this fraction of the device's free memory at the rollout (the update's gradients come on top:
-#: at that size 2.1 GB; a 16 GB host that holds 10.3 GB of the 0.5B run recomputes instead)
+#: ... and up to this fraction of the device's free memory at the rollout less what the update will allocate (at
+#: that size a 16 GB host recomputes; a 24 GB one replays, its step peaking at 15.2 GiB with the cpu preset)
 TAPE_FREE_FRACTION = 0.5
 
 
@@ -154,13 +154,19 @@ class ActorRolloutWorker:
     def _tape_budget(self) -> Optional[int]:
         """Most bytes a recorded rollout forward may hold: no limit without gradient checkpointing (the update
         keeps every activation then, more than the tape). Under it, the smaller of TAPE_PARAM_MULTIPLE x the
-        policy's parameter bytes and TAPE_FREE_FRACTION of the memory the device has free now, so that
+        policy's parameter bytes and TAPE_FREE_FRACTION of the memory the device has free now less what the
+        update will allocate (the gradients; before the first optimizer step also AdamW's two moments), so that
         checkpointing still bounds the run's memory: a rollout over that is recomputed instead of replayed."""
         if not self.checkpointing:
             return None
         budget = TAPE_PARAM_MULTIPLE * sum(p.numel() * p.element_size() for p in self.module.parameters())
         free = self.backend.memory_available()
-        return int(budget if free is None else min(budget, TAPE_FREE_FRACTION * free))
+        if free is None:
+            return int(budget)
+        # what the update will still allocate: the gradients, and AdamW's two moments before its first step
+        trainable = sum(m.numel() * m.element_size() for m in self.master.masters if m.requires_grad)
+        pending = trainable * (1 if self.optimizer.state else 3)
+        return int(min(budget, TAPE_FREE_FRACTION * max(0, free - pending)))
 
     def _num_params(self) -> int:
         """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
