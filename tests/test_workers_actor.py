@@ -2,6 +2,7 @@
 micro-batching invariance, critic values and update, state round trip, HF export."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -222,8 +223,12 @@ def test_device_kernels_choose_the_models_op_implementations(tiny_model, caplog)
         w = ActorRolloutWorker(_cfg(tiny_model, **{"device.kernels": {"logprobs_entropy": "native"}}))
         assert w.module.portrl_kernels["logprobs_entropy"] == "native"
         registry.choose({"logprobs_entropy": "triton"})  # not runnable on this CPU without a GPU
+        registry._logged.discard(("cpu", "logprobs_entropy", "triton"))  # warned once per process: maybe earlier
+        logger = logging.getLogger("portrl.ops.registry")
+        logger.addHandler(caplog.handler)  # directly: an earlier test may have stopped "portrl" propagating
         with caplog.at_level("WARNING", logger="portrl.ops.registry"):
             assert registry.select("logprobs_entropy", backend="cpu")[0] == "vocab_blocks"
         assert "device.kernels.logprobs_entropy=triton cannot run here" in caplog.text
     finally:
+        logging.getLogger("portrl.ops.registry").removeHandler(caplog.handler)
         registry.choose({})
