@@ -88,12 +88,6 @@ def test_linear_prepacked_other_dtypes_and_missing_rows_use_plain_linear():
         ops.linear_prepacked(torch.randn(3), None, rows=1)
 
 
-def test_cpu_backend_selects_mkl_linear_when_available():
-    impl, _ = ops.select("linear_prepacked", backend="cpu")
-    assert impl == ("mkl" if mkl_packing_available() is True else "native")
-    assert ops.select("linear_prepacked", backend="cuda")[0] == "native"
-
-
 @pytest.mark.parametrize("lengths", [[7, 0, 12, 4], [200, 9, 0, 5]], ids=["padded-call", "per-sequence-calls"])
 def test_cpu_sdpa_causal_paths_match_native(lengths):
     """Similar lengths take one right-padded call, a wide spread one call per sequence; both exact."""

@@ -13,8 +13,8 @@ seen at once) with one preallocated KV cache per generate call:
   slots): ``scaled_dot_product_attention``, except a one-token step on the CPU, which takes four
   plain ops (SDPA's per-call set-up costs more than the math there; 4% of a medium generate call);
 * logits for the last position only;
-* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op (x86 CPUs:
-  weights packed once per call for MKL's sgemm, bit-identical, ~35% off the decode matmuls).
+* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op, weights packed
+  once per call (x86 CPUs: a weight-streaming AVX-512 kernel up to 16 rows, else MKL's packed sgemm).
 
 Layer math (pre-norm decoder): ``h = x + o(attn(rope(q), rope(k), v))`` with ``q, k, v =
 W_qkv·rms(x) (+ b)``; ``y = h + down(silu(gate) * up)`` with ``gate, up = W_gu·rms(h)``;
@@ -100,7 +100,7 @@ class FastDecoder:
         """Fuse the current weights and allocate a cache for ``rows`` sequences of up to ``max_len`` tokens.
 
         With ``steps >= PREPACK_MIN_STEPS`` one-token steps of ``decode_rows`` rows to come, the linears
-        go through the backend's ``linear_prepacked`` op (on x86 CPUs: weights packed once for MKL's sgemm);
+        go through the backend's ``linear_prepacked`` op (weights packed once for the call's row count);
         for fewer steps the packing would cost more than it saves.
         """
         make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else linear_prepacked  # native: F.linear

@@ -1,0 +1,123 @@
+"""The CPU's weight-streaming decode linear (backends/cpu/stream_linear.cpp) and its build (native_build.py)."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from portrl import ops
+from portrl.backends.cpu import kernels, native_build
+from portrl.backends.cpu.kernels import STREAM_MAX_ROWS, linear_prepacked_stream, stream_linear_available
+
+needs_stream = pytest.mark.skipif(stream_linear_available() is not True,
+                                  reason=f"streaming linear unavailable: {stream_linear_available()}")
+
+
+@needs_stream
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features,in_features", [(100, 72), (16, 37), (3, 5), (160, 300)])
+def test_stream_linear_equals_linear_for_every_row_count(bias, out_features, in_features):
+    """Every row count up to the packed one (a last panel cut short, odd widths), 3-D inputs, zero rows, and
+    more rows than the kernel serves (the plain matmul) equal F.linear."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    fn = linear_prepacked_stream(w, b, rows=STREAM_MAX_ROWS)
+    shapes = [(m, in_features) for m in range(STREAM_MAX_ROWS + 1)]
+    shapes += [(2, 5, in_features), (4, 1, in_features), (STREAM_MAX_ROWS + 9, in_features)]
+    for shape in shapes:
+        x = torch.randn(*shape, generator=g)
+        out = fn(x)
+        assert out.shape == (*shape[:-1], out_features)
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_stream
+def test_stream_linear_uses_the_packing_of_the_weight_at_call_time_and_checks_shapes():
+    """The packing is a snapshot (the decoder packs once per generate call); mismatched shapes are errors."""
+    w = torch.randn(40, 24)
+    fn = linear_prepacked_stream(w, None, rows=4)
+    x = torch.randn(4, 24)
+    before = fn(x)
+    w.mul_(2.0)
+    torch.testing.assert_close(fn(x), before)
+    packed = torch.ops.portrl_cpu.stream_pack(w)
+    assert packed.shape == (3, 24, 16)
+    torch.testing.assert_close(packed[2, :, 8:], torch.zeros(24, 8))  # rows past out_features are zero
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.portrl_cpu.stream_linear(torch.randn(4, 23), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.portrl_cpu.stream_linear(x, packed, 60, None)
+
+
+@needs_stream
+def test_more_decode_rows_or_other_dtypes_take_mkl_or_plain_linear(monkeypatch):
+    taken = []
+    monkeypatch.setattr(kernels, "linear_prepacked_mkl", lambda w, b, rows: taken.append(rows) or (lambda x: x))
+    linear_prepacked_stream(torch.randn(8, 8), None, rows=STREAM_MAX_ROWS + 1)
+    linear_prepacked_stream(torch.randn(8, 8, dtype=torch.float64), None, rows=4)
+    linear_prepacked_stream(torch.randn(8, 8), None, rows=None)
+    assert taken == [STREAM_MAX_ROWS + 1, 4, None]
+
+
+def test_cpu_backend_prefers_the_streaming_linear_where_it_can_run():
+    impl, _ = ops.select("linear_prepacked", backend="cpu")
+    if stream_linear_available() is True:
+        assert impl == "stream"
+    else:
+        assert impl in ("mkl", "native")
+    assert ops.select("linear_prepacked", backend="cuda")[0] == "native"
+
+
+def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path, monkeypatch):
+    """A compiler that fails: KernelBuildError naming the source, no library (nor temporary file) in the cache,
+    and the decode linear warns once and serves MKL's packed linear."""
+    monkeypatch.setenv("PORTRL_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always exits 1
+    assert native_build.compiler().endswith("false")
+    target = native_build.library_path("stream_linear")
+    with pytest.raises(native_build.KernelBuildError, match="stream_linear.cpp failed"):
+        native_build._build(native_build.compiler(), native_build.SOURCE_DIR / "stream_linear.cpp", target)
+    assert target.parent == tmp_path / "kernels" and list(tmp_path.rglob("*")) == [target.parent]
+
+    def failing_load(name):
+        raise native_build.KernelBuildError("no C++ compiler found (install g++ or set CXX)")
+
+    monkeypatch.setattr(native_build, "load", failing_load)
+    monkeypatch.setattr(kernels, "_stream_failed", [])
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    kernels.log.addHandler(handler)  # on the module's logger itself: an earlier test may stop propagation
+    try:
+        w, x = torch.randn(24, 8), torch.randn(4, 8)
+        for _ in range(2):
+            fn = linear_prepacked_stream(w, None, rows=4)
+            torch.testing.assert_close(fn(x), F.linear(x, w))
+    finally:
+        kernels.log.removeHandler(handler)
+    warnings = [m for m in seen if "streaming decode linear is off" in m]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+
+
+def test_the_library_cache_key_follows_source_torch_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.delenv("PORTRL_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path))
+    first = native_build.library_path("stream_linear")
+    assert first.parent == tmp_path / "kernels" and first.name.startswith("stream_linear-")
+    monkeypatch.setenv("PORTRL_KERNEL_CACHE", str(tmp_path / "elsewhere"))
+    assert native_build.library_path("stream_linear") == tmp_path / "elsewhere" / first.name
+    monkeypatch.setattr(native_build, "_cpu_identity", lambda: "model name: another CPU")
+    assert native_build.library_path("stream_linear") != first
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert native_build.library_path("stream_linear") != first
+
+
+def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-portrl")
+    assert native_build.compiler() is None
+    why = stream_linear_available()
+    assert why is not True and isinstance(why, str)
+    with pytest.raises(native_build.KernelBuildError, match="no C\\+\\+ compiler"):
+        native_build.load("a_source_never_loaded")
