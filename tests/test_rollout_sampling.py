@@ -63,3 +63,12 @@ def test_generator_makes_draws_reproducible():
     b = sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(5))[0]
     c = sample_next(logits, temperature=1.0, generator=torch.Generator().manual_seed(6))[0]
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_logprob_at_a_real_vocabulary_matches_float64():
+    """Without truncation the log-sum-exp comes from the same exp pass as the draw; it stays float32-exact."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 151936, generator=gen) * 4
+    tokens, logp = sample_next(logits, temperature=1.0, generator=gen)
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)

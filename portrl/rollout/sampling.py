@@ -7,7 +7,8 @@ For logits ``z`` (rows, vocab) and temperature ``T > 0``:
 * top-k keeps the ``k`` largest ``z/T`` per row; top-p then keeps the smallest prefix of the sorted
   distribution whose mass reaches ``p`` (the most likely token is always kept);
 * the token is drawn by inverse CDF: ``u ~ U(0, 1]`` from ``generator`` (one number per row), and
-  the first token whose cumulative kept mass reaches ``u * total``. One uniform per row is far
+  the first token whose cumulative kept mass reaches ``u * total`` (without truncation ``exp(z/T - max)`` is
+  computed once for both the draw and ``logsumexp = max + log(sum)``). One uniform per row is far
   cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race).
 
 ``T == 0`` is greedy: ``argmax(z)``, with ``logp = log_softmax(z)`` at that token.
@@ -51,9 +52,14 @@ def sample_next(
         logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
         return tokens, logp
     scaled = logits / temperature if temperature != 1.0 else logits
-    lse = torch.logsumexp(scaled, dim=-1)
-    kept = _truncate_top_k_top_p(scaled, top_k, top_p)
-    cdf = (kept - lse[:, None]).exp_().cumsum_(dim=-1)
+    if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
+        lse = torch.logsumexp(scaled, dim=-1)
+        cdf = (_truncate_top_k_top_p(scaled, top_k, top_p) - lse[:, None]).exp_().cumsum_(dim=-1)
+    else:  # nothing truncated: one exp pass serves the log-sum-exp and the (unnormalised) cdf
+        top = scaled.amax(dim=-1, keepdim=True)
+        weights = torch.sub(scaled, top).exp_()
+        lse = (top + weights.sum(dim=-1, keepdim=True).log()).squeeze(-1)
+        cdf = weights.cumsum_(dim=-1)
     # u in (0, total]: the first index with cdf >= u never lands on a zero-mass token (its cdf equals
     # the previous entry's) and never runs past the end.
     u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)) * cdf[:, -1:]
