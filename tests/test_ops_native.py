@@ -174,14 +174,14 @@ def test_registry_selects_backend_preference_and_native(caplog):
 
 
 def test_registry_errors_list_what_can_run():
-    ops.register("swiglu", "test_unavailable", ops.swiglu, available=lambda: "needs the test-only package")
+    ops.register("rms_norm", "test_unavailable", ops.rms_norm, available=lambda: "needs the test-only package")
     try:
-        assert ops.implementations("swiglu")["test_unavailable"] == "needs the test-only package"
+        assert ops.implementations("rms_norm")["test_unavailable"] == "needs the test-only package"
         with pytest.raises(ops.OpError, match=r"needs the test-only package.*that can: native"):
-            ops.select("swiglu", impl="test_unavailable", backend="cpu")
-        assert ops.select("swiglu", backend="cpu")[0] == "native"
+            ops.select("rms_norm", impl="test_unavailable", backend="cpu")
+        assert ops.select("rms_norm", backend="cpu")[0] == "native"
     finally:
-        ops.unregister("swiglu", "test_unavailable")
+        ops.unregister("rms_norm", "test_unavailable")
     with pytest.raises(ops.OpError, match="not registered.*that can:.*sdpa"):
         ops.select("attention_varlen", impl="nope", backend="cpu")
     with pytest.raises(ops.OpError, match="valid ops: attention_varlen"):

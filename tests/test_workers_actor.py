@@ -178,7 +178,7 @@ def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(
     policy's parameter bytes and TAPE_FREE_FRACTION of the free memory, and the update replays it (same update as
     recomputing); over either budget nothing is recorded and the update recomputes."""
     import portrl.models.forward_tape as forward_tape
-    import portrl.workers.actor as actor_module
+    import portrl.workers.tape_budget as budget_module
 
     replays = []
     real = forward_tape.replay_hidden_states
@@ -196,7 +196,7 @@ def test_checkpointed_update_replays_the_rollout_forward_within_its_byte_budget(
     assert metrics[0]["actor/pg_loss"] == pytest.approx(metrics[1]["actor/pg_loss"], abs=1e-6)
     w = ActorRolloutWorker(_cfg(tiny_model, **{"model.gradient_checkpointing": True}))
     with monkeypatch.context() as m:
-        m.setattr(actor_module, "TAPE_PARAM_MULTIPLE", 1e-9)  # a budget below any tape
+        m.setattr(budget_module, "TAPE_PARAM_MULTIPLE", 1e-9)  # a budget below any tape
         _rollout(w, for_update=True)
         assert w._tape is None
     with monkeypatch.context() as m:  # a device with almost no free memory left

@@ -7,13 +7,13 @@ as their fallback for dtypes flash-attention does not compute (float32).
 
 from __future__ import annotations
 
-import logging
 import platform
 
 import torch
 import torch.nn.functional as F
 
 from portrl.backends.cpu import native_build
+from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.ops.attention import check_varlen_inputs
 from portrl.ops.layers import linear_prepacked
 
@@ -21,10 +21,10 @@ from portrl.ops.layers import linear_prepacked
 PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("stream", "mkl", "native"),
                # vocabulary blocks: large matmuls instead of ~110-row ones (portrl/ops/logprobs_vocab.py; at
                # Qwen2.5's 151936-token head, 2048 tokens: forward + backward 19.5 -> 10.8 s on 2 cores)
-               "logprobs_entropy": ("vocab_blocks", "native")}
+               "logprobs_entropy": ("vocab_blocks", "native"),
+               # one pass forward and one backward instead of five (backends/cpu/swiglu.py)
+               "swiglu": ("fused", "native")}
 
-
-log = logging.getLogger(__name__)
 
 #: cost of one SDPA call beyond its math, in units of one query-key pair: about attention over 64 tokens
 #: (fitted to fwd+bwd timings on 2 cores, 8 query / 2 KV heads of 64: 16-128 sequences of 14-300 tokens)
@@ -143,9 +143,6 @@ def stream_linear_available() -> bool | str:
     return True
 
 
-_stream_failed: list = []
-
-
 def linear_prepacked_stream(weight, bias=None, rows=None):
     """``x -> x @ weight^T + bias`` streaming the weight once per call (backends/cpu/stream_linear.cpp).
 
@@ -161,16 +158,10 @@ def linear_prepacked_stream(weight, bias=None, rows=None):
     product runs in k order).
 
     The library is built on first use (~10 s, cached across processes: backends/cpu/native_build.py); if it
-    cannot be built, one warning and MKL's packed linear serve instead.
+    cannot be built, one warning and MKL's packed linear serves instead.
     """
     if (rows is None or rows > STREAM_MAX_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or weight.dim() != 2 or _stream_failed):
-        return linear_prepacked_mkl(weight, bias, rows)
-    try:
-        native_build.load("stream_linear")
-    except native_build.KernelBuildError as exc:
-        _stream_failed.append(str(exc))
-        log.warning("the streaming decode linear is off (%s); MKL's packed linear serves instead", exc)
+            or weight.dim() != 2 or not native_build.try_load("stream_linear")):
         return linear_prepacked_mkl(weight, bias, rows)
     w = weight.detach()
     b = bias.detach().contiguous() if bias is not None else None
@@ -192,3 +183,4 @@ def register(registry) -> None:
     registry.register("attention_varlen", "eager", attention_varlen_eager)
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)
     registry.register("linear_prepacked", "stream", linear_prepacked_stream, available=stream_linear_available)
+    registry.register("swiglu", "fused", swiglu_fused, available=stream_linear_available)

@@ -16,6 +16,7 @@ when there is no compiler or the build fails; callers fall back to another imple
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -26,10 +27,14 @@ from pathlib import Path
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w")
+# CPU_CAPABILITY_AVX512: at::vec::Vectorized<float> is 16 lanes wide and its exp is Sleef's (in libtorch_cpu)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w", "-DCPU_CAPABILITY_AVX512",
+         "-DCPU_CAPABILITY=AVX512")
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[str, Path] = {}
+_failed: dict[str, str] = {}
 
 
 class KernelBuildError(RuntimeError):
@@ -98,6 +103,21 @@ def load(name: str) -> Path:
             raise KernelBuildError(f"cannot load {path}: {exc}") from exc
         _loaded[name] = path
         return path
+
+
+def try_load(name: str) -> bool:
+    """:func:`load`, or False when the library cannot be built or loaded here: the first failure per library is
+    one warning (the reason, and that the callers fall back), later calls return False at once."""
+    if name in _failed:
+        return False
+    try:
+        load(name)
+        return True
+    except KernelBuildError as exc:
+        _failed[name] = str(exc)
+        log.warning("the native CPU kernels of backends/cpu/%s.cpp are off (%s); the next implementation serves "
+                    "instead", name, exc)
+        return False
 
 
 def _build(cxx: str, source: Path, path: Path) -> None:

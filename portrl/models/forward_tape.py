@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from portrl.models.prefix_sharing import PLAN_KWARG
 from portrl.ops.layers import rotate_half
+from portrl.ops.registry import select
 
 #: the recorded matmuls of a layer, in order
 QKV, O, GATE_UP, DOWN = range(4)
@@ -169,14 +170,16 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
     cos, sin = base.rotary_emb(x[None], positions[None])
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, D)
     checkpointing = bool(getattr(base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
+    # silu(gate) * up through the backend's swiglu op (one fused pass where it has one), for SiLU MLPs
+    swiglu = select("swiglu")[1] if getattr(base.config, "hidden_act", None) == "silu" else None
     for li, layer in enumerate(base.layers):
-        args = (x, layer, li, tape, slots, cos, sin, attention, layout.plan)
+        args = (x, layer, li, tape, slots, cos, sin, attention, layout.plan, swiglu)
         x = checkpoint(_replay_layer, *args, use_reentrant=False) if checkpointing else _replay_layer(*args)
     return base.norm(x)
 
 
 def _replay_layer(x: torch.Tensor, layer: torch.nn.Module, li: int, tape: ForwardTape, slots: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, attention: Any, plan: Any) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, attention: Any, plan: Any, swiglu: Any) -> torch.Tensor:
     """One decoder layer of :func:`replay_hidden_states` on the hidden states ``x (N, H)``."""
     a, m = layer.self_attn, layer.mlp
     N, H, D, KV = x.shape[0], a.config.num_attention_heads, a.head_dim, a.config.num_key_value_heads
@@ -188,7 +191,8 @@ def _replay_layer(x: torch.Tensor, layer: torch.nn.Module, li: int, tape: Forwar
     x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]
     gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
                                 [m.gate_proj, m.up_proj])
-    return x + _recorded_linear(m.act_fn(gate) * up, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
+    act = swiglu(gate, up) if swiglu is not None else m.act_fn(gate) * up
+    return x + _recorded_linear(act, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
 
 
 def tape_nbytes(model: torch.nn.Module, num_prompts: int, prompt_slots: int, n: int, steps: int) -> int:

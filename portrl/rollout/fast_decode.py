@@ -90,6 +90,7 @@ class FastDecoder:
         self.tape: Any = None  # a portrl.models.forward_tape.ForwardTape while recording
         self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
+        self._swiglu = select("swiglu", backend=backend)[1]
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +205,7 @@ class FastDecoder:
             x = x + o
             gu = gate_up_proj(self._rms(x, ln2, eps2))
             gate, up = gu.chunk(2, dim=-1)
-            down = down_proj(F.silu(gate) * up)
+            down = down_proj(self._swiglu(gate, up))
             x = x + down
             if tape is not None:
                 for which, out in ((1, o), (2, gu), (3, down)):

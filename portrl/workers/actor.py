@@ -40,25 +40,18 @@ from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
+from portrl.workers.tape_budget import tape_budget
 from portrl.workers.training import (
-    all_reduce_max,
     all_reduce_sum,
     build_lr_scheduler,
     build_optimizer,
     inference_micro_batches,
     rng_state,
+    rollout_gap_metrics,
     set_rng_state,
 )
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
-
-
-#: under gradient checkpointing a recorded rollout forward may hold up to this many times the policy's parameter
-#: bytes (Qwen2.5-0.5B, 4 prompts x 4 samples x 128 new tokens: a 3.2 GB tape against 2.0 GB of weights)
-TAPE_PARAM_MULTIPLE = 2
-#: ... and up to this fraction of the device's free memory at the rollout less what the update will allocate (at
-#: that size a 16 GB host recomputes; a 24 GB one replays, its step peaking at 15.2 GiB with the cpu preset)
-TAPE_FREE_FRACTION = 0.5
 
 
 class ActorRolloutWorker:
@@ -105,6 +98,7 @@ class ActorRolloutWorker:
         self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
         self.update_count = 0
         self._tape = None  # the last recorded rollout forward (portrl.models.forward_tape), until the update
+        self._param_bytes: Optional[int] = None  # the policy's parameter bytes (the tape budget's first bound)
 
     # ---------------------------------------------------------------------------------- building
     def _wrap(self, module):
@@ -152,21 +146,13 @@ class ActorRolloutWorker:
                 and bool(m.use_packing) and bool(m.share_prompts))
 
     def _tape_budget(self) -> Optional[int]:
-        """Most bytes a recorded rollout forward may hold: no limit without gradient checkpointing (the update
-        keeps every activation then, more than the tape). Under it, the smaller of TAPE_PARAM_MULTIPLE x the
-        policy's parameter bytes and TAPE_FREE_FRACTION of the memory the device has free now less what the
-        update will allocate (the gradients; before the first optimizer step also AdamW's two moments), so that
-        checkpointing still bounds the run's memory: a rollout over that is recomputed instead of replayed."""
+        """Most bytes a recorded rollout forward may hold now (portrl.workers.tape_budget; None: no limit)."""
         if not self.checkpointing:
             return None
-        budget = TAPE_PARAM_MULTIPLE * sum(p.numel() * p.element_size() for p in self.module.parameters())
-        free = self.backend.memory_available()
-        if free is None:
-            return int(budget)
-        # what the update will still allocate: the gradients, and AdamW's two moments before its first step
+        if self._param_bytes is None:
+            self._param_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
         trainable = sum(m.numel() * m.element_size() for m in self.master.masters if m.requires_grad)
-        pending = trainable * (1 if self.optimizer.state else 3)
-        return int(min(budget, TAPE_FREE_FRACTION * max(0, free - pending)))
+        return tape_budget(self._param_bytes, trainable, bool(self.optimizer.state), self.backend.memory_available())
 
     def _num_params(self) -> int:
         """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
@@ -302,21 +288,8 @@ class ActorRolloutWorker:
         out = run_update(state, batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
                          extra_counts=preference_pairs)
         self.update_count += 1
-        out.update(self._rollout_gap_metrics(gaps))
+        out.update(rollout_gap_metrics(gaps, self.world_size))
         return out
-
-    def _rollout_gap_metrics(self, gaps: List[Dict[str, float]]) -> Dict[str, float]:
-        """verl's ``training/rollout_probs_diff_{mean,max}`` (``|p_trainer - p_rollout|``) and the same in log
-        space, over every response token of the step on every rank. Each rank calls it (collectives)."""
-        keys = ("probs_sum", "log_probs_sum", "tokens")
-        sums = all_reduce_sum([sum(g[k] for g in gaps) for k in keys], self.world_size)
-        maxes = all_reduce_max([max((g[k] for g in gaps), default=0.0) for k in ("probs_max", "log_probs_max")],
-                               self.world_size)
-        if sums[2] == 0:
-            return {}
-        return {"training/rollout_probs_diff_mean": sums[0] / sums[2], "training/rollout_probs_diff_max": maxes[0],
-                "training/rollout_log_probs_diff_mean": sums[1] / sums[2],
-                "training/rollout_log_probs_diff_max": maxes[1]}
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""

@@ -191,3 +191,18 @@ def combine_micro_metrics(rows: List[Dict[str, float]], additive: frozenset) -> 
             out[k] = out.get(k, 0.0) + float(v)
             counts[k] = counts.get(k, 0) + 1
     return {k: (v if k in additive else v / counts[k]) for k, v in out.items()}
+
+
+def rollout_gap_metrics(gaps: List[Dict[str, float]], world_size: int) -> Dict[str, float]:
+    """verl's ``training/rollout_probs_diff_{mean,max}`` (``|p_trainer - p_rollout|``) and the same in log space,
+    over every response token of the step on every rank, from per-micro-batch sums and maxima (``probs_sum``,
+    ``log_probs_sum``, ``tokens``, ``probs_max``, ``log_probs_max``). Every rank calls it (collectives)."""
+    keys = ("probs_sum", "log_probs_sum", "tokens")
+    sums = all_reduce_sum([sum(g[k] for g in gaps) for k in keys], world_size)
+    maxes = all_reduce_max([max((g[k] for g in gaps), default=0.0) for k in ("probs_max", "log_probs_max")],
+                           world_size)
+    if sums[2] == 0:
+        return {}
+    return {"training/rollout_probs_diff_mean": sums[0] / sums[2], "training/rollout_probs_diff_max": maxes[0],
+            "training/rollout_log_probs_diff_mean": sums[1] / sums[2],
+            "training/rollout_log_probs_diff_max": maxes[1]}

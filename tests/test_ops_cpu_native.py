@@ -1,4 +1,5 @@
-"""The CPU's weight-streaming decode linear (backends/cpu/stream_linear.cpp) and its build (native_build.py)."""
+"""The CPU's native kernels: the weight-streaming decode linear (backends/cpu/stream_linear.cpp), the fused
+SwiGLU (swiglu.cpp) and their build (native_build.py)."""
 
 import logging
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from portrl import ops
 from portrl.backends.cpu import kernels, native_build
 from portrl.backends.cpu.kernels import STREAM_MAX_ROWS, linear_prepacked_stream, stream_linear_available
+from portrl.backends.cpu.swiglu import swiglu_fused
 
 needs_stream = pytest.mark.skipif(stream_linear_available() is not True,
                                   reason=f"streaming linear unavailable: {stream_linear_available()}")
@@ -85,19 +87,19 @@ def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path
         raise native_build.KernelBuildError("no C++ compiler found (install g++ or set CXX)")
 
     monkeypatch.setattr(native_build, "load", failing_load)
-    monkeypatch.setattr(kernels, "_stream_failed", [])
+    monkeypatch.setattr(native_build, "_failed", {})
     seen = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
-    kernels.log.addHandler(handler)  # on the module's logger itself: an earlier test may stop propagation
+    native_build.log.addHandler(handler)  # on the module's logger itself: an earlier test may stop propagation
     try:
         w, x = torch.randn(24, 8), torch.randn(4, 8)
         for _ in range(2):
             fn = linear_prepacked_stream(w, None, rows=4)
             torch.testing.assert_close(fn(x), F.linear(x, w))
     finally:
-        kernels.log.removeHandler(handler)
-    warnings = [m for m in seen if "streaming decode linear is off" in m]
+        native_build.log.removeHandler(handler)
+    warnings = [m for m in seen if "stream_linear.cpp are off" in m]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
 
 
@@ -121,3 +123,32 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
     assert why is not True and isinstance(why, str)
     with pytest.raises(native_build.KernelBuildError, match="no C\\+\\+ compiler"):
         native_build.load("a_source_never_loaded")
+
+
+@needs_stream
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 64), (300, 48), (1, 1, 17)])
+def test_fused_swiglu_equals_silu_times_up_with_gradients(shape):
+    """Values and both gradients against torch's silu(gate) * up, for widths with and without a vector tail."""
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    gate = (torch.randn(*shape, generator=g) * 4).requires_grad_()
+    up = torch.randn(*shape, generator=g).requires_grad_()
+    grad = torch.randn(*shape, generator=g)
+    got = swiglu_fused(gate, up)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, (gate, up), grad), torch.autograd.grad(want, (gate, up), grad)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@needs_stream
+def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go_native():
+    gu = torch.randn(4, 2, 96, requires_grad=True)
+    gate, up = gu.chunk(2, dim=-1)  # views with a row stride of 96
+    out = swiglu_fused(gate, up)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    (grad,) = torch.autograd.grad(out.sum(), gu)
+    (want,) = torch.autograd.grad((F.silu(gate) * up).sum(), gu)
+    torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-6)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(swiglu_fused(x, x), F.silu(x) * x)
+    assert ops.select("swiglu", backend="cpu")[0] == ("fused" if stream_linear_available() is True else "native")

@@ -1,0 +1,43 @@
+"""The CPU's fused SwiGLU (op ``swiglu``, implementation ``fused``): ``silu(gate) * up`` and its gradients in one
+pass each (backends/cpu/swiglu.cpp), for float32 CPU tensors; anything else takes the native op.
+
+torch runs it as ``silu`` then ``mul`` forward and ``silu_backward`` plus two products backward, each writing a
+tokens x intermediate tensor. In a 0.5B update (2434 tokens x 4864) those five passes took 3.7 s of a 40 s update
+under the profiler; the fused ops read and write each tensor once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portrl.backends.cpu import native_build
+from portrl.ops.layers import swiglu as native_swiglu
+
+LIBRARY = "swiglu"
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate2d, up2d):
+        ctx.save_for_backward(gate2d, up2d)
+        return torch.ops.portrl_cpu_swiglu.forward(gate2d, up2d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate2d, up2d = ctx.saved_tensors
+        return torch.ops.portrl_cpu_swiglu.backward(grad_out.contiguous(), gate2d, up2d)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (rows, width) with unit stride along the width: a view where one exists, else a copy."""
+    flat = t.reshape(-1, t.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def swiglu_fused(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the ``swiglu`` op's contract), fused for float32 CPU tensors of the same shape."""
+    if (gate.shape != up.shape or gate.dtype != torch.float32 or up.dtype != torch.float32
+            or gate.device.type != "cpu" or up.device.type != "cpu" or gate.numel() == 0
+            or not native_build.try_load(LIBRARY)):
+        return native_swiglu(gate, up)
+    return _FusedSwiGLU.apply(_rows(gate), _rows(up)).view(gate.shape)
