@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from portrl import ops
 from portrl.backends.cpu import kernels, native_build
-from portrl.backends.cpu.kernels import STREAM_MAX_ROWS, linear_prepacked_stream, stream_linear_available
+from portrl.backends.cpu.kernels import STREAM_MAX_ROWS, linear_prepacked_stream, native_kernels_available
 from portrl.backends.cpu.swiglu import swiglu_fused
 
-needs_stream = pytest.mark.skipif(stream_linear_available() is not True,
-                                  reason=f"streaming linear unavailable: {stream_linear_available()}")
+needs_stream = pytest.mark.skipif(native_kernels_available() is not True,
+                                  reason=f"streaming linear unavailable: {native_kernels_available()}")
 
 
 @needs_stream
@@ -65,7 +65,7 @@ def test_more_decode_rows_or_other_dtypes_take_mkl_or_plain_linear(monkeypatch):
 
 def test_cpu_backend_prefers_the_streaming_linear_where_it_can_run():
     impl, _ = ops.select("linear_prepacked", backend="cpu")
-    if stream_linear_available() is True:
+    if native_kernels_available() is True:
         assert impl == "stream"
     else:
         assert impl in ("mkl", "native")
@@ -119,7 +119,7 @@ def test_the_library_cache_key_follows_source_torch_and_cpu(monkeypatch, tmp_pat
 def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-portrl")
     assert native_build.compiler() is None
-    why = stream_linear_available()
+    why = native_kernels_available()
     assert why is not True and isinstance(why, str)
     with pytest.raises(native_build.KernelBuildError, match="no C\\+\\+ compiler"):
         native_build.load("a_source_never_loaded")
@@ -151,4 +151,4 @@ def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go
     torch.testing.assert_close(grad, want, atol=1e-6, rtol=1e-6)
     x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.equal(swiglu_fused(x, x), F.silu(x) * x)
-    assert ops.select("swiglu", backend="cpu")[0] == ("fused" if stream_linear_available() is True else "native")
+    assert ops.select("swiglu", backend="cpu")[0] == ("fused" if native_kernels_available() is True else "native")

@@ -131,15 +131,16 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
 STREAM_MAX_ROWS = 16
 
 
-def stream_linear_available() -> bool | str:
-    """True on an x86-64 CPU with AVX-512 (torch's CPU capability) and a C++ compiler, else the reason."""
+def native_kernels_available() -> bool | str:
+    """Whether this package's C++ CPU kernels (stream_linear.cpp, swiglu.cpp) can run here: True on an x86-64 CPU
+    with AVX-512 (torch's CPU capability) and a C++ compiler, else the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU (this one: {platform.machine()})"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
         return f"needs AVX-512 (torch reports this CPU as {capability})"
     if native_build.compiler() is None:
-        return "needs a C++ compiler to build backends/cpu/stream_linear.cpp once (install g++ or set CXX)"
+        return "needs a C++ compiler to build backends/cpu/*.cpp once (install g++ or set CXX)"
     return True
 
 
@@ -182,5 +183,5 @@ def register(registry) -> None:
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)
     registry.register("attention_varlen", "eager", attention_varlen_eager)
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)
-    registry.register("linear_prepacked", "stream", linear_prepacked_stream, available=stream_linear_available)
-    registry.register("swiglu", "fused", swiglu_fused, available=stream_linear_available)
+    registry.register("linear_prepacked", "stream", linear_prepacked_stream, available=native_kernels_available)
+    registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)
