@@ -32,7 +32,9 @@ def test_stream_linear_equals_linear_for_every_row_count(bias, out_features, in_
         x = torch.randn(*shape, generator=g)
         out = fn(x)
         assert out.shape == (*shape[:-1], out_features)
-        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        # float32 sums in k order: |error| grows with in_features (~3e-5 at 300 terms of ~17), as MKL's own does
+        want = F.linear(x.double(), w.double(), b.double() if bias else None).float()
+        torch.testing.assert_close(out, want, atol=2e-6 * in_features, rtol=1e-5)
 
 
 @needs_stream
