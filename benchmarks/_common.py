@@ -123,15 +123,18 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def run_side(script: Path, args: list[str], timeout: float = 3600, verbose: bool = False) -> dict:
+def run_side(script: Path, args: list[str], timeout: float = 3600, verbose: bool = False,
+             env_defaults: dict | None = None) -> dict:
     """Run ``python script --worker ... args`` in a fresh process; return the JSON it writes to ``--result``.
 
-    The child's output is shown only when it fails or ``verbose``.
+    ``env_defaults``: variables the child gets where the caller's environment has not set them. The child's
+    output is shown only when it fails or ``verbose``.
     """
     with tempfile.TemporaryDirectory(prefix="portrl-bench-") as tmp:
         result = Path(tmp) / "result.json"
-        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-                   TOKENIZERS_PARALLELISM="false")
+        env = dict(env_defaults or {})
+        env.update(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
         proc = subprocess.run([sys.executable, str(script), *args, "--result", str(result)], env=env, timeout=timeout,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if verbose or proc.returncode != 0 or not result.exists():

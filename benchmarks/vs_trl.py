@@ -24,7 +24,9 @@ Configurations:
   2 GB model between invocations. ``--prompts / --samples / --max-new`` override any configuration's
   workload (e.g. ``--steps 1 --warmup 0 --max-new 8 --prompts 2 --samples 2`` to check the wiring).
 
-Each side runs in its own Python process (so peak RSS is per side) for warmup + steps steps; the
+Each side runs in its own Python process (so peak RSS is per side) for warmup + steps steps, the portrl side
+with the environment ``portrl train`` gives itself (portrl/process_env.py: huge pages for large CPU tensors,
+passive OpenMP waits; a variable set by the caller wins), the TRL side with the caller's. The
 first ``warmup`` steps are not timed. With ``--rounds R`` the sides alternate R times (trl, portrl,
 trl, portrl, ...) and the timed steps are pooled, so that a change in machine load hits both. Wall
 time is the headline; CPU time of the process (all threads) is shown beside it as a check on a
@@ -59,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _ceilings  # noqa: E402
 import _common  # noqa: E402
+from portrl import process_env  # noqa: E402
 
 PROMPTS_PER_STEP = 8
 SAMPLES = 4
@@ -359,7 +362,9 @@ def main(argv=None) -> int:
                     args += ["--checkpointing"] if w["checkpointing"] else []
                     args += ["--measure-ceilings"] if ceilings and side == "portrl" else []
                     args += ["--read-mib", str(a.read_mib)] if a.read_mib else []
-                    runs[side].append(_common.run_side(Path(__file__).resolve(), args, verbose=a.verbose))
+                    env = process_env.DEFAULTS if side == "portrl" else None  # what `portrl train` sets for itself
+                    runs[side].append(_common.run_side(Path(__file__).resolve(), args, verbose=a.verbose,
+                                                       env_defaults=env))
             merged = {side: merge_rounds(r) for side, r in runs.items()}
             r = print_config(name, {side: summarize(m) for side, m in merged.items()})
             if "portrl" in merged:

@@ -4,7 +4,7 @@ import os
 
 # No vendor plugin may autoload into torch on a CPU test machine.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-# Spinning OpenMP threads slow CPU training by up to 10x when the cores are shared (see portrl.cli).
+# Spinning OpenMP threads slow CPU training by up to 10x when the cores are shared (portrl/process_env.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Tests never write into the user's cache.
 os.environ.setdefault("PORTRL_CACHE", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"portrl-test-cache-{os.getuid()}"))

@@ -301,6 +301,22 @@ def test_cpu_native_bf16_flags(cpuinfo, want, monkeypatch):
     monkeypatch.setattr(cpu_mod, "native_bf16_features", lambda cpuinfo=None: want)
     backend = cpu_mod.CPUBackend()
     assert backend.supports_bf16() is bool(want) and backend.supported_dtypes()[0] == "float32"
-    (check,) = backend.doctor_checks()
+    check = backend.doctor_checks()[0]
     assert check.name == "bfloat16" and check.status == ("ok" if want else "warn")
     assert want or "device.dtype=float32" in check.fix
+
+
+@pytest.mark.parametrize("text, mode", [
+    ("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+    ("always madvise [never]\n", "never"), ("", None),
+])
+def test_cpu_transparent_hugepage_mode_and_doctor_line(text, mode):
+    """Linux's THP mode is the bracketed word; doctor warns (with the fix) only where torch's huge-page allocation
+    (portrl/process_env.py) cannot work, and says so when the user turned it off."""
+    assert cpu_mod.transparent_hugepage_mode(text) == mode
+    check = cpu_mod.huge_pages_check(mode, "1")
+    assert check.status == ("ok" if mode in ("always", "madvise") else "warn")
+    assert check.status == "ok" or cpu_mod.THP_ENABLED_FILE in check.fix
+    off = cpu_mod.huge_pages_check(mode, "0")
+    assert off.status == "ok" and "THP_MEM_ALLOC_ENABLE=0" in off.message
+    assert [c.name for c in cpu_mod.CPUBackend().doctor_checks()] == ["bfloat16", "huge pages"]

@@ -8,6 +8,7 @@ import torch
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+from portrl import process_env  # noqa: E402
 from portrl.config.schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.device.backend import Backend  # noqa: E402
@@ -95,9 +96,11 @@ def test_worker_env_layers_presets_user_env_and_noset():
     cfg.trainer.deterministic = True
     cfg.device.env = {"ALLOC_CONF": "user", "EXTRA": "1"}
     env = worker_env(cfg, FakeAccel(), share_devices=True)
-    assert env == {"ALLOC_CONF": "user", "DETERMINISTIC": "1", "EXTRA": "1",
+    # the variables torch reads before it loads come first, with this process's values (portrl/process_env.py)
+    assert env == {**process_env.current(), "ALLOC_CONF": "user", "DETERMINISTIC": "1", "EXTRA": "1",
                    "RAY_EXPERIMENTAL_NOSET_FAKE_VISIBLE_DEVICES": "1"}
-    assert worker_env(default_config(), get_backend("cpu")) == {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    assert worker_env(default_config(), get_backend("cpu")) == {**process_env.current(),
+                                                                 "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
 # ------------------------------------------------------------------------------ parallel

@@ -28,6 +28,22 @@ def native_bf16_features(cpuinfo: str | None = None) -> tuple[str, ...]:
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
+THP_ENABLED_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_hugepage_mode(text: str | None = None) -> str | None:
+    """Linux's transparent-huge-page mode, the bracketed word of ``THP_ENABLED_FILE`` (``always``, ``madvise``
+    or ``never``); None where the file cannot be read (not Linux, no THP)."""
+    if text is None:
+        try:
+            with open(THP_ENABLED_FILE, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 class CPUBackend(Backend):
     name = "cpu"
     device_type = "cpu"
@@ -104,11 +120,13 @@ class CPUBackend(Backend):
 
         native = native_bf16_features()
         if native:
-            return [Check("bfloat16", OK, f"native bfloat16 arithmetic ({', '.join(native)}); the cpu preset "
-                          "still trains in float32 (device.dtype=bfloat16 keeps float32 master weights)")]
-        return [Check("bfloat16", WARN, "this CPU has no native bfloat16 arithmetic (no avx512_bf16 / amx_bf16 / "
-                      "bf16 flag): bfloat16 matmuls are emulated and several times slower than float32",
-                      "keep device.dtype=float32 (the cpu preset's)")]
+            checks = [Check("bfloat16", OK, f"native bfloat16 arithmetic ({', '.join(native)}); the cpu preset "
+                            "still trains in float32 (device.dtype=bfloat16 keeps float32 master weights)")]
+        else:
+            checks = [Check("bfloat16", WARN, "this CPU has no native bfloat16 arithmetic (no avx512_bf16 / amx_bf16 "
+                            "/ bf16 flag): bfloat16 matmuls are emulated and several times slower than float32",
+                            "keep device.dtype=float32 (the cpu preset's)")]
+        return checks + [huge_pages_check(transparent_hugepage_mode(), os.environ.get("THP_MEM_ALLOC_ENABLE", "1"))]
 
     def fp8_dtype(self) -> str | None:
         return None
@@ -137,3 +155,17 @@ class CPUBackend(Backend):
         if deterministic:
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # harmless on CPU; torch asks for it with use_deterministic_algorithms
         return env
+
+
+def huge_pages_check(mode: str | None, thp_alloc: str):
+    """The doctor line for torch's huge-page allocation (portrl/process_env.py): Linux's THP ``mode`` and the
+    ``THP_MEM_ALLOC_ENABLE`` value a portrl command runs with."""
+    from portrl.device.checks import OK, WARN, Check
+
+    if thp_alloc.strip() in ("0", ""):
+        return Check("huge pages", OK, "off (THP_MEM_ALLOC_ENABLE=0): large CPU tensors use 4 KiB pages")
+    if mode in ("always", "madvise"):
+        return Check("huge pages", OK, f"transparent huge pages '{mode}': large CPU tensors use 2 MiB pages")
+    return Check("huge pages", WARN, f"transparent huge pages are {mode or 'not available'} here: large CPU tensors "
+                 "use 4 KiB pages (measured: a 0.5B GRPO step's decode 36-38 s with them against 26-28 s with 2 MiB pages)",
+                 f"as root: echo madvise > {THP_ENABLED_FILE}")

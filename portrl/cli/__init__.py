@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 
-from portrl import __version__
+from portrl import __version__, process_env
 from portrl.errors import RunStopped, UserError
 
 EXIT_WORKER_DIED = 1  # a worker process died or hung: the run failed, but not because of the user's input
@@ -74,9 +74,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP threads that spin while waiting make CPU training up to 10x slower whenever another process
-    # shares the cores (measured: one forward/backward 0.29 s vs 0.03 s); it must be set before torch loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # before any command imports torch, which reads them once (portrl/process_env.py: what each one does)
+    process_env.apply_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     index, command = _command_in(argv)
     parser = build_parser(command)

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from portrl import process_env
+
 log = logging.getLogger(__name__)
 
 
@@ -38,9 +40,11 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
 
 
 def worker_env(cfg: Any, backend, *, share_devices: bool = False) -> Dict[str, str]:
-    """Environment variables of every worker: ``backend.env_presets(trainer.deterministic)``, then
-    ``device.env`` (the user's, wins), then the Ray no-set opt-outs when ``share_devices``."""
-    env = dict(backend.env_presets(deterministic=bool(_cfg_get(cfg, "trainer.deterministic", False))))
+    """Environment variables of every worker: this process's values of ``portrl.process_env.DEFAULTS`` (they
+    must be set before torch loads), ``backend.env_presets(trainer.deterministic)``, then ``device.env`` (the
+    user's, wins), then the Ray no-set opt-outs when ``share_devices``."""
+    env = process_env.current()
+    env.update(backend.env_presets(deterministic=bool(_cfg_get(cfg, "trainer.deterministic", False))))
     env.update({str(k): str(v) for k, v in dict(_cfg_get(cfg, "device.env", {}) or {}).items()})
     if share_devices:
         env.update({name: "1" for name in backend.ray_noset_env})
