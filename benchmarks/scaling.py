@@ -71,7 +71,8 @@ def main(argv=None) -> int:
             for side in sides:
                 res = _common.run_side(script, ["--worker", side, "--model-dir", str(model_dir), "--steps", str(a.steps),
                                                 "--warmup", str(a.warmup), "--prompts", str(p), "--samples", str(s),
-                                                "--max-new", str(n)], verbose=a.verbose)
+                                                "--max-new", str(n)], verbose=a.verbose,
+                                           env_defaults=vs_trl.side_env(side))
                 m = vs_trl.summarize(res)
                 step[side] = m["s_per_step"]
                 line += (f" | {m['s_per_step']:13.3f} {m['gen_s_per_step']:7.3f} {m['tokens_per_step']:8.0f} "

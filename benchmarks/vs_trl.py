@@ -74,6 +74,12 @@ TINY_WORKLOAD = dict(data="arith", prompts=PROMPTS_PER_STEP, samples=SAMPLES, ma
                      checkpointing=False)
 
 
+def side_env(side: str) -> dict | None:
+    """Environment defaults of a side's process: for portrl, what ``portrl train`` sets for itself before torch
+    loads (portrl/process_env.py); TRL runs with the caller's environment."""
+    return dict(process_env.DEFAULTS) if side == "portrl" else None
+
+
 def workload(config: str) -> dict:
     """The default workload of a configuration (data, prompts, samples, max_new, checkpointing)."""
     return dict(_common.REAL_CONFIGS[config][1]) if config in _common.REAL_CONFIGS else dict(TINY_WORKLOAD)
@@ -362,9 +368,8 @@ def main(argv=None) -> int:
                     args += ["--checkpointing"] if w["checkpointing"] else []
                     args += ["--measure-ceilings"] if ceilings and side == "portrl" else []
                     args += ["--read-mib", str(a.read_mib)] if a.read_mib else []
-                    env = process_env.DEFAULTS if side == "portrl" else None  # what `portrl train` sets for itself
                     runs[side].append(_common.run_side(Path(__file__).resolve(), args, verbose=a.verbose,
-                                                       env_defaults=env))
+                                                       env_defaults=side_env(side)))
             merged = {side: merge_rounds(r) for side, r in runs.items()}
             r = print_config(name, {side: summarize(m) for side, m in merged.items()})
             if "portrl" in merged:

@@ -14,10 +14,11 @@ wins; ``VAR=0 portrl train ...`` (or ``ACTIVE`` for the wait policy) opts out.
   streams every weight, one page fault per 2 MiB instead of 512 when a large fresh tensor is first written.
   Measured on a 2-core Sapphire Rapids VM (benchmarks/RESULTS.md, run O): a 1-4 GiB ``torch.sum`` 15-18 ->
   24-29 GB/s, a 4096^3 matmul 216-223 -> 271-302 GFLOP/s, gathering 94 MB of rows into a fresh tensor 49 -> 20
-  ms; a Qwen2.5-0.5B GRPO step's decode 36-38 -> 26-28 s. Works where
+  ms; Qwen2.5-0.5B GRPO steps 2-4 of a run 67-79 -> 64-75 s (decode 25.7-26.7 -> 24.3-24.7 s). Works where
   ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (``portrl doctor`` says which).
   On a VM whose hypervisor takes freed memory back (free-page reporting), the first touch of huge pages a
-  process has not used yet is slow (there, ~7-15 s per 2 GiB, once per process: a 0.5B run's first step).
+  process has not used yet is slow: on that VM ~7-15 s per 2 GiB, and the first 0.5B step took 152 s against
+  111 s (the steps after it win that back in about eight steps).
 """
 
 from __future__ import annotations
