@@ -1,7 +1,6 @@
 """The environment portrl sets before torch loads (portrl/process_env.py): defaults, the user's values winning,
 the CLI applying them, and torch's CPU allocator really taking huge pages from the variable."""
 
-import platform
 import subprocess
 import sys
 
@@ -53,50 +52,3 @@ def test_the_variable_puts_large_torch_tensors_on_huge_pages():
     assert on >= 160 << 10
     if transparent_hugepage_mode() == "madvise":
         assert _anon_huge_kib("0") < 32 << 10
-
-
-_RSS_AFTER_FREE = """
-import sys
-from portrl import process_env
-applied = process_env.keep_freed_memory()
-import torch
-
-def rss_mib():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) >> 10
-
-before = rss_mib()
-x = torch.ones(64 << 20)  # 256 MiB, written
-del x
-print(applied, rss_mib() - before)
-"""
-
-
-def _applied_and_kept_mib(opt_out: bool) -> tuple:
-    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": "0"}
-    if opt_out:
-        env[process_env.KEEP_FREED_MEMORY_VAR] = "0"
-    out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    applied, kept = out.stdout.split()[-2:]
-    return applied == "True", int(kept)
-
-
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_keep_freed_memory_keeps_a_freed_tensor_resident_and_can_be_turned_off():
-    """With it, a freed 256 MiB tensor stays in the process (the next one reuses its pages); opted out, glibc gives
-    it back to the kernel at once (it was its own mapping)."""
-    assert _applied_and_kept_mib(opt_out=False) == (True, pytest.approx(256, abs=32))
-    applied, kept = _applied_and_kept_mib(opt_out=True)
-    assert not applied and kept < 32
-
-
-def test_setup_process_keeps_freed_memory_for_the_cpu_backend(monkeypatch):
-    from portrl.config.schema import default_config
-    from portrl.device import get_backend
-    from portrl.workers import setup
-
-    calls = []
-    monkeypatch.setattr(setup.process_env, "keep_freed_memory", lambda: calls.append(1) or True)
-    setup.setup_process(default_config(), get_backend("cpu"))
-    assert calls == [1]

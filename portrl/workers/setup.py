@@ -10,7 +10,6 @@ import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from portrl import process_env
 from portrl.device import resolve_backend
 from portrl.models.loader import model_class
 from portrl.ops import registry
@@ -67,8 +66,6 @@ def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
     Env variables the user already set win over presets.
     """
     deterministic = bool(cfg.trainer.deterministic)
-    if backend.device_type == "cpu":  # its tensors live in this process's heap (portrl/process_env.py)
-        process_env.keep_freed_memory()
     for k, v in backend.env_presets(deterministic=deterministic).items():
         os.environ.setdefault(k, str(v))
     for k, v in dict(cfg.device.env or {}).items():
