@@ -24,23 +24,23 @@ wins; ``VAR=0 portrl train ...`` (or ``ACTIVE`` for the wait policy) opts out.
 from __future__ import annotations
 
 import os
-from typing import Dict, MutableMapping, Optional
+from collections.abc import MutableMapping
 
 #: variable -> value, applied where the user has not set the variable
-DEFAULTS: Dict[str, str] = {
+DEFAULTS: dict[str, str] = {
     "OMP_WAIT_POLICY": "PASSIVE",
     "THP_MEM_ALLOC_ENABLE": "1",
 }
 
 
-def apply_defaults(environ: Optional[MutableMapping[str, str]] = None) -> None:
+def apply_defaults(environ: MutableMapping[str, str] | None = None) -> None:
     """Set each of :data:`DEFAULTS` that ``environ`` (default ``os.environ``) does not have yet."""
     env = os.environ if environ is None else environ
     for name, value in DEFAULTS.items():
         env.setdefault(name, value)
 
 
-def current(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
+def current(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """The values of :data:`DEFAULTS`' variables in effect here (the user's where set, else the default): what a
     worker process of this run must start with."""
     env = os.environ if environ is None else environ

@@ -126,7 +126,9 @@ class CPUBackend(Backend):
             checks = [Check("bfloat16", WARN, "this CPU has no native bfloat16 arithmetic (no avx512_bf16 / amx_bf16 "
                             "/ bf16 flag): bfloat16 matmuls are emulated and several times slower than float32",
                             "keep device.dtype=float32 (the cpu preset's)")]
-        return checks + [huge_pages_check(transparent_hugepage_mode(), os.environ.get("THP_MEM_ALLOC_ENABLE", "1"))]
+        from portrl import process_env
+
+        return checks + [huge_pages_check(transparent_hugepage_mode(), process_env.current()["THP_MEM_ALLOC_ENABLE"])]
 
     def fp8_dtype(self) -> str | None:
         return None
