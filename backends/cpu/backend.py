@@ -7,6 +7,8 @@ from typing import Any
 
 from portrl.device.backend import Backend, ProbeResult, package_version
 
+from . import heap
+
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX-BF16, Arm FEAT_BF16
 
@@ -73,19 +75,35 @@ class CPUBackend(Backend):
     def synchronize(self) -> None:
         return None
 
+    def configure_allocator(self) -> None:
+        """Count tensor bytes (per-phase peaks) and keep freed memory in the process's heap, so a step's large
+        tensors reuse pages already faulted in (backends/cpu/heap.py; ``PORTRL_KEEP_FREED_MEMORY=0`` opts out)."""
+        heap.count_tensors()
+        heap.keep_freed()
+
     def empty_cache(self) -> None:
-        return None
+        """Give the memory the heap kept (``configure_allocator``) back to the kernel."""
+        heap.release_kept()
 
     def memory_stats(self) -> dict[str, int]:
-        """The CPU device's memory is this process's host memory: ``allocated`` = resident bytes (VmRSS),
-        ``peak_allocated`` = the resident high-water mark (VmHWM), from /proc/self/status; empty without /proc."""
+        """The CPU device's memory is this process's host memory. ``resident`` / ``peak_resident``: its resident
+        bytes (VmRSS) and their high-water mark over the process's life (VmHWM), from /proc/self/status.
+        ``allocated`` / ``peak_allocated``: the bytes of live tensors and their peak since ``reset_peak_memory``,
+        as a GPU's, once ``configure_allocator`` installed the count (backends/cpu/heap.py; not without a C++
+        compiler). Empty without /proc and without the count."""
+        out = {}
         try:
             with open("/proc/self/status") as f:
                 fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+            if len(fields) == 2:
+                out = {"resident": int(fields["VmRSS"].split()[0]) * 1024,
+                       "peak_resident": int(fields["VmHWM"].split()[0]) * 1024}
         except OSError:
-            return {}
-        kib = {k: int(v.split()[0]) for k, v in fields.items()}
-        return {"allocated": kib["VmRSS"] * 1024, "peak_allocated": kib["VmHWM"] * 1024} if len(kib) == 2 else {}
+            pass
+        counted = heap.tensor_bytes()
+        if counted is not None:
+            out["allocated"], out["peak_allocated"] = counted
+        return out
 
     def memory_available(self) -> int | None:
         """The host's ``MemAvailable`` from /proc/meminfo (what the kernel can give without swapping), None
@@ -98,13 +116,10 @@ class CPUBackend(Backend):
         return int(line.split()[1]) * 1024 if line else None
 
     def reset_peak_memory(self) -> None:
-        """Restart the high-water mark from the current resident size (writes 5 to /proc/self/clear_refs, Linux
-        4.0 and later); where that is not possible the peak keeps counting from the process start."""
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
+        """Restart the tensor count's peak from the live bytes now. The resident high-water mark is never reset:
+        the only way (writing 5 to /proc/self/clear_refs) also resets the process's ``ru_maxrss``, which
+        ``time -v``, schedulers and the benchmarks read as the run's peak."""
+        heap.reset_tensor_peak()
 
     def supports_bf16(self) -> bool:
         """Native bfloat16 arithmetic: x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension. Without it torch

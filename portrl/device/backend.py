@@ -10,8 +10,8 @@ Method families:
   ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
 * probe: :meth:`probe` -> :class:`ProbeResult`
 * device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
-  :meth:`synchronize`, :meth:`empty_cache`, :meth:`memory_stats`, :meth:`reset_peak_memory`,
-  :meth:`memory_available`, :meth:`manual_seed`
+  :meth:`synchronize`, :meth:`configure_allocator`, :meth:`empty_cache`, :meth:`memory_stats`,
+  :meth:`reset_peak_memory`, :meth:`memory_available`, :meth:`manual_seed`
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
@@ -139,6 +139,10 @@ class Backend:
 
     def synchronize(self) -> None:
         self._module().synchronize()
+
+    def configure_allocator(self) -> None:
+        """Set up this process's allocator for the device's tensors, once, before the first one (GPU caching
+        allocators read their settings from ``env_presets``: nothing to do here)."""
 
     def empty_cache(self) -> None:
         self._module().empty_cache()

@@ -144,6 +144,10 @@ class HFEngine(RolloutEngine):
         entries = self._check_images(multi_modal, len(prompts))
         if self._offloaded_from is not None:
             raise RuntimeError("the hf engine is asleep; call wake() before generate()")
+        if self.backend is not None:
+            # free memory the device's allocator kept (the update's blocks) goes back first, as verl's rollout does
+            # on entry: the rollout allocates other sizes beside it, and sizes its recording by what is available
+            self.backend.empty_cache()
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)

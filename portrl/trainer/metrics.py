@@ -71,22 +71,28 @@ class Timer:
     """Collects ``timing_s/<name>`` durations: ``with timer("gen"): ...``; phases may nest.
 
     With ``memory`` (a Backend whose work runs in this process), also ``memory/peak_gib/<name>``: the highest
-    ``memory_stats()["peak_allocated"]`` seen during the phase (the device's memory; on the CPU the process's
-    resident memory), the peak restarted at each phase's start (``reset_peak_memory``) and folded into every
-    enclosing phase, so an outer phase's peak includes its inner ones.
+    ``memory_stats()["peak_allocated"]`` seen during the phase (the device's tensor memory; on the CPU the bytes
+    of live tensors), the peak restarted at each phase's start (``reset_peak_memory``) and folded into every
+    enclosing phase, so an outer phase's peak includes its inner ones; and where the backend reports the
+    process's resident high-water mark (``peak_resident``: the CPU), ``memory/peak_resident_gib``: the highest
+    resident size of the process so far (what the operating system saw it hold, memory it kept included).
     """
 
     def __init__(self, memory: Any = None) -> None:
         self.times: Dict[str, float] = {}
         self.peaks: Dict[str, int] = {}
+        self.resident_peak: int | None = None
         self._memory = memory
         self._open: List[str] = []
 
     def _fold_peak(self) -> None:
-        peak = self._memory.memory_stats().get("peak_allocated")
+        stats = self._memory.memory_stats()
+        peak = stats.get("peak_allocated")
         if peak is not None:
             for name in self._open:
                 self.peaks[name] = max(self.peaks.get(name, 0), int(peak))
+        if stats.get("peak_resident") is not None:
+            self.resident_peak = max(self.resident_peak or 0, int(stats["peak_resident"]))
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -106,4 +112,6 @@ class Timer:
     def metrics(self) -> Dict[str, float]:
         out = {f"timing_s/{k}": v for k, v in self.times.items()}
         out.update({f"memory/peak_gib/{k}": v / 2**30 for k, v in self.peaks.items()})
+        if self.resident_peak is not None:
+            out["memory/peak_resident_gib"] = self.resident_peak / 2**30
         return out

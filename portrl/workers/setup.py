@@ -66,6 +66,7 @@ def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
     Env variables the user already set win over presets.
     """
     deterministic = bool(cfg.trainer.deterministic)
+    backend.configure_allocator()
     for k, v in backend.env_presets(deterministic=deterministic).items():
         os.environ.setdefault(k, str(v))
     for k, v in dict(cfg.device.env or {}).items():

@@ -1,0 +1,104 @@
+"""The CPU device's memory: this process's tensors counted, and its glibc heap kept instead of given back.
+
+By default glibc maps every allocation over 32 MiB on its own and unmaps it on free, so each large tensor of a
+step (activations, gathered rows, gradients) is fresh memory whose pages the kernel must fault in and zero
+again; with huge pages on a VM that first touch cost 16-635 ms for the same 2 x 47 MB call (the fused SwiGLU
+backward of a 0.5B update; 17 ms in reused memory). :func:`keep_freed` makes the heap hold freed memory instead
+(``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, 2^31 - 1)``: its top is
+never given back), the CPU counterpart of a GPU's caching allocator; :func:`release_kept` is that cache's
+``empty_cache`` (``malloc_trim(0)``: every whole free page of every arena back to the kernel).
+
+The process's resident size cannot tell one phase's peak from another's (its high-water mark can only be reset
+through /proc/self/clear_refs, which also resets the ``ru_maxrss`` that ``time -v`` and the benchmarks read; and
+with memory kept it stays at its high-water mark), so :func:`count_tensors` installs torch's CPU allocator with a
+count of live tensor bytes (backends/cpu/counting_allocator.cpp, built by the host's C++ compiler once):
+:func:`tensor_bytes` is then what a GPU's ``memory_allocated`` / ``max_memory_allocated`` are. Without a
+compiler there is no count; off glibc (musl, macOS) or with ``PORTRL_KEEP_FREED_MEMORY=0`` nothing is kept.
+
+Measured on the 2-core VM (benchmarks/RESULTS.md, runs O and P): the 0.5B update 37-46 -> 28-29 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from collections.abc import Mapping
+
+#: set to 0 to opt out of :func:`keep_freed`
+KEEP_FREED_MEMORY_VAR = "PORTRL_KEEP_FREED_MEMORY"
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h parameter numbers
+_kept = False
+log = logging.getLogger(__name__)
+
+
+def _glibc():
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+_counting = False
+
+
+def count_tensors() -> bool:
+    """Install the counting CPU allocator (idempotent); False when its library cannot be built here (no compiler:
+    quietly, as the CPU kernels do; a failed build: native_build's one warning)."""
+    global _counting
+    if _counting:
+        return True
+    import torch
+
+    from . import native_build
+
+    if native_build.compiler() is None:
+        log.info("no per-phase tensor memory: no C++ compiler to build backends/cpu/counting_allocator.cpp")
+        return False
+    _counting = native_build.try_load("counting_allocator") and bool(torch.ops.portrl_cpu_memory.install())
+    return _counting
+
+
+def keep_freed(environ: Mapping[str, str] | None = None) -> bool:
+    """Keep freed memory in this process's heap from now on; True when in effect, False (nothing changed) off
+    glibc or with ``PORTRL_KEEP_FREED_MEMORY=0``. Idempotent."""
+    global _kept
+    env = os.environ if environ is None else environ
+    libc = _glibc()
+    if _kept or env.get(KEEP_FREED_MEMORY_VAR, "1").strip() == "0" or libc is None:
+        return _kept
+    _kept = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    return _kept
+
+
+def keeping() -> bool:
+    """Whether :func:`keep_freed` is in effect in this process."""
+    return _kept
+
+
+def tensor_bytes() -> tuple[int, int] | None:
+    """(live, peak) bytes of the tensors allocated since :func:`count_tensors`; None without the count."""
+    if not _counting:
+        return None
+    import torch
+
+    live, peak = torch.ops.portrl_cpu_memory.stats()
+    return int(live), int(peak)
+
+
+def reset_tensor_peak() -> None:
+    """Restart the peak of :func:`tensor_bytes` from the live bytes now."""
+    if _counting:
+        import torch
+
+        torch.ops.portrl_cpu_memory.reset_peak()
+
+
+def release_kept() -> bool:
+    """Give the free memory the heap kept back to the kernel (``malloc_trim(0)``); True when some was released.
+    Does nothing unless :func:`keep_freed` is in effect (glibc's own trimming handles the rest)."""
+    libc = _glibc() if _kept else None
+    return bool(libc.malloc_trim(0)) if libc is not None else False
