@@ -15,7 +15,8 @@ count of live tensor bytes (backends/cpu/counting_allocator.cpp, built by the ho
 :func:`tensor_bytes` is then what a GPU's ``memory_allocated`` / ``max_memory_allocated`` are. Without a
 compiler there is no count; off glibc (musl, macOS) or with ``PORTRL_KEEP_FREED_MEMORY=0`` nothing is kept.
 
-Measured on the 2-core VM (benchmarks/RESULTS.md, runs O and P): the 0.5B update 37-46 -> 28-29 s.
+Measured on the 2-core VM (benchmarks/RESULTS.md, runs P and Q, arms alternating): a 0.5B GRPO step 60.9-64.4 ->
+48.1-50.1 s (the update about 35 -> 20 s), peak RSS 13.46 -> 13.22-13.33 GB.
 """
 
 from __future__ import annotations
