@@ -319,4 +319,11 @@ def test_cpu_transparent_hugepage_mode_and_doctor_line(text, mode):
     assert check.status == "ok" or cpu_mod.THP_ENABLED_FILE in check.fix
     off = cpu_mod.huge_pages_check(mode, "0")
     assert off.status == "ok" and "THP_MEM_ALLOC_ENABLE=0" in off.message
-    assert [c.name for c in cpu_mod.CPUBackend().doctor_checks()] == ["bfloat16", "huge pages"]
+    assert [c.name for c in cpu_mod.CPUBackend().doctor_checks()] == ["bfloat16", "huge pages", "C++ compiler"]
+
+
+def test_cpu_doctor_line_for_the_compiler():
+    """The compiler builds the native kernels and the counting allocator; without one doctor warns with the fix."""
+    assert cpu_mod.compiler_check("/usr/bin/g++").status == "ok"
+    missing = cpu_mod.compiler_check(None)
+    assert missing.status == "warn" and "g++" in missing.fix and "memory/peak_gib" in missing.message
