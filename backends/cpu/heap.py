@@ -22,6 +22,7 @@ Measured on the 2-core VM (benchmarks/RESULTS.md, runs P and Q, arms alternating
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -34,6 +35,7 @@ _kept = False
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=1)  # platform.libc_ver() reads the interpreter's binary: once per process
 def _glibc():
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
