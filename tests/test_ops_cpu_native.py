@@ -1,4 +1,4 @@
-"""The CPU's native kernels: the weight-streaming decode linear (backends/cpu/stream_linear.cpp), the fused
+"""The CPU's native kernels: the decode linear on the weights as they are (backends/cpu/rows_linear.cpp), the fused
 SwiGLU (swiglu.cpp) and their build (native_build.py)."""
 
 import logging
@@ -9,66 +9,78 @@ import torch.nn.functional as F
 
 from portrl import ops
 from portrl.backends.cpu import kernels, native_build
-from portrl.backends.cpu.kernels import STREAM_MAX_ROWS, linear_prepacked_stream, native_kernels_available
+from portrl.backends.cpu.kernels import ROWS_MAX, linear_prepacked_rows, native_kernels_available
 from portrl.backends.cpu.swiglu import swiglu_fused
 
-needs_stream = pytest.mark.skipif(native_kernels_available() is not True,
-                                  reason=f"streaming linear unavailable: {native_kernels_available()}")
+needs_rows = pytest.mark.skipif(native_kernels_available() is not True,
+                                  reason=f"row-tile linear unavailable: {native_kernels_available()}")
 
 
-@needs_stream
+@needs_rows
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("out_features,in_features", [(100, 72), (16, 37), (3, 5), (160, 300)])
-def test_stream_linear_equals_linear_for_every_row_count(bias, out_features, in_features):
-    """Every row count up to the packed one (a last panel cut short, odd widths), 3-D inputs, zero rows, and
-    more rows than the kernel serves (the plain matmul) equal F.linear."""
-    g = torch.Generator().manual_seed(out_features + in_features)
-    w = torch.randn(out_features, in_features, generator=g)
+@pytest.mark.parametrize("parts,in_features", [([100], 72), ([16], 37), ([3], 5), ([160], 300), ([7, 2, 2], 48),
+                                               ([64, 64], 896)])
+def test_rows_linear_equals_linear_for_every_row_count(bias, parts, in_features):
+    """Every row count up to ROWS_MAX (tiles and row blocks cut short, odd widths and a masked last k chunk,
+    weights given as parts of a fused one), 3-D inputs, zero rows, and more rows than the kernel serves (the
+    plain matmul) equal F.linear on the concatenated weight."""
+    g = torch.Generator().manual_seed(sum(parts) + in_features)
+    ws = [torch.randn(n, in_features, generator=g) for n in parts]
+    out_features = sum(parts)
     b = torch.randn(out_features, generator=g) if bias else None
-    fn = linear_prepacked_stream(w, b, rows=STREAM_MAX_ROWS)
-    shapes = [(m, in_features) for m in range(STREAM_MAX_ROWS + 1)]
-    shapes += [(2, 5, in_features), (4, 1, in_features), (STREAM_MAX_ROWS + 9, in_features)]
+    fn = linear_prepacked_rows(ws if len(ws) > 1 else ws[0], b, rows=ROWS_MAX)
+    shapes = [(m, in_features) for m in range(ROWS_MAX + 1)]
+    shapes += [(2, 5, in_features), (4, 1, in_features), (ROWS_MAX + 9, in_features)]
+    whole = torch.cat(ws).double()
     for shape in shapes:
         x = torch.randn(*shape, generator=g)
         out = fn(x)
         assert out.shape == (*shape[:-1], out_features)
-        # float32 sums in k order: |error| grows with in_features (~3e-5 at 300 terms of ~17), as MKL's own does
-        want = F.linear(x.double(), w.double(), b.double() if bias else None).float()
+        # float32 sums: |error| grows with in_features (~3e-5 at 300 terms of ~17), as MKL's own does
+        want = F.linear(x.double(), whole, b.double() if bias else None).float()
         torch.testing.assert_close(out, want, atol=2e-6 * in_features, rtol=1e-5)
 
 
-@needs_stream
-def test_stream_linear_uses_the_packing_of_the_weight_at_call_time_and_checks_shapes():
-    """The packing is a snapshot (the decoder packs once per generate call); mismatched shapes are errors."""
+@needs_rows
+def test_rows_linear_reads_the_weights_at_call_time_and_checks_shapes():
+    """No copy: an in-place change of a weight shows in the next call. Mismatched shapes are errors."""
     w = torch.randn(40, 24)
-    fn = linear_prepacked_stream(w, None, rows=4)
+    fn = linear_prepacked_rows(w, None, rows=4)
     x = torch.randn(4, 24)
     before = fn(x)
     w.mul_(2.0)
-    torch.testing.assert_close(fn(x), before)
-    packed = torch.ops.portrl_cpu.stream_pack(w)
-    assert packed.shape == (3, 24, 16)
-    torch.testing.assert_close(packed[2, :, 8:], torch.zeros(24, 8))  # rows past out_features are zero
-    with pytest.raises(RuntimeError, match="do not match"):
-        torch.ops.portrl_cpu.stream_linear(torch.randn(4, 23), packed, 40, None)
-    with pytest.raises(RuntimeError, match="out_features"):
-        torch.ops.portrl_cpu.stream_linear(x, packed, 60, None)
+    torch.testing.assert_close(fn(x), 2 * before)
+    rows_linear = torch.ops.portrl_cpu_rows.rows_linear
+    with pytest.raises(RuntimeError, match="every weight must be"):
+        rows_linear(torch.randn(4, 23), [w], None)
+    with pytest.raises(RuntimeError, match="bias must have"):
+        rows_linear(x, [w, w], torch.randn(40))
+    with pytest.raises(ValueError, match="one in_features"):
+        linear_prepacked_rows([w, torch.randn(8, 23)], None, rows=4)
 
 
-@needs_stream
+@needs_rows
 def test_more_decode_rows_or_other_dtypes_take_mkl_or_plain_linear(monkeypatch):
     taken = []
     monkeypatch.setattr(kernels, "linear_prepacked_mkl", lambda w, b, rows: taken.append(rows) or (lambda x: x))
-    linear_prepacked_stream(torch.randn(8, 8), None, rows=STREAM_MAX_ROWS + 1)
-    linear_prepacked_stream(torch.randn(8, 8, dtype=torch.float64), None, rows=4)
-    linear_prepacked_stream(torch.randn(8, 8), None, rows=None)
-    assert taken == [STREAM_MAX_ROWS + 1, 4, None]
+    linear_prepacked_rows(torch.randn(8, 8), None, rows=ROWS_MAX + 1)
+    linear_prepacked_rows(torch.randn(8, 8, dtype=torch.float64), None, rows=4)
+    linear_prepacked_rows(torch.randn(8, 8), None, rows=None)
+    assert taken == [ROWS_MAX + 1, 4, None]
 
 
-def test_cpu_backend_prefers_the_streaming_linear_where_it_can_run():
+@pytest.mark.parametrize("fn", [kernels.linear_prepacked_mkl, ops.linear_prepacked], ids=["mkl", "native"])
+def test_every_linear_prepacked_takes_the_parts_of_a_fused_weight(fn):
+    """The contract for every implementation: parts stand for their concatenation along out features."""
+    g = torch.Generator().manual_seed(3)
+    ws, b, x = [torch.randn(12, 16, generator=g), torch.randn(4, 16, generator=g)], torch.randn(16), torch.randn(5, 16)
+    torch.testing.assert_close(fn(ws, b, 5)(x), F.linear(x, torch.cat(ws), b), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_backend_prefers_the_row_tile_linear_where_it_can_run():
     impl, _ = ops.select("linear_prepacked", backend="cpu")
     if native_kernels_available() is True:
-        assert impl == "stream"
+        assert impl == "rows"
     else:
         assert impl in ("mkl", "native")
     assert ops.select("linear_prepacked", backend="cuda")[0] == "native"
@@ -80,9 +92,9 @@ def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path
     monkeypatch.setenv("PORTRL_KERNEL_CACHE", str(tmp_path / "kernels"))
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always exits 1
     assert native_build.compiler().endswith("false")
-    target = native_build.library_path("stream_linear")
-    with pytest.raises(native_build.KernelBuildError, match="stream_linear.cpp failed"):
-        native_build._build(native_build.compiler(), native_build.SOURCE_DIR / "stream_linear.cpp", target)
+    target = native_build.library_path("rows_linear")
+    with pytest.raises(native_build.KernelBuildError, match="rows_linear.cpp failed"):
+        native_build._build(native_build.compiler(), native_build.SOURCE_DIR / "rows_linear.cpp", target)
     assert target.parent == tmp_path / "kernels" and list(tmp_path.rglob("*")) == [target.parent]
 
     def failing_load(name):
@@ -97,25 +109,25 @@ def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path
     try:
         w, x = torch.randn(24, 8), torch.randn(4, 8)
         for _ in range(2):
-            fn = linear_prepacked_stream(w, None, rows=4)
+            fn = linear_prepacked_rows(w, None, rows=4)
             torch.testing.assert_close(fn(x), F.linear(x, w))
     finally:
         native_build.log.removeHandler(handler)
-    warnings = [m for m in seen if "stream_linear.cpp are off" in m]
+    warnings = [m for m in seen if "rows_linear.cpp are off" in m]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
 
 
 def test_the_library_cache_key_follows_source_torch_and_cpu(monkeypatch, tmp_path):
     monkeypatch.delenv("PORTRL_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path))
-    first = native_build.library_path("stream_linear")
-    assert first.parent == tmp_path / "kernels" and first.name.startswith("stream_linear-")
+    first = native_build.library_path("rows_linear")
+    assert first.parent == tmp_path / "kernels" and first.name.startswith("rows_linear-")
     monkeypatch.setenv("PORTRL_KERNEL_CACHE", str(tmp_path / "elsewhere"))
-    assert native_build.library_path("stream_linear") == tmp_path / "elsewhere" / first.name
+    assert native_build.library_path("rows_linear") == tmp_path / "elsewhere" / first.name
     monkeypatch.setattr(native_build, "_cpu_identity", lambda: "model name: another CPU")
-    assert native_build.library_path("stream_linear") != first
+    assert native_build.library_path("rows_linear") != first
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert native_build.library_path("stream_linear") != first
+    assert native_build.library_path("rows_linear") != first
 
 
 def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
@@ -127,7 +139,7 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         native_build.load("a_source_never_loaded")
 
 
-@needs_stream
+@needs_rows
 @pytest.mark.parametrize("shape", [(7, 37), (2, 3, 64), (300, 48), (1, 1, 17)])
 def test_fused_swiglu_equals_silu_times_up_with_gradients(shape):
     """Values and both gradients against torch's silu(gate) * up, for widths with and without a vector tail."""
@@ -142,7 +154,7 @@ def test_fused_swiglu_equals_silu_times_up_with_gradients(shape):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@needs_stream
+@needs_rows
 def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go_native():
     gu = torch.randn(4, 2, 96, requires_grad=True)
     gate, up = gu.chunk(2, dim=-1)  # views with a row stride of 96

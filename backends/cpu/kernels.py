@@ -1,5 +1,6 @@
 """CPU kernels for portrl.ops: varlen attention through torch SDPA and eager (block-diagonal mask), and
-decode-loop linears: a weight-streaming AVX-512 kernel (backends/cpu/stream_linear.cpp) or MKL-packed weights.
+decode-loop linears: an AVX-512 kernel on the weights as they are (backends/cpu/rows_linear.cpp) or MKL-packed
+weights.
 
 Both are plain torch and run on any device; the cuda and rocm backends reuse ``attention_varlen_sdpa``
 as their fallback for dtypes flash-attention does not compute (float32).
@@ -15,10 +16,10 @@ import torch.nn.functional as F
 from portrl.backends.cpu import native_build
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.ops.attention import check_varlen_inputs
-from portrl.ops.layers import linear_prepacked
+from portrl.ops.layers import linear_prepacked, linear_weight_parts
 
 #: implementation names this module registers, best first (for the backend's kernel_preferences)
-PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("stream", "mkl", "native"),
+PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("rows", "mkl", "native"),
                # vocabulary blocks: large matmuls instead of ~110-row ones (portrl/ops/logprobs_vocab.py; at
                # Qwen2.5's 151936-token head, 2048 tokens: forward + backward 19.5 -> 10.8 s on 2 cores)
                "logprobs_entropy": ("vocab_blocks", "native"),
@@ -118,21 +119,23 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
     finished rows were dropped) takes ``_mkl_linear``'s own fallback, the plain matmul on ``weight``.
     float32 on the CPU only; other dtypes or devices get the native op (``F.linear``).
     """
-    if (rows is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+    parts = linear_weight_parts(weight)
+    if (rows is None or parts[0].dtype != torch.float32 or parts[0].device.type != "cpu"
             or mkl_packing_available() is not True):
-        return linear_prepacked(weight, bias, rows)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), int(rows))
-    return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, int(rows))
+        return linear_prepacked(parts, bias, rows)
+    whole = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(whole, int(rows))
+    return lambda x: torch.ops.mkl._mkl_linear(x, packed, whole, bias, int(rows))
 
 
-#: most rows the streaming kernel serves. It is compute-bound from about 16 rows on (at 2 FLOPs per row and
-#: weight, reading 20 GB/s at 32 rows needs more than the CPU's FLOP peak), where MKL's packed sgemm computes
-#: faster (0.5B shapes, 2 threads: 32 rows 9-15 GB/s against the kernel's 9-13, 16 rows 13-22 against 17-27)
-STREAM_MAX_ROWS = 16
+#: most rows the row-tile kernel serves. A decode step is compute-bound from about 16 rows on (2 FLOPs per row and
+#: weight: at 16 rows, reading 18 GB/s takes the 2 Zen 4 threads' whole FLOP peak), where MKL's packed sgemm
+#: computes faster
+ROWS_MAX = 16
 
 
 def native_kernels_available() -> bool | str:
-    """Whether this package's C++ CPU kernels (stream_linear.cpp, swiglu.cpp) can run here: True on an x86-64 CPU
+    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp) can run here: True on an x86-64 CPU
     with AVX-512 (torch's CPU capability) and a C++ compiler, else the reason."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU (this one: {platform.machine()})"
@@ -144,36 +147,34 @@ def native_kernels_available() -> bool | str:
     return True
 
 
-def linear_prepacked_stream(weight, bias=None, rows=None):
-    """``x -> x @ weight^T + bias`` streaming the weight once per call (backends/cpu/stream_linear.cpp).
+def linear_prepacked_rows(weight, bias=None, rows=None):
+    """``x -> x @ cat(weight)^T + bias`` reading each weight where it is, once per call (backends/cpu/rows_linear.cpp).
 
-    A decode step multiplies a few rows by every weight, so it is bound by reading the weights; MKL's sgemm
-    at 16 rows computes at a third of the CPU's FLOP peak and reads at about half the memory bandwidth. This
-    kernel keeps one 16-column panel of the weight in a register per k and all rows' accumulators in
-    registers, reading the packed weight as one sequential stream: at 16 rows, Qwen2.5-0.5B's matrices on
-    2 threads read at 12-22 GB/s against 7-9 GB/s for the plain matmul and a 17-20 GB/s memory read. The
-    weight is packed once per generate call (``stream_pack``: one copy of it). For ``rows`` (the decode's
-    row count) up to ``STREAM_MAX_ROWS``; any fewer rows (finished sequences dropped) use the same packing,
-    more (a prefill) take ``F.linear``. More decode rows, other dtypes and devices take the MKL
-    implementation (and its rules). Results equal ``F.linear`` up to float32 summation order (each dot
-    product runs in k order).
+    A decode step multiplies a few rows by every weight, so it is bound by reading the weights (up to ~16 rows,
+    then by FLOPs). The kernel computes tiles of 3 output columns times 8 rows straight from the row-major
+    weights, so nothing is copied: no packed layout, and fused projections (``weight`` a sequence: q/k/v,
+    gate/up) are not concatenated. At 16 rows, Qwen2.5-0.5B's matrices on 2 threads read at ~16.7 GB/s
+    against ~7 GB/s for the plain matmul. For ``rows`` (the decode's row count) up to ``ROWS_MAX``; fewer rows
+    (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` on the parts concatenated
+    for that call. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
+    Results equal ``F.linear`` up to float32 summation order.
 
     The library is built on first use (~10 s, cached across processes: backends/cpu/native_build.py); if it
     cannot be built, one warning and MKL's packed linear serves instead.
     """
-    if (rows is None or rows > STREAM_MAX_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or weight.dim() != 2 or not native_build.try_load("stream_linear")):
-        return linear_prepacked_mkl(weight, bias, rows)
-    w = weight.detach()
+    parts = linear_weight_parts(weight)
+    if (rows is None or rows > ROWS_MAX or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in parts)
+            or not native_build.try_load("rows_linear")):
+        return linear_prepacked_mkl(parts, bias, rows)
+    parts = [p.detach().contiguous() for p in parts]
     b = bias.detach().contiguous() if bias is not None else None
-    packed = torch.ops.portrl_cpu.stream_pack(w)
-    n = w.shape[0]
+    n = sum(p.shape[0] for p in parts)
 
     def apply(x):
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > STREAM_MAX_ROWS or x.dtype != torch.float32:
-            return F.linear(x, w, b)
-        return torch.ops.portrl_cpu.stream_linear(flat, packed, n, b).view(*x.shape[:-1], n)
+        if flat.shape[0] > ROWS_MAX or x.dtype != torch.float32:
+            return F.linear(x, parts[0] if len(parts) == 1 else torch.cat(parts), b)
+        return torch.ops.portrl_cpu_rows.rows_linear(flat, parts, b).view(*x.shape[:-1], n)
 
     return apply
 
@@ -183,5 +184,5 @@ def register(registry) -> None:
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)
     registry.register("attention_varlen", "eager", attention_varlen_eager)
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)
-    registry.register("linear_prepacked", "stream", linear_prepacked_stream, available=native_kernels_available)
+    registry.register("linear_prepacked", "rows", linear_prepacked_rows, available=native_kernels_available)
     registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)

@@ -3,7 +3,7 @@ layer of a decode loop whose weights stay fixed (``linear_prepacked``)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -42,16 +42,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def linear_prepacked(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+def linear_weight_parts(weight: Union[torch.Tensor, Sequence[torch.Tensor]]) -> list:
+    """``weight`` as a list of 2-D matrices with one in_features (a single matrix gives a list of one).
+
+    A sequence stands for the matrices stacked along out features (``torch.cat(parts)``), as a decode loop
+    fuses the q/k/v or gate/up projections of a layer; ValueError when a part is not 2-D or widths differ."""
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if not parts or any(p.dim() != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError("linear_prepacked weight must be 2-D (out_features, in_features), or a sequence of such "
+                         f"with one in_features; got {[tuple(p.shape) for p in parts]}")
+    return parts
+
+
+def linear_prepacked(weight: Union[torch.Tensor, Sequence[torch.Tensor]], bias: Optional[torch.Tensor] = None,
                      rows: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function ``x -> x @ weight^T + bias`` for a decode loop that applies the same weight many times.
 
-    Contract for every implementation: the returned function equals ``F.linear(x, weight, bias)`` for any
-    ``x (..., in_features)``; it may be specialised (a weight laid out once for the matmul kernel) for
-    inputs of ``rows`` rows (the product of x's leading dims) and must stay correct for any other count.
-    ``weight`` and ``bias`` must not change while the function is in use (a specialised copy would go stale).
-    The native one is ``F.linear`` itself.
+    Contract for every implementation: ``weight`` is a matrix (out_features, in_features) or a sequence of
+    them stacked along out features (:func:`linear_weight_parts`); the returned function equals
+    ``F.linear(x, torch.cat(parts), bias)`` for any ``x (..., in_features)``; it may be specialised (a weight
+    laid out once for the matmul kernel, or the parts read where they are) for inputs of ``rows`` rows (the
+    product of x's leading dims) and must stay correct for any other count. ``weight`` and ``bias`` must not
+    change while the function is in use (a specialised copy would go stale). The native one is ``F.linear``
+    itself, on the parts concatenated once.
     """
-    if weight.dim() != 2:
-        raise ValueError(f"linear_prepacked weight must be 2-D (out_features, in_features); got {tuple(weight.shape)}")
-    return lambda x: torch.nn.functional.linear(x, weight, bias)
+    parts = linear_weight_parts(weight)
+    w = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return lambda x: torch.nn.functional.linear(x, w, bias)

@@ -5,16 +5,17 @@ token in Python (mask building, cache objects, output containers, hooks), not in
 path runs the same arithmetic from the module's own parameters (no copy: training updates are
 seen at once) with one preallocated KV cache per generate call:
 
-* q/k/v projections fused into one matmul and gate/up into another (the fused weights are built
-  once per :meth:`FastDecoder.start`, i.e. once per generate call, so they follow training);
+* q/k/v projections fused into one matmul and gate/up into another (given to the backend's
+  ``linear_prepacked`` as parts: the CPU kernel reads them where they are, other implementations concatenate
+  them once per :meth:`FastDecoder.start`, i.e. once per generate call, so they follow training);
 * rotary cos/sin computed once for every position of the call by the model's own rotary module
   (so every rope variant the model supports is honoured);
 * attention over ``cache[:, :, :length]`` with a boolean key mask (left padding + not-yet-written
   slots): ``scaled_dot_product_attention``, except a one-token step on the CPU, which takes four
   plain ops (SDPA's per-call set-up costs more than the math there; 4% of a medium generate call);
 * logits for the last position only;
-* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op, weights packed
-  once per call (x86 CPUs: a weight-streaming AVX-512 kernel up to 16 rows, else MKL's packed sgemm).
+* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op (x86 CPUs: an
+  AVX-512 kernel on the weights as they are up to 16 rows, else MKL's sgemm on weights packed once per call).
 
 Layer math (pre-norm decoder): ``h = x + o(attn(rope(q), rope(k), v))`` with ``q, k, v =
 W_qkv·rms(x) (+ b)``; ``y = h + down(silu(gate) * up)`` with ``gate, up = W_gu·rms(h)``;
@@ -101,24 +102,24 @@ class FastDecoder:
         """Fuse the current weights and allocate a cache for ``rows`` sequences of up to ``max_len`` tokens.
 
         With ``steps >= PREPACK_MIN_STEPS`` one-token steps of ``decode_rows`` rows to come, the linears
-        go through the backend's ``linear_prepacked`` op (weights packed once for the call's row count);
-        for fewer steps the packing would cost more than it saves.
+        go through the backend's ``linear_prepacked`` op (specialised for the call's row count; MKL's packs the
+        weights once per call); for fewer steps a packing would cost more than it saves.
         """
         make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else linear_prepacked  # native: F.linear
 
-        def linear(w: torch.Tensor, b: Optional[torch.Tensor] = None):
+        def linear(w: Any, b: Optional[torch.Tensor] = None):  # w: a weight or the parts of a fused one
             return make(w, b, decode_rows)
 
         self.layers = []
         for layer in self.inner.layers:
             a, m = layer.self_attn, layer.mlp
-            w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            w_qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
             if b_qkv is None and any(b is not None for b in biases):
                 b_qkv = torch.cat([b if b is not None else p.weight.new_zeros(p.weight.shape[0])
                                    for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
-            w_gu = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+            w_gu = [m.gate_proj.weight, m.up_proj.weight]
             self.layers.append((layer.input_layernorm.weight, linear(w_qkv, b_qkv), linear(a.o_proj.weight, a.o_proj.bias),
                                 layer.post_attention_layernorm.weight, linear(w_gu), linear(m.down_proj.weight),
                                 getattr(layer.input_layernorm, "variance_epsilon", self.eps),
