@@ -8,7 +8,10 @@ A GRPO step on a CPU has two halves with different limits (benchmarks/vs_trl.py 
   head). Achieved bandwidth = ``bytes_per_step * decode_steps / decode_seconds``
   (:func:`achieved_bandwidth`). The KV cache's reads are left out (a few percent at 128 new tokens), so
   the figure is a lower bound of the traffic. Ceiling: :func:`memory_read_bandwidth`, the best of a few
-  ``torch.sum`` calls over a float32 tensor several times the last-level cache.
+  ``torch.sum`` calls over a float32 tensor several times the last-level cache. With R rows per step the
+  linears also do ``2 R`` FLOPs per float32 weight (4 bytes), so a machine whose FLOP peak is below
+  ``read x R / 2`` cannot read at full bandwidth: the roofline ``min(read, matmul_flops x 2 / R)``
+  (:func:`decode_roofline`, R the mean rows per decode step) is printed beside it.
 * **the update** is compute-bound: its matmul FLOPs are :func:`update_flops`, the ``6 x params x tokens``
   rule (2 per parameter and token forward, 4 backward) applied separately to the decoder layers and the
   LM head, plus one more forward of the layers (``x 4/3`` on their part) under gradient checkpointing,
@@ -141,6 +144,11 @@ def update_flops(params: dict, tokens: dict, checkpointing: bool, replayed: bool
     return body + 6.0 * params["head"] * tokens["head"]
 
 
+def decode_roofline(read_bytes_per_s: float, matmul_flops_per_s: float, mean_rows: float) -> float:
+    """Weight bytes per second a decode of ``mean_rows`` rows can reach: ``min(read, flops / (2 R / 4 bytes))``."""
+    return min(read_bytes_per_s, matmul_flops_per_s * 2.0 / mean_rows) if mean_rows > 0 else read_bytes_per_s
+
+
 def achieved_bandwidth(bytes_per_step: int, steps: int, seconds: float) -> float:
     """Bytes per second the decode read: ``bytes_per_step * steps / seconds``."""
     return bytes_per_step * steps / seconds if seconds > 0 else float("nan")
@@ -150,8 +158,8 @@ class DecodeProbe:
     """Times the hf engine's fast decode path per generate call, by wrapping (benchmark instrumentation only)
     ``FastDecoder.start`` (fusing / packing the weights, allocating the cache), ``FastDecoder.forward`` (the
     first call of a chunk is the prefill, each later one a one-token decode step) and the engine's
-    ``decode_chunk``. Per call: ``start_s``, ``prefill_s``, ``steps``, ``decode_forward_s`` (the steps'
-    forwards) and ``decode_s`` (from the prefill's end to the call's end: the steps with their sampling and
+    ``decode_chunk``. Per call: ``start_s``, ``prefill_s``, ``steps``, ``row_steps`` (rows summed over the
+    steps), ``decode_forward_s`` (the steps' forwards) and ``decode_s`` (from the prefill's end to the call's end: the steps with their sampling and
     bookkeeping). A model off the fast path leaves no calls. The wrappers stay in place (for every engine of
     the process) until :meth:`close`; ``with DecodeProbe() as probe:`` closes it at the block's end."""
 
@@ -177,11 +185,13 @@ class DecodeProbe:
                 cur["prefill_s"], cur["prefill_end"] = t1 - t0, t1
             else:
                 cur["steps"] += 1
+                cur["row_steps"] += a[0].shape[0]  # ids: (rows, 1)
                 cur["decode_forward_s"] += t1 - t0
             return out
 
         def timed_chunk(*a, **k):
-            probe._cur = dict(start_s=0.0, prefill_s=0.0, steps=0, decode_forward_s=0.0, prefill_end=None)
+            probe._cur = dict(start_s=0.0, prefill_s=0.0, steps=0, row_steps=0, decode_forward_s=0.0,
+                              prefill_end=None)
             out = chunk(*a, **k)
             cur = probe._cur
             end = cur.pop("prefill_end")
@@ -204,7 +214,7 @@ class DecodeProbe:
 
     def take(self) -> dict:
         """The sums over the calls since the last take (one generate call per step here)."""
-        keys = ("start_s", "prefill_s", "steps", "decode_forward_s", "decode_s")
+        keys = ("start_s", "prefill_s", "steps", "row_steps", "decode_forward_s", "decode_s")
         out = {k: sum(c[k] for c in self.calls) for k in keys}
         out["calls"] = len(self.calls)
         self.calls = []
@@ -256,10 +266,13 @@ def report(res: dict, model_dir: str) -> dict:
     flops = sum(update_flops(params, u, res.get("checkpointing", False), u.get("replayed", False)) for u in up)
     up_s = sum(u["seconds"] for u in up)
     read, mm = res["ceilings"]["read"]["bytes_per_s"], res["ceilings"]["matmul"]["flops_per_s"]
+    mean_rows = sum(d.get("row_steps", 0) for d in dec) / steps if steps else 0.0
+    roof = decode_roofline(read, mm, mean_rows)
     return {
         "weight_bytes_per_step": step_bytes, "decode_steps": steps, "decode_s": dec_s,
         "start_s": sum(d["start_s"] for d in dec), "prefill_s": sum(d["prefill_s"] for d in dec),
         "decode_bw": bw, "decode_forward_bw": fwd_bw, "read_bw": read, "decode_pct": 100 * bw / read,
+        "mean_rows": mean_rows, "roofline_bw": roof, "roofline_pct": 100 * bw / roof,
         "params": params, "update_tokens": (sum(u["body"] for u in up), sum(u["head"] for u in up)),
         "update_flops": flops, "update_s": up_s, "update_flops_per_s": flops / up_s if up_s > 0 else float("nan"),
         "matmul_flops_per_s": mm, "update_pct": 100 * flops / up_s / mm if up_s > 0 else float("nan"),
@@ -281,6 +294,9 @@ def print_report(name: str, c: dict, threads: int) -> None:
               f"GB/s; plus prefill {c['prefill_s']:.2f} s, weight fusing/packing {c['start_s']:.2f} s) vs memory read "
               f"{c['read_bw'] / 1e9:.1f} GB/s (sum over {c['read_bytes'] / 2**30:.2f} GiB) = {c['decode_pct']:.0f} % "
               f"(goal >= 60 %)")
+        print(f"          at {c['mean_rows']:.1f} rows per step the linears do {c['mean_rows'] / 2:.1f} FLOP per weight "
+              f"byte: roofline min(read, matmul FLOP/s x 2 / rows) = {c['roofline_bw'] / 1e9:.1f} GB/s, achieved "
+              f"{c['roofline_pct']:.0f} % of it")
     else:
         print("  decode: n/a (the model decoded off the fast path, so no decode steps were timed)")
     rule = "2*(3+1)*N_body*T_body + 6*N_head*T_head (gradient checkpointing)" if c["checkpointing"] else \

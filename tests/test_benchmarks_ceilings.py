@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -104,4 +105,13 @@ def test_decode_probe_counts_the_steps_of_a_generate_call_and_unwraps(tmp_path):
     # one prefill, then one forward per token fed back: the last sampled token is never fed back
     assert got["calls"] == 1 and got["steps"] == longest - 1
     assert got["prefill_s"] > 0 and got["decode_s"] >= got["decode_forward_s"] > 0 and got["start_s"] > 0
+    unfinished = [sum(len(r) > t + 1 for r in out.response_ids) for t in range(longest - 1)]
+    assert got["row_steps"] >= sum(unfinished) and got["row_steps"] <= 4 * got["steps"]  # 4 rows, fewer as they end
     assert probe.take()["calls"] == 0
+
+
+def test_decode_roofline_is_the_lower_of_memory_and_compute():
+    """R rows do 2R FLOPs per 4-byte weight: 16 rows on a 144 GFLOP/s machine cannot read more than 18 GB/s."""
+    assert _ceilings.decode_roofline(29e9, 144e9, 16) == pytest.approx(18e9)
+    assert _ceilings.decode_roofline(29e9, 400e9, 16) == 29e9
+    assert _ceilings.decode_roofline(29e9, 144e9, 0) == 29e9

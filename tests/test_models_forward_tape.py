@@ -141,3 +141,29 @@ def test_engine_skips_a_recording_over_its_byte_budget(tiny):
     engine.generate(PROMPTS, params)
     assert engine.stop_recording() is None
     assert engine._fast._last_tape is None  # the earlier recording's buffers were let go, not kept for reuse
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_a_final_replay_frees_each_layer_after_its_last_read(tiny, checkpointing):
+    """free_after_replay: the same log-probs and gradients, each layer's buffers freed once backward no longer
+    needs them (under checkpointing: not before its recompute in backward); the tape is then unusable, and the
+    next recording allocates new buffers instead of reusing freed ones."""
+    model = load_causal_lm(tiny, backend="cpu", gradient_checkpointing=checkpointing)
+    tape, batch, _ = _rollout(model)
+    model.train()
+    fresh = _logprobs_and_grads(model, batch)
+    layers = len(model.model.layers)
+    freed_at_backward_start = []  # counted when the final norm's gradient arrives, before any layer's backward
+    model.model.norm.weight.register_hook(lambda g: freed_at_backward_start.append(sum(b is None for b in tape.buffers)))
+    tape.free_after_replay = True
+    replayed = _logprobs_and_grads(model, batch, tape=tape)
+    _assert_same(replayed, fresh)
+    # without checkpointing the forward was each layer's last read; with it, backward still recomputes them all
+    assert freed_at_backward_start == [0 if checkpointing else layers]
+    assert all(b is None for b in tape.buffers) and not tape.usable(model.model)
+    engine = make_engine("hf", model=model, backend="cpu")
+    engine._fast._last_tape = tape  # as the decoder keeps its last tape to lend its buffers
+    engine.start_recording()
+    engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=9, seed=4, stop_token_ids=(20, 21, 22)))
+    again = engine.stop_recording()
+    assert again is not None and all(b is not None for b in again.buffers)

@@ -51,6 +51,7 @@ def test_mini_and_micro_batches_positions_and_counts():
     assert [rows for rows, _, _ in seen] == [[0, 1], [2], [3, 4], [5]] * 2
     assert [(p.epoch, p.steps_done) for _, _, p in seen] == [(0, 0), (0, 0), (0, 1), (0, 1),
                                                              (1, 2), (1, 2), (1, 3), (1, 3)]
+    assert [p.last_micro for _, _, p in seen] == [False, True] * 4  # the last before each optimizer step
     assert seen[0][1] == {"dp_size": 1, "batch_num_tokens": 5, "global_batch_size": 3, "loss_scale_factor": 2,
                           "first_row": 0}
     assert seen[2][1]["batch_num_tokens"] == 6 and seen[2][1]["first_row"] == 3

@@ -28,6 +28,12 @@ then ``steps x rows`` decode slots, slot ``t * rows + r`` holding response token
 ``r`` (rows prompt-major: row ``r`` samples prompt ``r // n``), so that a decode step writes one
 contiguous block until finished rows are dropped from the batch. The buffers can be lent by the
 previous tape (``reuse``), which is then invalidated: recording allocates nothing in steady state.
+
+Memory: the owner sets :attr:`ForwardTape.free_after_replay` before the tape's last replay (the update's last
+micro-batch that reads it); that replay frees each layer's buffers right after the layer's last read (its
+recompute in backward under gradient checkpointing, else its forward), so the gradients the backward adds take
+the place of the tape instead of adding to it (Qwen2.5-0.5B, 4 x 4 x 128 tokens: a 3.2 GB tape against 1.8 GB of
+gradients). A tape with freed layers is no longer usable nor lent to the next recording.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ class ForwardTape:
         self.decode_base = len(self.prompts) * self.prompt_slots
         slots = self.decode_base + self.rows * self.steps
         old = reuse._storage if reuse is not None else None
-        fits = (old is not None and len(old) == num_layers and [b.shape[1] for b in old[0]] == list(widths)
+        fits = (old is not None and len(old) == num_layers and all(layer is not None for layer in old)
+                and [b.shape[1] for b in old[0]] == list(widths)
                 and old[0][0].shape[0] >= slots and old[0][0].dtype == dtype and old[0][0].device == torch.device(device))
         if fits:
             reuse.invalidate()
@@ -68,6 +75,9 @@ class ForwardTape:
         self._versions = [p._version for p in self._params]
         self._param_ids = {id(p) for p in self._params}
         self._rows: dict = {}
+        self.free_after_replay = False  # see the module docstring (Memory)
+        self._reads_to_free = 0  # set by a final replay: the read of a layer after which it is freed
+        self._reads = [0] * num_layers
 
     # ---------------------------------------------------------------------------- recording
     def prefill_slots(self) -> slice:
@@ -98,7 +108,8 @@ class ForwardTape:
     # ------------------------------------------------------------------------------- replay
     def usable(self, module: torch.nn.Module) -> bool:
         """True when ``module``'s parameters are the recorded model's and none changed since the recording."""
-        return (bool(self._rows) and all(id(p) in self._param_ids for p in module.parameters())
+        return (bool(self._rows) and all(layer is not None for layer in self._storage)
+                and all(id(p) in self._param_ids for p in module.parameters())
                 and all(p._version == v for p, v in zip(self._params, self._versions)))
 
     def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> Optional[torch.Tensor]:
@@ -120,6 +131,18 @@ class ForwardTape:
 
     def outputs(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
         return self.buffers[layer][which].index_select(0, slots)
+
+    def start_replay(self, checkpointing: bool) -> None:
+        """Begin a replay; a final one (:attr:`free_after_replay`) frees each layer at its last read: the second
+        under gradient checkpointing (the recompute in backward), else the first."""
+        self._reads = [0] * len(self._storage)
+        self._reads_to_free = (2 if checkpointing else 1) if self.free_after_replay else 0
+
+    def layer_read(self, layer: int) -> None:
+        """Count one read of all of ``layer``'s outputs by the replay; free its buffers at the last one."""
+        self._reads[layer] += 1
+        if self._reads[layer] == self._reads_to_free:
+            self.buffers[layer] = self._storage[layer] = None
 
 
 class _RecordedLinear(torch.autograd.Function):
@@ -170,6 +193,7 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
     cos, sin = base.rotary_emb(x[None], positions[None])
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, D)
     checkpointing = bool(getattr(base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
+    tape.start_replay(checkpointing)
     # silu(gate) * up through the backend's swiglu op (one fused pass where it has one), for SiLU MLPs
     swiglu = select("swiglu")[1] if getattr(base.config, "hidden_act", None) == "silu" else None
     for li, layer in enumerate(base.layers):
@@ -192,7 +216,10 @@ def _replay_layer(x: torch.Tensor, layer: torch.nn.Module, li: int, tape: Forwar
     gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
                                 [m.gate_proj, m.up_proj])
     act = swiglu(gate, up) if swiglu is not None else m.act_fn(gate) * up
-    return x + _recorded_linear(act, tape.outputs(li, DOWN, slots), [m.down_proj])[0]
+    down = tape.outputs(li, DOWN, slots)
+    # before the last op: a checkpoint's recompute stops once the last tensor backward needs is saved
+    tape.layer_read(li)
+    return x + _recorded_linear(act, down, [m.down_proj])[0]
 
 
 def tape_nbytes(model: torch.nn.Module, num_prompts: int, prompt_slots: int, n: int, steps: int) -> int:

@@ -272,6 +272,8 @@ class ActorRolloutWorker:
         gaps: List[Dict[str, float]] = []  # rollout engine vs trainer on the same tokens (portrl.algo.rollout_correction)
 
         def policy_loss(micro: Batch, counts: Dict[str, Any], pos: Position):
+            if tape is not None and pos.steps_done == 0:
+                tape.free_after_replay = pos.last_micro  # its last reader: free it layer by layer (forward_tape.py)
             logp, ent = self._forward(self.train_module, micro, with_entropy=True,
                                       tape=tape if pos.steps_done == 0 else None)
             if pos.epoch == 0 and "rollout_log_probs" in micro:  # every row once, before its first step

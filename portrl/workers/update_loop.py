@@ -53,10 +53,12 @@ class LoopSettings:
 
 
 class Position(NamedTuple):
-    """Where a micro-batch sits in the update: its epoch, and the optimizer steps taken before it."""
+    """Where a micro-batch sits in the update: its epoch, the optimizer steps taken before it, and whether it is
+    the last micro-batch of its mini-batch (the last before that optimizer step)."""
 
     epoch: int
     steps_done: int
+    last_micro: bool = True
 
 
 @dataclass
@@ -107,10 +109,11 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
                       "loss_scale_factor": s.loss_scale_factor}
             if extra_counts is not None:
                 counts.update(extra_counts(mini))
-            pos = Position(epoch, len(norms))
             state.master.zero_grad()
             micro_rows: List[Dict[str, float]] = []
-            for micro in same_piece_count(mini, split_micro_batches(mini, s.micro_rows, s.max_tokens), world):
+            micros = same_piece_count(mini, split_micro_batches(mini, s.micro_rows, s.max_tokens), world)
+            for i, micro in enumerate(micros):
+                pos = Position(epoch, len(norms), i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(state.device), counts, pos)
                 loss.backward()
                 micro_rows.append(metrics)
