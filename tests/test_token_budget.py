@@ -47,3 +47,17 @@ def test_budget_cuts_micro_batches_by_tokens():
     assert [len(m) for m in micro] == [6, 6, 4]
     assert all(int(m["attention_mask"].sum()) <= 256 for m in micro)
     assert torch.equal(torch.cat([m["input_ids"] for m in micro]), b["input_ids"])
+
+
+def test_with_shared_prompts_a_repeated_prompt_counts_once_per_micro_batch():
+    """The forward runs each distinct prompt of a micro-batch once (model.share_prompts), so the budget counts a
+    row whose prompt is the previous row's by its response alone; each micro-batch pays its first prompt again."""
+    prompts = [[5] * 20, [7] * 20, [8] * 20, [9] * 20]
+    b = build_rollout_batch(prompts, [[6] * 20] * 16, n=4)  # 4 prompts x 4 samples, 20 + 20 tokens each
+    micro = split_micro_batches(b, 64, 256, shared_prompts=True)
+    # a group costs 20 + 4 x 20 = 100 tokens: two groups and the third's first row (40) fit, its second would make
+    # 260; the next micro-batch pays that group's prompt again (40 + 2 x 20) before the last group (100)
+    assert [len(m) for m in micro] == [9, 7]
+    assert len(split_micro_batches(b, 64, 400, shared_prompts=True)) == 1  # 400 tokens run; 640 without sharing
+    assert len(split_micro_batches(b, 64, 400)) == 2
+    assert torch.equal(torch.cat([m["input_ids"] for m in micro]), b["input_ids"])

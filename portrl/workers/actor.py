@@ -49,6 +49,7 @@ from portrl.workers.training import (
     rng_state,
     rollout_gap_metrics,
     set_rng_state,
+    shares_prompts,
 )
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
@@ -218,7 +219,8 @@ class ActorRolloutWorker:
     def _log_probs(self, module, batch: Batch, with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple:
         """``(logp, entropy or None)`` (B,T) on the CPU, plus ``sum_pi_squared`` with ``with_sum_pi_squared``."""
         # only the trained (sharded) module's forward is a collective; the others run alone on each rank
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size if module is self.train_module else 1)
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size if module is self.train_module else 1,
+                                        shares_prompts(self.cfg.model))
         extra = {"with_sum_pi_squared": True} if with_sum_pi_squared else {}
         parts = [self._forward(module, mb, with_entropy, **extra) for mb in micro]
         logp = torch.cat([p[0].float() for p in parts]).cpu()
@@ -259,7 +261,8 @@ class ActorRolloutWorker:
                             micro_rows=int(a.ppo_micro_batch_size_per_device),
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
                             grad_clip=float(a.optim.grad_clip), loss_scale_factor=int(self.cfg.data.max_response_length),
-                            world_size=self.world_size, shuffle_seed=seed)
+                            world_size=self.world_size, shuffle_seed=seed,
+                            shared_prompts=shares_prompts(self.cfg.model))
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module

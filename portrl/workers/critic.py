@@ -24,7 +24,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.parallel import resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches
+from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches, shares_prompts
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
@@ -102,7 +102,7 @@ class CriticWorker:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """``values (B,T)`` of the current critic (0 on padding)."""
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size)
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size, shares_prompts(self.cfg.model))
         return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
 
     def loop_settings(self) -> LoopSettings:
@@ -114,7 +114,8 @@ class CriticWorker:
                             micro_rows=int(a.ppo_micro_batch_size_per_device),
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
                             grad_clip=float(c.optim.grad_clip),
-                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size)
+                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size,
+                            shared_prompts=shares_prompts(self.cfg.model))
 
     def update_critic(self, batch: Batch, advance_schedule: bool = True) -> Dict[str, float]:
         """One RL step of value regression on ``returns`` (needs values, returns, response_mask) through the shared

@@ -31,7 +31,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.parallel import ForwardModule, resolve_strategy, wrap_model
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches
+from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches, shares_prompts
 from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
 
 
@@ -104,7 +104,7 @@ class ImplicitPRMWorker:
 
     def compute_log_ratio(self, batch: Batch) -> Batch:
         """``implicit_log_ratio`` ``(B,T)``: ``log π_rm − log π_ref`` of the current PRM on the response tokens."""
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size)
+        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size, shares_prompts(self.cfg.model))
         return Batch({"implicit_log_ratio": torch.cat([self._q(self.train_module, mb).cpu() for mb in micro])})
 
     # ------------------------------------------------------------------------------- update
@@ -117,7 +117,8 @@ class ImplicitPRMWorker:
                             micro_rows=int(a.ppo_micro_batch_size_per_device),
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
                             grad_clip=float(rm.model.optim.grad_clip),
-                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size)
+                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size,
+                            shared_prompts=shares_prompts(self.cfg.model))
 
     def update_rm(self, batch: Batch) -> Dict[str, float]:
         """One online update on ``batch`` (input_ids, attention_mask, responses, response_mask, acc; for the dpo loss

@@ -112,6 +112,11 @@ def global_counts(response_mask: torch.Tensor, world_size: int) -> Tuple[int, in
     return int(tokens), int(seqs)
 
 
+def shares_prompts(model_cfg: Any) -> bool:
+    """Whether packed training forwards run each distinct prompt of a micro-batch once (``model`` config section)."""
+    return bool(model_cfg.use_packing) and bool(model_cfg.share_prompts)
+
+
 def same_piece_count(batch: Batch, pieces: List[Batch], world_size: int) -> List[Batch]:
     """``pieces`` (a split of ``batch``), re-cut so every data-parallel rank holds the same number of them.
 
@@ -133,31 +138,46 @@ def same_piece_count(batch: Batch, pieces: List[Batch], world_size: int) -> List
     return batch.chunk(count)
 
 
-def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int] = None) -> List[Batch]:
+def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int] = None,
+                        shared_prompts: bool = False) -> List[Batch]:
     """Micro-batches of at most ``micro_size`` rows, and, with ``max_tokens``, at most that many
-    non-pad tokens each (a single longer row still gets its own micro-batch). Order is kept."""
+    tokens each (a single longer row still gets its own micro-batch). Order is kept.
+
+    A row's tokens are its non-pad tokens; with ``shared_prompts`` (the packed forward runs each distinct prompt of
+    a micro-batch once: model.share_prompts) a row whose prompt is the previous row's in the same micro-batch
+    counts its response tokens only, so the budget measures what the forward runs."""
     if max_tokens is None:
         return batch.split(max(1, micro_size))
-    lens = batch.tensors["attention_mask"].sum(-1).tolist()
+    mask = batch.tensors["attention_mask"]
+    lens = mask.sum(-1).tolist()
+    repeats = [False] * len(lens)  # row i's prompt is row i-1's
+    if shared_prompts and "responses" in batch and len(lens) > 1:
+        split = mask.shape[1] - batch.tensors["responses"].shape[1]
+        ids, pm = batch.tensors["input_ids"][:, :split], mask[:, :split]
+        same = ((ids[1:] == ids[:-1]) & (pm[1:] == pm[:-1])).all(-1)
+        prompt_lens = pm.sum(-1).tolist()
+        repeats[1:] = same.tolist()
     out, start, used = [], 0, 0
     for i, n in enumerate(lens):
+        if shared_prompts and i > start and repeats[i]:
+            n -= prompt_lens[i]
         if i > start and (used + n > max_tokens or i - start >= micro_size):
             out.append(batch.slice(start, i))
-            start, used = i, 0
+            start, used, n = i, 0, lens[i]
         used += n
     if start < len(batch):
         out.append(batch.slice(start, len(batch)))
     return out
 
 
-def inference_micro_batches(batch: Batch, actor_cfg: Any, world_size: int) -> List[Batch]:
+def inference_micro_batches(batch: Batch, actor_cfg: Any, world_size: int, shared_prompts: bool = False) -> List[Batch]:
     """``batch`` cut for a no-grad forward (log-probs, values): micro-batches of at most
     ``4 * actor_cfg.ppo_micro_batch_size_per_device`` rows and ``actor_cfg.max_tokens_per_micro_batch`` tokens
-    (:func:`split_micro_batches`; ``actor_cfg`` is the ``actor`` config section), then re-cut so all
-    ``world_size`` data-parallel ranks run the same number of forwards (:func:`same_piece_count`: a sharded
-    model's forward is a collective). Pass ``world_size=1`` for a module each rank runs alone (no re-cut)."""
+    (:func:`split_micro_batches`, with ``shared_prompts``; ``actor_cfg`` is the ``actor`` config section), then
+    re-cut so all ``world_size`` data-parallel ranks run the same number of forwards (:func:`same_piece_count`: a
+    sharded model's forward is a collective). Pass ``world_size=1`` for a module each rank runs alone (no re-cut)."""
     pieces = split_micro_batches(batch, 4 * int(actor_cfg.ppo_micro_batch_size_per_device),
-                                 actor_cfg.max_tokens_per_micro_batch)
+                                 actor_cfg.max_tokens_per_micro_batch, shared_prompts)
     return same_piece_count(batch, pieces, world_size)
 
 

@@ -38,7 +38,8 @@ class LoopSettings:
     """What one update needs to know (from the worker's config section, not the run config).
 
     ``mini_rows``: rows of one mini-batch on this rank (:func:`mini_batch_rows`); ``micro_rows`` / ``max_tokens``:
-    the micro-batch limits (``max_tokens`` None = rows only); ``shuffle_seed``: epoch e permutes the rows with
+    the micro-batch limits (``max_tokens`` None = rows only; ``shared_prompts``: count a prompt once per micro-batch,
+    :func:`~portrl.workers.training.split_micro_batches`); ``shuffle_seed``: epoch e permutes the rows with
     ``torch.Generator().manual_seed(shuffle_seed + e)`` (None = keep the order); ``loss_scale_factor``: the
     ``agg_loss`` constant of the seq-mean-token-sum-norm mode (``data.max_response_length``)."""
 
@@ -50,6 +51,7 @@ class LoopSettings:
     loss_scale_factor: int
     world_size: int = 1
     shuffle_seed: Optional[int] = None
+    shared_prompts: bool = False
 
 
 class Position(NamedTuple):
@@ -111,7 +113,7 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
                 counts.update(extra_counts(mini))
             state.master.zero_grad()
             micro_rows: List[Dict[str, float]] = []
-            micros = same_piece_count(mini, split_micro_batches(mini, s.micro_rows, s.max_tokens), world)
+            micros = same_piece_count(mini, split_micro_batches(mini, s.micro_rows, s.max_tokens, s.shared_prompts), world)
             for i, micro in enumerate(micros):
                 pos = Position(epoch, len(norms), i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(state.device), counts, pos)
