@@ -198,7 +198,7 @@ class PolicyLossConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int = 16  # sequences per forward/backward (gradient accumulation)
-    max_tokens_per_micro_batch: Optional[int] = None  # token budget per micro-batch (packing); None = unused
+    max_tokens_per_micro_batch: Optional[int] = None  # tokens per micro-batch the forward runs (a shared prompt once)
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2
