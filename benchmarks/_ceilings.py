@@ -159,8 +159,8 @@ class DecodeProbe:
     ``FastDecoder.start`` (fusing / packing the weights, allocating the cache), ``FastDecoder.forward`` (the
     first call of a chunk is the prefill, each later one a one-token decode step) and the engine's
     ``decode_chunk``. Per call: ``start_s``, ``prefill_s``, ``steps``, ``row_steps`` (rows summed over the
-    steps), ``decode_forward_s`` (the steps' forwards) and ``decode_s`` (from the prefill's end to the call's end: the steps with their sampling and
-    bookkeeping). A model off the fast path leaves no calls. The wrappers stay in place (for every engine of
+    steps), ``decode_forward_s`` (the steps' forwards) and ``decode_s`` (from the prefill's end to the call's
+    end: the steps with their sampling and bookkeeping). A model off the fast path leaves no calls. The wrappers stay in place (for every engine of
     the process) until :meth:`close`; ``with DecodeProbe() as probe:`` closes it at the block's end."""
 
     def __init__(self):

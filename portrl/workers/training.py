@@ -149,21 +149,19 @@ def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int]
     if max_tokens is None:
         return batch.split(max(1, micro_size))
     mask = batch.tensors["attention_mask"]
-    lens = mask.sum(-1).tolist()
-    repeats = [False] * len(lens)  # row i's prompt is row i-1's
-    if shared_prompts and "responses" in batch and len(lens) > 1:
+    full = mask.sum(-1).tolist()
+    after_first = list(full)  # a row's tokens when it is not its micro-batch's first (its prompt may be shared)
+    if shared_prompts and "responses" in batch and len(full) > 1:
         split = mask.shape[1] - batch.tensors["responses"].shape[1]
         ids, pm = batch.tensors["input_ids"][:, :split], mask[:, :split]
-        same = ((ids[1:] == ids[:-1]) & (pm[1:] == pm[:-1])).all(-1)
-        prompt_lens = pm.sum(-1).tolist()
-        repeats[1:] = same.tolist()
+        same = ((ids[1:] == ids[:-1]) & (pm[1:] == pm[:-1])).all(-1).tolist()
+        after_first[1:] = [n - p if s else n for n, p, s in zip(full[1:], pm[1:].sum(-1).tolist(), same)]
     out, start, used = [], 0, 0
-    for i, n in enumerate(lens):
-        if shared_prompts and i > start and repeats[i]:
-            n -= prompt_lens[i]
+    for i in range(len(full)):
+        n = after_first[i] if i > start else full[i]
         if i > start and (used + n > max_tokens or i - start >= micro_size):
             out.append(batch.slice(start, i))
-            start, used, n = i, 0, lens[i]
+            start, used, n = i, 0, full[i]
         used += n
     if start < len(batch):
         out.append(batch.slice(start, len(batch)))
