@@ -34,6 +34,16 @@ cpu.empty_cache()
 print(kept, rss_mib() - before)
 """
 
+_KEPT_IS_AVAILABLE = _PRELUDE + """
+from portrl.backends.cpu import heap
+x = torch.ones(64 << 20)  # 256 MiB, written
+taken = cpu.memory_available()
+del x
+kept_mib, avail_rise_mib = heap.kept_free_bytes() >> 20, (cpu.memory_available() - taken) >> 20
+cpu.empty_cache()
+print(kept_mib, avail_rise_mib, heap.kept_free_bytes() >> 20)
+"""
+
 _COUNTED = _PRELUDE + """
 base = cpu.memory_stats()["allocated"]
 x, y = torch.ones(1000), torch.empty(3 << 20)  # 4000 B and 12 MiB
@@ -80,6 +90,16 @@ def test_opting_out_leaves_glibc_to_unmap_large_frees_and_still_counts():
     assert kept < 32  # a 256 MiB tensor was its own mapping, unmapped on free
     during, peak, after, _ = _run(_COUNTED, keep="0")
     assert during == peak == 4000 + (12 << 20) and after == 0
+
+
+def test_memory_the_heap_keeps_is_counted_as_available_until_given_back():
+    """The rollout's recording is sized by ``memory_available``: a freed block the heap keeps (and the next
+    tensors reuse without the kernel) counts, as it did when the rollout trimmed the heap first."""
+    kept, rise, after_release = _run(_KEPT_IS_AVAILABLE)
+    assert kept >= 256
+    assert rise > 128  # other processes move MemAvailable too: half the block is the margin
+    assert after_release < 32
+    assert _run(_KEPT_IS_AVAILABLE, keep="0")[0] < 32  # nothing kept: the kernel has it, MemAvailable counts it
 
 
 def test_tensor_bytes_are_counted_exactly_with_their_peak():

@@ -106,14 +106,15 @@ class CPUBackend(Backend):
         return out
 
     def memory_available(self) -> int | None:
-        """The host's ``MemAvailable`` from /proc/meminfo (what the kernel can give without swapping), None
-        without /proc."""
+        """The host's ``MemAvailable`` from /proc/meminfo (what the kernel can give without swapping) plus the
+        free memory this process's heap keeps (``configure_allocator``; backends/cpu/heap.py), None without
+        /proc."""
         try:
             with open("/proc/meminfo") as f:
                 line = next((line for line in f if line.startswith("MemAvailable:")), None)
         except OSError:
             return None
-        return int(line.split()[1]) * 1024 if line else None
+        return int(line.split()[1]) * 1024 + heap.kept_free_bytes() if line else None
 
     def reset_peak_memory(self) -> None:
         """Restart the tensor count's peak from the live bytes now. The resident high-water mark is never reset:

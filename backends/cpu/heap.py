@@ -6,7 +6,8 @@ again; with huge pages on a VM that first touch cost 16-635 ms for the same 2 x 
 backward of a 0.5B update; 17 ms in reused memory). :func:`keep_freed` makes the heap hold freed memory instead
 (``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, 2^31 - 1)``: its top is
 never given back), the CPU counterpart of a GPU's caching allocator; :func:`release_kept` is that cache's
-``empty_cache`` (``malloc_trim(0)``: every whole free page of every arena back to the kernel).
+``empty_cache`` (``malloc_trim(0)``: every whole free page of every arena back to the kernel), and
+:func:`kept_free_bytes` is what it holds free (glibc's ``mallinfo2().fordblks``), counted as available memory.
 
 The process's resident size cannot tell one phase's peak from another's (its high-water mark can only be reset
 through /proc/self/clear_refs, which also resets the ``ru_maxrss`` that ``time -v`` and the benchmarks read; and
@@ -100,8 +101,43 @@ def reset_tensor_peak() -> None:
         torch.ops.portrl_cpu_memory.reset_peak()
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc >= 2.33): ten ``size_t`` counters over every arena."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_free_bytes() -> int:
+    """``mallinfo2().fordblks``: the heap's free bytes over every arena, resident or given back (0 before glibc
+    2.33 or off glibc)."""
+    libc = _glibc()
+    mallinfo2 = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+_given_back = 0  # the heap's free bytes right after the last release_kept: no longer resident
+
+
+def kept_free_bytes() -> int:
+    """Resident bytes the heap holds free for the next allocations, 0 unless :func:`keep_freed` is in effect:
+    its free bytes less those :func:`release_kept` gave back (their chunks stay in the heap's free lists, their
+    pages with the kernel; counted again only as the heap's free bytes grow past that, so an underestimate once
+    those chunks are reused). Some of it is fragments smaller than a large tensor: an upper bound on what a large
+    allocation finds without new pages."""
+    return max(0, _heap_free_bytes() - _given_back) if _kept else 0
+
+
 def release_kept() -> bool:
     """Give the free memory the heap kept back to the kernel (``malloc_trim(0)``); True when some was released.
     Does nothing unless :func:`keep_freed` is in effect (glibc's own trimming handles the rest)."""
+    global _given_back
     libc = _glibc() if _kept else None
-    return bool(libc.malloc_trim(0)) if libc is not None else False
+    if libc is None:
+        return False
+    released = bool(libc.malloc_trim(0))
+    _given_back = _heap_free_bytes()
+    return released
