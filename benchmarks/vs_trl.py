@@ -26,7 +26,7 @@ Configurations:
 
 Each side runs in its own Python process (so peak RSS is per side) for warmup + steps steps, the portrl side
 with the environment ``portrl train`` gives itself (portrl/process_env.py: huge pages for large CPU tensors,
-passive OpenMP waits; a variable set by the caller wins), the TRL side with the caller's. The
+short OpenMP spins; a variable set by the caller wins), the TRL side with the caller's. The
 first ``warmup`` steps are not timed. With ``--rounds R`` the sides alternate R times (trl, portrl,
 trl, portrl, ...) and the timed steps are pooled, so that a change in machine load hits both. Wall
 time is the headline; CPU time of the process (all threads) is shown beside it as a check on a
@@ -75,9 +75,9 @@ TINY_WORKLOAD = dict(data="arith", prompts=PROMPTS_PER_STEP, samples=SAMPLES, ma
 
 
 def side_env(side: str) -> dict | None:
-    """Environment defaults of a side's process: for portrl, what ``portrl train`` sets for itself before torch
-    loads (portrl/process_env.py); TRL runs with the caller's environment."""
-    return dict(process_env.DEFAULTS) if side == "portrl" else None
+    """Environment defaults of a side's process: for portrl, what ``portrl train`` would set for itself before torch
+    loads in this environment (portrl/process_env.py); TRL runs with the caller's environment."""
+    return process_env.missing() if side == "portrl" else None
 
 
 def workload(config: str) -> dict:

@@ -3,11 +3,16 @@
 torch and its OpenMP runtime read these once, when torch is imported or at its first allocation, so
 ``portrl``'s command line applies them (:func:`apply_defaults`) before any command imports torch, and every
 Ray worker of a run gets the driver's values (``portrl.workers.ray_env.worker_env``). A value the user set
-wins; ``VAR=0 portrl train ...`` (or ``ACTIVE`` for the wait policy) opts out.
+wins; ``VAR=0 portrl train ...`` opts out of either.
 
-* ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads sleep instead of spinning while they wait. Spinning threads made
-  CPU training up to 10x slower whenever another process shares the cores (one forward/backward 0.29 s vs
-  0.03 s).
+* ``GOMP_SPINCOUNT=1000``: an OpenMP thread (GNU libgomp, which torch's Linux wheels use) that waits at the end
+  of a parallel region spins 1000 times, then sleeps. libgomp's own default spins 300,000 times (about a
+  millisecond): alone on its cores that is fastest, but when another busy process shares them the spinning
+  threads take the cores the working ones need. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) is the safe
+  extreme, at a futex wake-up per parallel region. Measured on a 2-core Zen 4 VM (benchmarks/RESULTS.md,
+  "OpenMP's wait"), one tiny-model GRPO step alone: 0.17-0.20 s passive, 0.13-0.15 s with 1000 spins, 0.12 s at
+  libgomp's default; with a second run on the same cores: 0.16-0.18, 0.23-0.24 and 0.78-0.80 s. A wait policy
+  the user sets (``OMP_WAIT_POLICY=PASSIVE`` or ``ACTIVE``) decides alone: the spin count is then not set.
 * ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator asks Linux for transparent huge pages (2 MiB instead of
   4 KiB, ``madvise(MADV_HUGEPAGE)``) for every tensor of 2 MiB or more. A model's weights, a packed decode
   weight, a forward's activations then cost one page-table entry per 2 MiB: fewer TLB misses when a decode
@@ -24,24 +29,36 @@ wins; ``VAR=0 portrl train ...`` (or ``ACTIVE`` for the wait policy) opts out.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
-#: variable -> value, applied where the user has not set the variable
+#: variable -> value, applied where the user has not set the variable (nor one that overrides it: YIELDS_TO)
 DEFAULTS: dict[str, str] = {
-    "OMP_WAIT_POLICY": "PASSIVE",
+    "GOMP_SPINCOUNT": "1000",
     "THP_MEM_ALLOC_ENABLE": "1",
 }
 
+#: a default -> the user's variables that decide instead of it (libgomp takes GOMP_SPINCOUNT over the policy)
+YIELDS_TO: dict[str, tuple[str, ...]] = {"GOMP_SPINCOUNT": ("OMP_WAIT_POLICY",)}
+
+#: every variable this module's defaults concern, the user's overriding ones included
+VARIABLES: tuple[str, ...] = (*DEFAULTS, *(v for names in YIELDS_TO.values() for v in names))
+
+
+def missing(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The defaults ``environ`` (default ``os.environ``) lacks: neither the variable nor one it yields to is set."""
+    env = os.environ if environ is None else environ
+    return {name: value for name, value in DEFAULTS.items()
+            if name not in env and not any(other in env for other in YIELDS_TO.get(name, ()))}
+
 
 def apply_defaults(environ: MutableMapping[str, str] | None = None) -> None:
-    """Set each of :data:`DEFAULTS` that ``environ`` (default ``os.environ``) does not have yet."""
+    """Set in ``environ`` (default ``os.environ``) each default it lacks (:func:`missing`)."""
     env = os.environ if environ is None else environ
-    for name, value in DEFAULTS.items():
-        env.setdefault(name, value)
+    env.update(missing(env))
 
 
-def current(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """The values of :data:`DEFAULTS`' variables in effect here (the user's where set, else the default): what a
+def current(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The values of :data:`VARIABLES` in effect here (the user's where set, else the defaults that apply): what a
     worker process of this run must start with."""
     env = os.environ if environ is None else environ
-    return {name: env.get(name, value) for name, value in DEFAULTS.items()}
+    return {**{name: env[name] for name in VARIABLES if name in env}, **missing(env)}

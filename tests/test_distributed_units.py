@@ -103,6 +103,18 @@ def test_worker_env_layers_presets_user_env_and_noset():
                                                                  "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
+def test_a_wait_policy_in_device_env_drops_the_default_spin_count(monkeypatch):
+    """libgomp takes GOMP_SPINCOUNT over OMP_WAIT_POLICY: a worker told to wait passively must not get the spin
+    count portrl would otherwise set (portrl/process_env.py)."""
+    for name in process_env.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cfg = default_config()
+    assert worker_env(cfg, get_backend("cpu"))["GOMP_SPINCOUNT"] == process_env.DEFAULTS["GOMP_SPINCOUNT"]
+    cfg.device.env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = worker_env(cfg, get_backend("cpu"))
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
 # ------------------------------------------------------------------------------ parallel
 def test_strategy_resolution_and_single_rank_wrap():
     cpu = get_backend("cpu")

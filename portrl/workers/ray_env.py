@@ -40,12 +40,14 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
 
 
 def worker_env(cfg: Any, backend, *, share_devices: bool = False) -> Dict[str, str]:
-    """Environment variables of every worker: this process's values of ``portrl.process_env.DEFAULTS`` (they
-    must be set before torch loads), ``backend.env_presets(trainer.deterministic)``, then ``device.env`` (the
-    user's, wins), then the Ray no-set opt-outs when ``share_devices``."""
-    env = process_env.current()
+    """Environment variables of every worker: the variables torch reads before it loads, as they are in effect
+    here with ``device.env`` on top (``portrl.process_env.current``: a wait policy there drops the default spin
+    count), ``backend.env_presets(trainer.deterministic)``, then ``device.env`` (the user's, wins), then the Ray
+    no-set opt-outs when ``share_devices``."""
+    user = {str(k): str(v) for k, v in dict(_cfg_get(cfg, "device.env", {}) or {}).items()}
+    env = process_env.current({**os.environ, **user})
     env.update(backend.env_presets(deterministic=bool(_cfg_get(cfg, "trainer.deterministic", False))))
-    env.update({str(k): str(v) for k, v in dict(_cfg_get(cfg, "device.env", {}) or {}).items()})
+    env.update(user)
     if share_devices:
         env.update({name: "1" for name in backend.ray_noset_env})
     return env
