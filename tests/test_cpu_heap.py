@@ -44,6 +44,15 @@ cpu.empty_cache()
 print(kept_mib, avail_rise_mib, heap.kept_free_bytes() >> 20)
 """
 
+_SMALL_KEPT = _PRELUDE + """
+from portrl.backends.cpu import heap
+x = torch.ones(4 << 20)  # 16 MiB, written
+del x
+kept = rss_mib()
+cpu.empty_cache()
+print(heap.RELEASE_MIN_BYTES >> 20, kept - rss_mib())
+"""
+
 _COUNTED = _PRELUDE + """
 base = cpu.memory_stats()["allocated"]
 x, y = torch.ones(1000), torch.empty(3 << 20)  # 4000 B and 12 MiB
@@ -83,6 +92,14 @@ def test_a_freed_tensor_stays_resident_until_empty_cache():
     kept, after_release = _run(_KEPT_THEN_RELEASED)
     assert kept == pytest.approx(256, abs=32)  # the next tensor reuses these pages
     assert after_release < 32
+
+
+def test_a_heap_keeping_little_is_not_trimmed():
+    """Handing back a few MiB only makes the next step fault them in again: below RELEASE_MIN_BYTES free,
+    ``empty_cache`` leaves the heap's pages where they are (a freed 16 MiB tensor stays resident)."""
+    threshold_mib, given_back = _run(_SMALL_KEPT)
+    assert threshold_mib > 16
+    assert given_back < 4
 
 
 def test_opting_out_leaves_glibc_to_unmap_large_frees_and_still_counts():

@@ -82,7 +82,8 @@ class CPUBackend(Backend):
         heap.keep_freed()
 
     def empty_cache(self) -> None:
-        """Give the memory the heap kept (``configure_allocator``) back to the kernel."""
+        """Give the memory the heap kept (``configure_allocator``) back to the kernel, when it is worth the pages
+        the next allocations fault in again (``heap.RELEASE_MIN_BYTES`` free or more)."""
         heap.release_kept()
 
     def memory_stats(self) -> dict[str, int]:

@@ -131,12 +131,20 @@ def kept_free_bytes() -> int:
     return max(0, _heap_free_bytes() - _given_back) if _kept else 0
 
 
+#: the fewest free bytes the heap must hold for :func:`release_kept` to trim it. Below this the pages handed back
+#: are faulted in again by the next step at more cost than they free: a tiny model's GRPO step (the small benchmark
+#: configuration, ~30 MiB free at each rollout) trimmed at every rollout faulted 5,000-7,600 pages a step against
+#: 400-900 untrimmed, 0.14-0.19 s a step against 0.11-0.13 (benchmarks/RESULTS.md, runs U and V)
+RELEASE_MIN_BYTES = 64 << 20
+
+
 def release_kept() -> bool:
-    """Give the free memory the heap kept back to the kernel (``malloc_trim(0)``); True when some was released.
-    Does nothing unless :func:`keep_freed` is in effect (glibc's own trimming handles the rest)."""
+    """Give the free memory the heap kept back to the kernel (``malloc_trim(0)``) once the heap holds at least
+    :data:`RELEASE_MIN_BYTES` free; True when some was released. Does nothing unless :func:`keep_freed` is in
+    effect (glibc's own trimming handles the rest)."""
     global _given_back
     libc = _glibc() if _kept else None
-    if libc is None:
+    if libc is None or _heap_free_bytes() < RELEASE_MIN_BYTES:
         return False
     released = bool(libc.malloc_trim(0))
     _given_back = _heap_free_bytes()
