@@ -44,6 +44,9 @@ YIELDS_TO: dict[str, tuple[str, ...]] = {"GOMP_SPINCOUNT": ("OMP_WAIT_POLICY",)}
 VARIABLES: tuple[str, ...] = (*DEFAULTS, *(v for names in YIELDS_TO.values() for v in names))
 
 
+_applied: set[str] = set()  # the names apply_defaults set in os.environ: portrl's defaults, not the user's values
+
+
 def missing(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The defaults ``environ`` (default ``os.environ``) lacks: neither the variable nor one it yields to is set."""
     env = os.environ if environ is None else environ
@@ -54,11 +57,17 @@ def missing(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 def apply_defaults(environ: MutableMapping[str, str] | None = None) -> None:
     """Set in ``environ`` (default ``os.environ``) each default it lacks (:func:`missing`)."""
     env = os.environ if environ is None else environ
-    env.update(missing(env))
+    added = missing(env)
+    env.update(added)
+    if environ is None:
+        _applied.update(added)
 
 
 def current(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The values of :data:`VARIABLES` in effect here (the user's where set, else the defaults that apply): what a
-    worker process of this run must start with."""
+    worker process of this run must start with. A default :func:`apply_defaults` put in ``os.environ`` counts as
+    a default, so a wait policy added on top (a worker's ``device.env``) still drops the spin count."""
     env = os.environ if environ is None else environ
-    return {**{name: env[name] for name in VARIABLES if name in env}, **missing(env)}
+    user = {name: env[name] for name in VARIABLES
+            if name in env and not (name in _applied and env[name] == DEFAULTS.get(name))}
+    return {**user, **missing(user)}

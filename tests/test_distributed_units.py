@@ -110,9 +110,14 @@ def test_a_wait_policy_in_device_env_drops_the_default_spin_count(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     cfg = default_config()
     assert worker_env(cfg, get_backend("cpu"))["GOMP_SPINCOUNT"] == process_env.DEFAULTS["GOMP_SPINCOUNT"]
+    monkeypatch.setattr(process_env, "_applied", set())
+    process_env.apply_defaults()  # as the CLI does before any command: the spin count is in os.environ now
+    assert os.environ["GOMP_SPINCOUNT"] == process_env.DEFAULTS["GOMP_SPINCOUNT"]
     cfg.device.env = {"OMP_WAIT_POLICY": "PASSIVE"}
     env = worker_env(cfg, get_backend("cpu"))
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")  # one the user set stays
+    assert worker_env(cfg, get_backend("cpu"))["GOMP_SPINCOUNT"] == "50"
 
 
 # ------------------------------------------------------------------------------ parallel
