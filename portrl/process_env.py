@@ -10,7 +10,7 @@ wins; ``VAR=0 portrl train ...`` opts out of either.
   millisecond): alone on its cores that is fastest, but when another busy process shares them the spinning
   threads take the cores the working ones need. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) is the safe
   extreme, at a futex wake-up per parallel region. Measured on a 2-core Zen 4 VM (benchmarks/RESULTS.md,
-  "OpenMP's wait"), one tiny-model GRPO step alone: 0.17-0.20 s passive, 0.13-0.15 s with 1000 spins, 0.12 s at
+  runs U and V), one tiny-model GRPO step alone: 0.17-0.20 s passive, 0.13-0.15 s with 1000 spins, 0.12 s at
   libgomp's default; with a second run on the same cores: 0.16-0.18, 0.23-0.24 and 0.78-0.80 s. A wait policy
   the user sets (``OMP_WAIT_POLICY=PASSIVE`` or ``ACTIVE``) decides alone: the spin count is then not set.
 * ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator asks Linux for transparent huge pages (2 MiB instead of
