@@ -45,7 +45,6 @@ from torch.utils.checkpoint import checkpoint
 
 from portrl.models.prefix_sharing import PLAN_KWARG
 from portrl.ops.layers import rotate_half
-from portrl.ops.registry import select
 
 #: the recorded matmuls of a layer, in order
 QKV, O, GATE_UP, DOWN = range(4)
@@ -56,7 +55,10 @@ class ForwardTape:
 
     def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, prompt_slots: int,
                  steps: int, widths: Sequence[int], num_layers: int, dtype: torch.dtype, device: Any,
-                 reuse: Optional["ForwardTape"] = None):
+                 reuse: Optional["ForwardTape"] = None, swiglu: Any = None):
+        #: the recording decoder's swiglu kernel (portrl.ops "swiglu"), which the replay's SiLU MLPs run too; None:
+        #: the model's own ``act_fn(gate) * up``
+        self.swiglu = swiglu
         self.prompts = [tuple(p) for p in prompts]
         self.n, self.prompt_slots, self.steps = int(n), int(prompt_slots), int(steps)
         self.rows = len(self.prompts) * self.n
@@ -194,8 +196,10 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, D)
     checkpointing = bool(getattr(base, "gradient_checkpointing", False)) and torch.is_grad_enabled()
     tape.start_replay(checkpointing)
-    # silu(gate) * up through the backend's swiglu op (one fused pass where it has one), for SiLU MLPs
-    swiglu = select("swiglu")[1] if getattr(base.config, "hidden_act", None) == "silu" else None
+    # silu(gate) * up through the recording decoder's swiglu op (one fused pass where it has one), for SiLU MLPs;
+    # taken from the tape, not selected here: select() without a backend re-detects it (~25 ms of package
+    # metadata reads a step)
+    swiglu = tape.swiglu if getattr(base.config, "hidden_act", None) == "silu" else None
     for li, layer in enumerate(base.layers):
         args = (x, layer, li, tape, slots, cos, sin, attention, layout.plan, swiglu)
         x = checkpoint(_replay_layer, *args, use_reentrant=False) if checkpointing else _replay_layer(*args)

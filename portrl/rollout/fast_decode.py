@@ -287,5 +287,6 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
 def _new_tape(decoder: FastDecoder, prompts: list, n: int, prompt_slots: int, steps: int):
     w = decoder.inner.embed_tokens.weight
     decoder._last_tape = ForwardTape(decoder.model, prompts, n, prompt_slots, steps, tape_widths(decoder.model),
-                                     len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape)
+                                     len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape,
+                                     swiglu=decoder._swiglu)
     return decoder._last_tape
