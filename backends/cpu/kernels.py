@@ -128,10 +128,12 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
     return lambda x: torch.ops.mkl._mkl_linear(x, packed, whole, bias, int(rows))
 
 
-#: most rows the row-tile kernel serves. A decode step is compute-bound from about 16 rows on (2 FLOPs per row and
-#: weight: at 16 rows, reading 18 GB/s takes the 2 Zen 4 threads' whole FLOP peak), where MKL's packed sgemm
-#: computes faster
-ROWS_MAX = 16
+#: most rows the row-tile kernel serves. From about 16 rows on a decode step is compute-bound (2 FLOPs per row and
+#: weight), and the kernel runs near the FLOP peak: on 2 Zen 4 threads 150-175 GFLOP/s at 16-256 rows for every
+#: Qwen2.5-0.5B shape (MKL's 4096^3 sgemm: 186), against F.linear's 0.5B layers 79 / 117 GFLOP/s at 32 / 64 rows
+#: and MKL's packed sgemm slower still (plus 30-80 ms of packing per call). The plain matmul draws level only
+#: from ~128 rows (the rows block of an input 4864 wide outgrows L2); a prefill of more rows takes F.linear
+ROWS_MAX = 64
 
 
 def native_kernels_available() -> bool | str:
@@ -154,9 +156,10 @@ def linear_prepacked_rows(weight, bias=None, rows=None):
     then by FLOPs). The kernel computes tiles of 3 output columns times 8 rows straight from the row-major
     weights, so nothing is copied: no packed layout, and fused projections (``weight`` a sequence: q/k/v,
     gate/up) are not concatenated. At 16 rows, Qwen2.5-0.5B's matrices on 2 threads read at ~16.7 GB/s
-    against ~7 GB/s for the plain matmul. For ``rows`` (the decode's row count) up to ``ROWS_MAX``; fewer rows
-    (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` per part, outputs
-    concatenated. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
+    against ~7 GB/s for the plain matmul; at 32 rows two of its layers take 11.8 ms against F.linear's 24.0
+    (the benchmarks' medium model: 7.4 vs 13.5, MKL packed 13.2). For ``rows`` (the decode's row count) up to
+    ``ROWS_MAX``; fewer rows (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` per
+    part, outputs concatenated. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
     Results equal ``F.linear`` up to float32 summation order.
 
     The library is built on first use (~10 s, cached across processes: backends/cpu/native_build.py); if it
