@@ -72,6 +72,23 @@ def test_replay_equals_fresh_forward(tiny, monkeypatch, rows):
         torch.testing.assert_close(replayed_t1.detach()[resp_mask], rollout_lp[resp_mask], atol=1e-4, rtol=1e-4)
 
 
+def test_replay_runs_the_recording_engines_swiglu_without_detecting_the_backend(tiny, monkeypatch):
+    """The replay's SiLU MLPs take the decoder's swiglu kernel from the tape: selecting one there with no backend
+    re-detected the backend (package metadata of every vendor) at every update step."""
+    import portrl.device.registry as device_registry
+    from portrl.ops import select
+
+    model = load_causal_lm(tiny, backend="cpu")
+    tape, batch, _ = _rollout(model)
+    assert tape.swiglu is select("swiglu", backend="cpu")[1]
+    calls = []
+    monkeypatch.setattr(tape, "swiglu", lambda gate, up: calls.append(1) or torch.nn.functional.silu(gate) * up)
+    monkeypatch.setattr(device_registry, "detect", lambda: pytest.fail("the replay detected the backend"))
+    model.train()
+    _logprobs_and_grads(model, batch, tape=tape)
+    assert len(calls) == len(model.model.layers)
+
+
 def test_changed_weights_or_unknown_rows_fall_back(tiny, monkeypatch):
     model = load_causal_lm(tiny, backend="cpu")
     tape, batch, _ = _rollout(model)
