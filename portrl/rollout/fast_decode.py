@@ -69,8 +69,10 @@ def fast_decoder_for(model: torch.nn.Module, backend: Any = None) -> Optional["F
     return FastDecoder(model, backend)
 
 
-#: fewest one-token steps for which the decode linears are prepacked: packing the medium benchmark
-#: model (60 MB) takes ~29 ms and saves ~2.9 ms per step at 32 rows, so it pays from ~10 steps on
+#: fewest one-token steps for which the decode linears go through the backend's ``linear_prepacked`` op. Its MKL
+#: implementation packs the weights once per call: for the medium benchmark model (60 MB), on the Intel host of
+#: 2026-11-30, ~29 ms that saved ~2.9 ms per step at 32 rows, so it paid from ~10 steps on (on a Zen 4 host MKL's
+#: packed sgemm is no faster than F.linear; the CPU's rows kernel serves up to 64 rows there and packs nothing)
 PREPACK_MIN_STEPS = 16
 
 
