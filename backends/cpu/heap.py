@@ -132,10 +132,12 @@ def kept_free_bytes() -> int:
 
 
 #: the fewest free bytes the heap must hold for :func:`release_kept` to trim it. Below this the pages handed back
-#: are faulted in again by the next step at more cost than they free: a tiny model's GRPO step (the small benchmark
-#: configuration, ~30 MiB free at each rollout) trimmed at every rollout faulted 5,000-7,600 pages a step against
-#: 400-900 untrimmed, 0.14-0.19 s a step against 0.11-0.13 (benchmarks/RESULTS.md, runs U and V)
-RELEASE_MIN_BYTES = 64 << 20
+#: are faulted in again by the next step at more cost than they free (benchmarks/RESULTS.md, runs U-V and Y): the
+#: small benchmark configuration (~30 MiB free at each rollout) trimmed at every rollout faulted 5,000-7,600 pages
+#: a step against 400-900 untrimmed, 0.14-0.19 s a step against 0.11-0.13; the medium one (150-270 MiB free)
+#: 20,000-30,000 against ~0, its update 0.77-1.07 s against 0.52-0.65, for 4 % less peak RSS (1054 vs 1097-1102
+#: MiB). At 0.5B the heap keeps gigabytes (the recording) and is trimmed.
+RELEASE_MIN_BYTES = 512 << 20
 
 
 def release_kept() -> bool:
