@@ -84,3 +84,70 @@ def test_mini_batch_rows_share_prompts_times_samples_over_ranks():
     with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size \* rollout.n \(2\) is smaller than the number "
                                          r"of workers \(4\)"):
         mini_batch_rows(1, 2, 4)
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity forward, NaN backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def _poisoned_loss(state, bad_steps, where="loss"):
+    """The linear model's loss, made NaN (``where="loss"``) or given a NaN gradient (``"grad"``) on the optimizer
+    steps in ``bad_steps``."""
+    def loss_fn(micro, counts, pos):
+        err = (state.module(micro.tensors["x"]) - micro.tensors["y"]).pow(2).sum()
+        loss = err / counts["global_batch_size"]
+        if pos.steps_done in bad_steps:
+            if where == "loss":  # a NaN loss whose gradient is finite (the constant has none)
+                loss = loss + float("nan")
+            else:  # a finite loss whose gradient is NaN
+                loss = _NanGrad.apply(loss)
+        return loss, {"loss": float(loss.detach())}
+    return loss_fn
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_a_non_finite_step_is_skipped_and_counted(where):
+    """Mini-batch 1 of 3 (steps_done 1) has a NaN loss or gradient: its optimizer step is skipped (the weights
+    and AdamW's moments and step count stay as after step 0), the others are taken, the skip is counted, and the
+    schedule advances as usual."""
+    state, ref = _state(), _state()
+    out = run_update(state, _batch(), _settings(mini_rows=2), _poisoned_loss(state, {1}, where), prefix="t")
+    assert out["t/nonfinite_skipped"] == 1.0
+    assert state.scheduler.last_epoch == 1
+    # the same two good steps without the bad one in between: identical weights and optimizer state
+    run_update(ref, _batch().select(torch.tensor([0, 1, 4, 5])), _settings(mini_rows=2), _poisoned_loss(ref, set()),
+               prefix="t")
+    for p, q in zip(state.module.parameters(), ref.module.parameters()):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, q)
+    for p, q in zip(state.master.masters, ref.master.masters):
+        sp, sq = state.optimizer.state[p], ref.optimizer.state[q]
+        assert float(sp["step"]) == float(sq["step"]) == 2.0
+        torch.testing.assert_close(sp["exp_avg"], sq["exp_avg"])
+        torch.testing.assert_close(sp["exp_avg_sq"], sq["exp_avg_sq"])
+        assert p.grad is None
+
+
+def test_an_update_with_every_step_non_finite_changes_nothing():
+    state = _state()
+    before = [p.detach().clone() for p in state.module.parameters()]
+    out = run_update(state, _batch(), _settings(mini_rows=3), _poisoned_loss(state, {0, 1}), prefix="t")
+    assert out["t/nonfinite_skipped"] == 2.0 and not state.optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(before, state.module.parameters()))
+    assert state.master.finite()
+    with torch.no_grad():
+        state.module.bias.fill_(float("inf"))
+    assert not state.master.finite()
+
+
+def test_clean_updates_report_no_skip():
+    state = _state()
+    assert run_update(state, _batch(), _settings(), _sum_loss(state, []), prefix="t")["t/nonfinite_skipped"] == 0.0

@@ -78,6 +78,19 @@ class MasterWeights:
             if m is not p:
                 p.copy_(m)
 
+    @torch.no_grad()
+    def finite(self) -> bool:
+        """Whether every trained weight is finite (checked before a checkpoint is written): the masters (what a
+        checkpoint saves), one fused max-|w| per tensor (``torch._foreach_norm(masters, inf)``: NaN and inf
+        propagate, huge finite values do not overflow) and one check over those norms. Under FSDP2 this rank's
+        shards only (every rank checks its own)."""
+        local = [m.to_local() if hasattr(m, "to_local") else m for m in self.masters]
+        local = [t for t in local if t.numel() > 0]
+        if not local:
+            return True
+        norms = torch._foreach_norm(local, float("inf"))
+        return bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
+
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
             p.grad = None

@@ -42,14 +42,15 @@ def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimiz
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, master, clip: float) -> float:
+def clip_and_step(optimizer: torch.optim.Optimizer, master, clip: float, skip: bool = False) -> float:
     """One optimizer step over ``master`` (a :class:`~portrl.workers.master_weights.MasterWeights` whose
     masters the optimizer holds): gradients to the float32 masters, clipped to total L2 norm ``clip``
-    (``clip <= 0`` only measures), the step (skipped when the norm is not finite), the masters rounded back
-    into the compute parameters, every gradient freed. Returns the norm before clipping."""
+    (``clip <= 0`` only measures), the step (skipped when the norm is not finite or ``skip`` is set: then no
+    parameter and no optimizer state changes), the masters rounded back into the compute parameters, every
+    gradient freed. Returns the norm before clipping (measured also when skipped: under FSDP2 a collective)."""
     master.grads_to_masters()
     norm = clip_grad_norm(master.masters, clip)
-    if math.isfinite(norm):
+    if math.isfinite(norm) and not skip:
         optimizer.step()
         master.masters_to_params()
     master.zero_grad()

@@ -9,6 +9,14 @@ micro-batch loss is aggregated with the *global* counts of its mini-batch (token
 After each mini-batch: gradients clipped to ``grad_clip`` and the optimizer step
 (:func:`portrl.workers.training.clip_and_step`); after the step: the LR schedule advances once.
 
+Non-finite updates are skipped (as torch AMP's GradScaler and verl's actor do): when the mini-batch's loss (the sum of
+its micro-batch losses) or its gradient norm is NaN or infinite, its optimizer step is not taken (gradients zeroed,
+no parameter change, no step of the optimizer's moments or step count). The decision is the same on every
+data-parallel rank (the norm is global; a non-finite loss on any rank counts for all). The LR schedule still
+advances once per update: it is a function of the RL step (``trainer.total_steps``), so a skipped step does not
+shift the rest of it. ``<prefix>/nonfinite_skipped`` counts the skipped optimizer steps of the update; the trainer
+stops a run whose updates keep being skipped (``trainer.max_nonfinite_steps``, portrl.trainer.divergence).
+
 A worker supplies its loss on one micro-batch, ``loss_fn(micro, counts, pos) -> (loss, metrics)``: ``micro`` on
 the training device; ``counts`` the keyword arguments of ``portrl.algo.agg_loss`` (``dp_size``,
 ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) plus whatever ``extra_counts(mini)`` adds;
@@ -18,12 +26,15 @@ the training device; ``counts`` the keyword arguments of ``portrl.algo.agg_loss`
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from portrl.workers.batch import Batch
 from portrl.workers.training import (
+    all_reduce_max,
     clip_and_step,
     combine_micro_metrics,
     global_counts,
@@ -94,12 +105,15 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
     """One update of ``state`` on ``batch`` (see the module docstring). The module is in train mode during it and
     in eval mode after. Returns the mean over mini-batches of their metrics (a mini-batch's metrics: the keys in
     ``additive`` summed over its micro-batches -- partial sums of a loss aggregated with global counts --, the
-    others averaged), ``<prefix>/grad_norm`` (mean over steps, before clipping) and ``<prefix>/lr`` (after the
-    schedule step). ``advance_schedule=False`` leaves the LR schedule where it is."""
+    others averaged), ``<prefix>/grad_norm`` (mean over steps, before clipping; NaN when one was not finite),
+    ``<prefix>/nonfinite_skipped`` (optimizer steps skipped for a non-finite loss or gradient norm, see the module
+    docstring) and ``<prefix>/lr`` (after the schedule step). ``advance_schedule=False`` leaves the LR schedule
+    where it is."""
     s, world = settings, settings.world_size
     state.module.train()
     rows: List[Dict[str, float]] = []
     norms: List[float] = []
+    skipped = 0
     for epoch in range(s.epochs):
         data = batch
         if s.shuffle_seed is not None:
@@ -114,17 +128,27 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
             state.master.zero_grad()
             micro_rows: List[Dict[str, float]] = []
             micros = same_piece_count(mini, split_micro_batches(mini, s.micro_rows, s.max_tokens, s.shared_prompts), world)
+            total = None  # the mini-batch's loss (its micro-batch losses summed), checked once before the step
             for i, micro in enumerate(micros):
                 pos = Position(epoch, len(norms), i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(state.device), counts, pos)
                 loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
                 micro_rows.append(metrics)
             rows.append(combine_micro_metrics(micro_rows, additive))
-            norms.append(clip_and_step(state.optimizer, state.master, s.grad_clip))
+            bad_loss = total is not None and not math.isfinite(float(total))
+            bad_loss = all_reduce_max([float(bad_loss)], world)[0] > 0  # every rank skips, or none
+            norm = clip_and_step(state.optimizer, state.master, s.grad_clip, skip=bad_loss)
+            skipped += int(bad_loss or not math.isfinite(norm))
+            norms.append(norm)
     if advance_schedule:
-        state.scheduler.step()
+        with warnings.catch_warnings():
+            if skipped == len(norms):  # torch warns of a schedule stepped before any optimizer step: wanted here
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            state.scheduler.step()
     state.module.eval()
     out = mean_metrics(rows)
     out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
+    out[f"{prefix}/nonfinite_skipped"] = float(skipped)
     out[f"{prefix}/lr"] = float(state.optimizer.param_groups[0]["lr"])
     return out
