@@ -13,18 +13,21 @@ and ``portrl eval --help`` stay fast.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
 from portrl.errors import UserError
+from portrl.outputs import ON_EXISTING, claim, publish
 from portrl.user_files import temp_name
 
 PROG = "portrl eval"
 EXTRA = [
     (("--model",), {"default": None, "help": "a local transformers model directory (sets model.path)"}),
     (("--checkpoint",), {"default": None, "help": "a run checkpoint directory (global_step_N) to load"}),
-    (("--report",), {"default": None, "help": "also write the metrics as JSON here"}),
+    (("--report",), {"default": None, "help": "also write the metrics as JSON here (a new file)"}),
+    (("--on-existing",), {"choices": ON_EXISTING, "default": "refuse",
+                          "help": "a --report that exists: refuse (default) or move_aside (rename it to "
+                                  "<name>.old-<time>)"}),
 ]
 # Evaluation trains nothing: no checkpoint resume, no KL term; the workers only training needs (reference policy,
 # critic, PRIME's reward model) are switched off after the config is checked (:func:`evaluation_config`), so an
@@ -64,6 +67,8 @@ def run(args) -> int:
     if opts.report and not Path(opts.report).expanduser().absolute().parent.is_dir():
         raise UserError(f"--report {opts.report}: the folder {str(Path(opts.report).parent)!r} does not exist")
     preflight(cfg, EVAL, checkpoint=opts.checkpoint)  # before the model loads
+    if opts.report:
+        claim(opts.report, "--report", opts.on_existing)
     trainer = RLTrainer(cfg)
     if opts.checkpoint:
         trainer.load_checkpoint(Path(opts.checkpoint), policy_only=True)  # verified; the policy only
@@ -76,5 +81,5 @@ def run(args) -> int:
         tmp = temp_name(opts.report)
         with open(tmp, "w") as f:
             json.dump(metrics, f, indent=2)
-        os.replace(tmp, opts.report)
+        publish(tmp, opts.report)
     return 0

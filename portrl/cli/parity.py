@@ -3,6 +3,10 @@
 Exit status: 0 when every verdict is pass or warn, 1 when any fails, 2 for bad input (argparse's usage errors,
 and a device, golden, envelope or report that cannot be used: one line, portrl.errors.UserError).
 
+A report or golden path that already holds something is refused before any work (``--on-existing move_aside``
+renames it aside instead; portrl.outputs); ``e2e --rebuild-envelope`` is the one command asked to replace a
+file, the envelope.
+
 Each subcommand imports its parity modules and the device layer when it runs (they load torch and the models).
 """
 
@@ -14,6 +18,7 @@ import sys
 from pathlib import Path
 
 from portrl.errors import UserError
+from portrl.outputs import add_on_existing_argument, claim
 from portrl.parity.tolerances import TOLERANCES
 
 
@@ -28,31 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ops.add_argument("--group", action="append", choices=["ops", "algo"], help="only these groups (repeatable)")
     ops.add_argument("--op", action="append", help="only these ops (repeatable)")
     ops.add_argument("--seed", type=int, default=0)
+    add_on_existing_argument(ops)
 
     rec = sub.add_parser("record", help="record a golden RL step of the tiny model (reference backend, float32)")
     rec.add_argument("--output", required=True, help="golden directory to write")
     rec.add_argument("--device", default="cpu")
     rec.add_argument("--seed", type=int, default=0)
+    add_on_existing_argument(rec)
 
     rep = sub.add_parser("replay", help="recompute a golden on a backend and compare")
     rep.add_argument("--golden", required=True, help="golden directory (from `portrl parity record`)")
     rep.add_argument("--device", default=None)
     rep.add_argument("--dtype", default="float32", choices=list(TOLERANCES))
     rep.add_argument("--report", default=None, help="JSON report to write")
+    add_on_existing_argument(rep)
 
     e2e = sub.add_parser("e2e", help="short fixed-seed training run checked against the committed envelope")
     e2e.add_argument("--device", default=None)
     e2e.add_argument("--envelope", default=None, help="envelope JSON (default: the committed one)")
-    e2e.add_argument("--rebuild-envelope", action="store_true", help="measure the envelope over several seeds")
+    e2e.add_argument("--rebuild-envelope", action="store_true", help="measure the envelope over several seeds and "
+                     "replace the envelope file (--envelope, or the committed one) with it")
     e2e.add_argument("--seeds", type=int, default=4, help="seeds for --rebuild-envelope")
     e2e.add_argument("--preset", default=None, help="device preset (configs/device; default: the backend's name)")
     e2e.add_argument("--report", default=None)
-    e2e.add_argument("--work-dir", default=None, help="where the runs write (default: a temporary directory)")
+    e2e.add_argument("--work-dir", default=None, help="where the runs write (in a new temporary folder inside it; "
+                     "default: the system's temporary directory)")
+    add_on_existing_argument(e2e)
 
     cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")
     cmp_.add_argument("reports", nargs="+", help="reports from `portrl parity ops`")
     cmp_.add_argument("--reference", default="cpu", help="backend whose errors divide the others'")
-    cmp_.add_argument("--output", default=None, help="Markdown file to write (default: stdout)")
+    cmp_.add_argument("--output", default=None, help="Markdown file to write (default: stdout), and its summary "
+                      "beside it as .json")
+    add_on_existing_argument(cmp_)
 
 
 def _backend(name):
@@ -77,12 +90,13 @@ def _ops(args) -> int:
 
     if args.size not in SIZES:
         raise UserError(f"unknown parity size {args.size!r} (--size); valid: {', '.join(SIZES)}")
+    claim(args.report, "--report", args.on_existing)
     report = run_ops_parity(_backend(args.device), args.dtype, size=args.size, groups=tuple(args.group or GROUPS),
                             ops=args.op, seed=args.seed)
-    write_json(args.report, report)
+    path = write_json(args.report, report, replace=False)
     s = report["summary"]
     print(f"{report['backend']} ({report['device_name']}) {args.dtype}: {s['pass']} pass, {s['warn']} warn, "
-          f"{s['fail']} fail of {s['total']} cases in {s['seconds']} s -> {args.report}")
+          f"{s['fail']} fail of {s['total']} cases in {s['seconds']} s -> {path}")
     for c in report["cases"]:
         if c["verdict"] != "pass":
             print(f"  {c['verdict']:4s} {c['name']}: max_rel_err={c.get('max_rel_err')} {c.get('error', '')}")
@@ -92,7 +106,8 @@ def _ops(args) -> int:
 def _record(args) -> int:
     from portrl.parity.golden import record_golden
 
-    out = record_golden(args.output, _backend(args.device), seed=args.seed)
+    out = claim(args.output, "--output", args.on_existing)
+    out = record_golden(out, _backend(args.device), seed=args.seed)
     print(f"golden written to {out}")
     return 0
 
@@ -101,11 +116,13 @@ def _replay(args) -> int:
     from portrl.parity.golden import read_golden, replay_golden
     from portrl.parity.report import write_json
 
+    if args.report:
+        claim(args.report, "--report", args.on_existing)
     backend = _backend(args.device)
     _reading(read_golden, args.golden)  # a missing or foreign golden is bad input, found before the replay
     report = replay_golden(args.golden, backend, args.dtype)
     if args.report:
-        write_json(args.report, report)
+        write_json(args.report, report, replace=False)
     for name, m in report["checks"].items():
         print(f"  {m['verdict']:4s} {name}: max_abs_err={m['max_abs_err']:.3g} max_rel_err={m['max_rel_err']:.3g}")
     print(f"replay on {report['backend']} {args.dtype}: {report['verdict']}")
@@ -116,6 +133,8 @@ def _e2e(args) -> int:
     from portrl.parity.e2e import build_envelope, check_run, default_envelope_path
     from portrl.parity.report import write_json
 
+    if args.report and not args.rebuild_envelope:
+        claim(args.report, "--report", args.on_existing)
     backend = _backend(args.device)
     path = Path(args.envelope) if args.envelope else default_envelope_path()
     if args.rebuild_envelope:
@@ -126,7 +145,7 @@ def _e2e(args) -> int:
     _reading(_check_envelope, path)
     report = check_run(backend, path, work_dir=args.work_dir, preset=args.preset)
     if args.report:
-        write_json(args.report, report)
+        write_json(args.report, report, replace=False)
     for v in report["violations"]:
         print(f"  outside: {v}")
     print(f"e2e on {report['backend']}: {report['verdict']} ({len(report['violations'])} points outside the envelope)")
@@ -137,10 +156,13 @@ def _compare(args) -> int:
     from portrl.parity.compare import compare_files
     from portrl.parity.report import write_json, write_text
 
+    if args.output:
+        for path in (args.output, Path(args.output).with_suffix(".json")):
+            claim(path, "--output", args.on_existing)
     md, summary = _reading(compare_files, args.reports, reference=args.reference)
     if args.output:
-        write_text(args.output, md)
-        write_json(Path(args.output).with_suffix(".json"), summary)
+        write_text(args.output, md, replace=False)
+        write_json(Path(args.output).with_suffix(".json"), summary, replace=False)
     else:
         sys.stdout.write(md)
     return 1 if summary["verdict"] == "fail" else 0

@@ -6,6 +6,8 @@ Heavy modules (pyarrow, the converters) are imported when the command runs, so t
 
 from __future__ import annotations
 
+from portrl.outputs import add_on_existing_argument
+
 # as portrl.data.preprocess.TASKS (not imported: --help stays fast)
 TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
 
@@ -39,6 +41,7 @@ def add_arguments(parser) -> None:
                         "('' for none)")
     parser.add_argument("--system", help="qa: a system message put before the question (rows with one keep theirs)")
     parser.add_argument("--sft", action="store_true", help="arith: also write sft_train/sft_test.parquet with a response column")
+    add_on_existing_argument(parser)
 
 
 def run(args) -> int:
@@ -50,7 +53,8 @@ def run(args) -> int:
     paths = preprocess(args.task, args.output_dir, input_path=args.input, test_input=args.test_input,
                        test_fraction=args.test_fraction, seed=args.seed, n=args.n, difficulty=args.difficulty,
                        sft=args.sft, data_source=args.data_source, question_key=args.question_key,
-                       answer_key=args.answer_key, instruction=args.instruction, system=args.system)
+                       answer_key=args.answer_key, instruction=args.instruction, system=args.system,
+                       on_existing=args.on_existing)
     for name, path in paths.items():
         print(f"{name}: {pq.read_metadata(path).num_rows} rows -> {path}")
     return 0

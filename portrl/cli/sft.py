@@ -19,11 +19,15 @@ from pathlib import Path
 
 from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
 from portrl.errors import UserError
+from portrl.outputs import ON_EXISTING, claim
 
 PROG = "portrl sft"
 EXTRA = [
     (("--train-files",), {"nargs": "+", "default": None, "help": "parquet files with prompt and response columns"}),
-    (("--output",), {"default": None, "help": "output directory (default: <trainer.output_dir>/sft)"}),
+    (("--output",), {"default": None, "help": "output directory, new or empty (default: <trainer.output_dir>/sft)"}),
+    (("--on-existing",), {"choices": ON_EXISTING, "default": "refuse",
+                          "help": "an --output that already holds something: refuse (default) or move_aside "
+                                  "(rename it to <name>.old-<time>; nothing is deleted)"}),
     (("--steps",), {"type": int, "default": None, "help": "optimizer steps (default: model.sft_steps)"}),
     (("--lr",), {"type": float, "default": None, "help": "peak learning rate (default: model.sft_lr)"}),
     (("--batch-size",), {"type": int, "default": None, "help": "examples per step (default: model.sft_batch_size)"}),
@@ -50,6 +54,10 @@ def _rows(cfg, tokenizer, files):
     return arith_sft_rows(cfg, int(cfg.data.arith.num_train))
 
 
+def _output(opts, cfg) -> Path:
+    return Path(opts.output or Path(str(cfg.trainer.output_dir)) / "sft")
+
+
 def _check_options(opts) -> None:
     """The flags' ranges, the --train-files columns and the --output path (before any model loads)."""
     if opts.steps is not None and opts.steps < 1:
@@ -58,8 +66,6 @@ def _check_options(opts) -> None:
         raise UserError(f"--lr {opts.lr} must be > 0")
     if opts.batch_size is not None and opts.batch_size < 1:
         raise UserError(f"--batch-size {opts.batch_size} must be >= 1")
-    if opts.output and Path(opts.output).exists() and not Path(opts.output).is_dir():
-        raise UserError(f"--output {opts.output} is a file; give a directory to write the model to")
     if opts.train_files:
         from portrl.data.validate import check_sft_file
 
@@ -82,6 +88,7 @@ def run(args) -> int:
     if not opts.train_files and str(cfg.data.name) != "arith":
         _rows(cfg, None, None)  # the error naming --train-files
     preflight(cfg, SFT)
+    out = claim(_output(opts, cfg), "--output" if opts.output else "the SFT output (--output)", opts.on_existing)
     backend = worker_backend(cfg)
     setup_process(cfg, backend)
     path = resolve_model_path(cfg)
@@ -97,8 +104,8 @@ def run(args) -> int:
     batch_size = int(cfg.model.sft_batch_size) if opts.batch_size is None else opts.batch_size
     metrics = run_sft(cfg, model, tokenizer, rows, steps, lr, batch_size, seed=int(cfg.trainer.seed),
                       log_every=max(1, steps // 10), master=master)
-    out = Path(opts.output or Path(str(cfg.trainer.output_dir)) / "sft")
-    export_pretrained(model, out, source_dir=path, tokenizer=tokenizer, tokenizer_dir=cfg.model.tokenizer_path or path)
+    out = export_pretrained(model, out, source_dir=path, tokenizer=tokenizer,
+                            tokenizer_dir=cfg.model.tokenizer_path or path, replace=False)
     stopped = "" if "sft/answer_p" not in metrics else \
         f", stopped at P(answer) {metrics['sft/answer_p']:.2f} (model.sft_target_answer_p)"
     print(f"SFT: loss {metrics['sft/loss_first']:.4f} -> {metrics['sft/loss_last']:.4f} in {metrics['sft/steps']:.0f} "

@@ -25,6 +25,7 @@ from portrl.data import code, dapo_math, geo3k, gsm8k, hendrycks_math, qa
 from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 from portrl.data.images import IMAGE_KEY, IMAGES_TYPE
 from portrl.data.schema import DataError
+from portrl.outputs import claim, publish
 from portrl.user_files import ordinary_permissions
 
 log = logging.getLogger(__name__)
@@ -136,10 +137,11 @@ def find_split_files(directory: Path) -> dict[str, list[Path]]:
     return splits
 
 
-def write_split(rows: list[dict], path: str | Path) -> Path:
-    """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed. The columns are
-    every row's keys (None where a row has none); an ``images`` column is a list of ``{"bytes": binary, "path":
-    string}`` (portrl.data.images.IMAGES_TYPE)."""
+def write_split(rows: list[dict], path: str | Path, replace: bool = True) -> Path:
+    """Write rows as parquet at ``path``: to a temporary name in the same folder, then renamed; returns where it
+    went. The columns are every row's keys (None where a row has none); an ``images`` column is a list of
+    ``{"bytes": binary, "path": string}`` (portrl.data.images.IMAGES_TYPE). ``replace=False``: a file that is at
+    ``path`` by then is kept and the new one goes beside it (portrl.outputs.publish)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = list(rows)
@@ -151,7 +153,10 @@ def write_split(rows: list[dict], path: str | Path) -> Path:
     try:
         pq.write_table(table, tmp)
         ordinary_permissions(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            path = publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -186,8 +191,12 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
                test_input: str | Path | None = None, test_fraction: float = 0.1, seed: int = 0,
                n: int | None = None, difficulty: int | None = None, sft: bool = False,
                data_source: str | None = None, question_key: str | None = None, answer_key: str | None = None,
-               instruction: str | None = None, system: str | None = None) -> dict[str, Path]:
+               instruction: str | None = None, system: str | None = None,
+               on_existing: str = "refuse") -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
+    Those files must not exist yet (``on_existing="move_aside"``: earlier ones are renamed to
+    ``<name>.old-<time>``; portrl.outputs.claim), checked before any input is read; other files in the folder
+    are left alone.
 
     ``n`` limits the raw records read per split (arith: the number of problems, train + test, default 2000);
     ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (arith only),
@@ -202,6 +211,8 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
     if not 0.0 <= test_fraction < 1.0:
         raise DataError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     out = Path(output_dir)
+    for name in ("train", "test", *(("sft_train", "sft_test") if sft and task == "arith" else ())):
+        claim(out / f"{name}.parquet", "--output-dir", on_existing)
     if task == "arith":
         if input_path is not None or test_input is not None:
             raise DataError("arith generates its problems; it takes no --input")
@@ -270,7 +281,7 @@ def _write_splits(splits: dict[str, list[dict]], out: Path) -> dict[str, Path]:
     paths = {}
     for name, rows in splits.items():
         if rows:
-            paths[name] = write_split(rows, out / f"{name}.parquet")
+            paths[name] = write_split(rows, out / f"{name}.parquet", replace=False)
         else:
             log.warning("no %s rows: %s.parquet not written", name, name)
     return paths

@@ -19,7 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
-from portrl.user_files import new_dir
+from portrl.outputs import publish
+from portrl.user_files import new_dir, ordinary_permissions, temp_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -59,15 +60,20 @@ def copy_tokenizer_files(source: Path, dest: Path) -> list:
 
 
 def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str | os.PathLike,
-                      tokenizer: Any = None, tokenizer_dir: Optional[str | os.PathLike] = None) -> Path:
-    """Write ``model`` (a transformers model) to ``out_dir`` as described in the module docstring.
+                      tokenizer: Any = None, tokenizer_dir: Optional[str | os.PathLike] = None,
+                      replace: bool = True) -> Path:
+    """Write ``model`` (a transformers model) to ``out_dir`` as described in the module docstring; returns where
+    it went.
 
     ``source_dir``: the model directory training started from (its config.json is the reference);
     ``tokenizer_dir``: where the tokenizer came from (default ``source_dir``). When that directory holds no
-    tokenizer files, ``tokenizer.save_pretrained`` writes them instead.
+    tokenizer files, ``tokenizer.save_pretrained`` writes them instead. ``replace=False`` (a folder the user
+    named, claimed with portrl.outputs.claim): a non-empty ``out_dir`` that appeared meanwhile is kept and the
+    export goes beside it (portrl.outputs.publish); ``True``: the run's own earlier export is replaced.
     """
     out = Path(out_dir)
-    with new_dir(out) as tmp:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         restore_config(tmp / "config.json", Path(source_dir) / "config.json")
         if not copy_tokenizer_files(Path(tokenizer_dir or source_dir), tmp) and tokenizer is not None:
@@ -75,4 +81,18 @@ def export_pretrained(model: Any, out_dir: str | os.PathLike, *, source_dir: str
         for name in PROCESSOR_FILES:
             if (Path(source_dir) / name).is_file():
                 shutil.copyfile(Path(source_dir) / name, tmp / name)
-    return out
+
+    if replace:
+        with new_dir(out) as tmp:
+            fill(tmp)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(out)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        ordinary_permissions(tmp)
+        return publish(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

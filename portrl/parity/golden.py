@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from portrl import algo
 from portrl.data.arith import make_arith_rows
 from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer, write_tiny_model
+from portrl.outputs import publish
 from portrl.parity.metrics import compare_tensors
 from portrl.parity.report import environment, write_json
 from portrl.parity.tolerances import worst
@@ -110,7 +111,8 @@ def compute_step(model, batch: dict[str, torch.Tensor], step: dict) -> tuple[dic
 
 
 def record_golden(out_dir, backend, seed: int = 0) -> Path:
-    """Record the golden step on ``backend`` in float32 into ``out_dir`` (written atomically)."""
+    """Record the golden step on ``backend`` in float32 into ``out_dir`` (written atomically; an ``out_dir`` that
+    holds something is never replaced: portrl.outputs.publish). Returns where it went."""
     out = Path(out_dir)
     step = {**STEP, "seed": seed}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,9 +129,7 @@ def record_golden(out_dir, backend, seed: int = 0) -> Path:
         write_json(tmp / "golden.json", {"kind": "golden", "version": GOLDEN_VERSION, "step": step, **scalars,
                                          "recorded_on": environment(backend), "dtype": "float32"})
         os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        out = publish(tmp, out)  # claimed by the caller; never replaces a folder that appeared meanwhile
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from portrl.outputs import publish
+
 #: bumped when the report layout changes; ``compare`` refuses other versions
 REPORT_VERSION = 1
 
@@ -29,8 +31,10 @@ def environment(backend) -> dict[str, Any]:
             "versions": versions, "python": platform.python_version(), "host": platform.machine()}
 
 
-def write_text(path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename (readable by all, like a plain write)."""
+def write_text(path, text: str, replace: bool = True) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readable by all, like a plain write);
+    returns where it went. ``replace=False`` (a report the user named and the command claimed): a file at ``path``
+    by then is kept and the new one goes beside it (portrl.outputs.publish)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -38,16 +42,19 @@ def write_text(path, text: str) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            path = publish(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
 
-def write_json(path, data: dict[str, Any]) -> Path:
-    """Write ``data`` as indented JSON (no NaN/Inf) to ``path`` atomically."""
-    return write_text(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+def write_json(path, data: dict[str, Any], replace: bool = True) -> Path:
+    """Write ``data`` as indented JSON (no NaN/Inf) to ``path`` atomically (``replace``: as :func:`write_text`)."""
+    return write_text(path, json.dumps(data, indent=1, allow_nan=False) + "\n", replace)
 
 
 def read_report(path) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 ``plot_run(run_dir)`` writes one PNG per panel that has data, into ``<run_dir>/plots/``: accuracy (training and
 validation), reward, KL divergence, entropy, response length and, in a run with a critic, the share of the returns'
-variance the critic explains; plus ``curves.png`` with all panels. Which curves are drawn is decided by
+variance the critic explains; plus ``curves.png`` with all panels. Each PNG carries the text chunk
+``Software: portrl plot`` (:data:`MARKER`): a plot with it is rewritten; any other file at a plot's path is
+refused (portrl.outputs.claim) unless ``on_existing="move_aside"``. Which curves are drawn is decided by
 :func:`select_panels`, from the metrics alone:
 
 * a curve is named in words (``training accuracy``), not by its metric key (``critic/acc/mean``, verl's name,
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Tuple
 
+from portrl.outputs import claim
 from portrl.trainer.tracking import read_metrics
 from portrl.user_files import temp_name
 
@@ -35,6 +38,9 @@ STYLES = {TRAIN: {"linestyle": "-", "marker": "o"}, VAL: {"linestyle": "--", "ma
           EXTRA: {"linestyle": ":", "marker": "^"}}
 MARKERS_UP_TO = 40
 
+
+#: the PNG text chunk (keyword, text) that marks a plot as written by portrl; matplotlib writes it before IDAT
+MARKER = ("Software", "portrl plot")
 
 #: a KL term whose absolute value stays below this at every step is not in use (or is float noise)
 ZERO = 1e-6
@@ -142,12 +148,24 @@ def select_panels(rows: list[dict]) -> List[Panel]:
 
 def _save(fig, path: Path) -> None:
     tmp = temp_name(path, suffix=path.suffix)  # savefig picks the format from the extension
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    fig.savefig(tmp, dpi=110, metadata={MARKER[0]: MARKER[1]})
+    os.replace(tmp, path)  # claimed by plot_run: absent, or a plot of ours
 
 
-def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """Write the curves of a run; returns the PNG paths written (``curves.png`` last)."""
+def is_portrl_plot(path: Path) -> bool:
+    """``path`` is a PNG with portrl's :data:`MARKER` text chunk (read from its first 64 KiB)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 16)
+    except OSError:
+        return False
+    chunk = b"tEXt" + MARKER[0].encode() + b"\0" + MARKER[1].encode()
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and chunk in head
+
+
+def plot_run(run_dir: str | os.PathLike, on_existing: str = "refuse") -> list[Path]:
+    """Write the curves of a run; returns the PNG paths written (``curves.png`` last). Each path is claimed
+    before anything is drawn: absent or a portrl plot, else refused or (``move_aside``) renamed aside."""
     # matplotlib here, not at the top: its file-only Agg backend must be chosen before pyplot loads, and
     # importing this module (the trainer does) must not switch the backend of a notebook that imports portrl
     import matplotlib
@@ -161,6 +179,9 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir} a portrl run directory?")
     panels = select_panels([r for r in read_metrics(metrics) if "step" in r])
     out_dir = run_dir / "plots"
+    names = [p.name for p in panels] + (["curves"] if panels else [])
+    for name in names:
+        claim(out_dir / f"{name}.png", "the plot", on_existing, ours=is_portrl_plot)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for panel in panels:

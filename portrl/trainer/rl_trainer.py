@@ -41,6 +41,7 @@ from portrl.config.composition import copy_config
 from portrl.data import RLDataset
 from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
+from portrl.outputs import OutputExists
 from portrl.rewards import per_source_metrics
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.checkpoint import CheckpointManager
@@ -86,8 +87,7 @@ class RLTrainer:
         _seed_all(int(cfg.trainer.seed))
         cfg.model.path = resolve_model_path(cfg)
         self.cfg = cfg
-        self.out_dir = Path(str(cfg.trainer.output_dir))
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = Path(str(cfg.trainer.output_dir))  # created by fit(): validate() alone (eval) writes nothing
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.processor = load_processor(cfg.model.path)  # a vision-language model's; None for a text model
         train_files, val_files = resolve_data_files(cfg)
@@ -301,6 +301,7 @@ class RLTrainer:
     def fit(self) -> Dict[str, Any]:
         """Run to ``trainer.total_steps``; returns the summary dict (see :func:`run_training`)."""
         cfg, t = self.cfg, self.cfg.trainer
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", max_to_keep=int(t.max_ckpt_to_keep))
         # this run's checkpoint, a fresh start, or an error: never another run's files (portrl.trainer.run_dir)
         resume, record = prepare_run_dir(cfg, self.out_dir, self.ckpt, run_identity(cfg),
@@ -425,7 +426,7 @@ class RLTrainer:
         if t.plot:
             try:
                 summary["plots"] = [str(p) for p in plot_run(str(self.out_dir))]
-            except ImportError as exc:  # matplotlib is a dependency, but a broken install must not lose the run
+            except (ImportError, OutputExists) as exc:  # a broken matplotlib, a user's file: the run is kept
                 log.warning("plotting skipped: %s", exc)
         records = [r for r in earlier if int(r.get("step", 0)) > 0] + self.history  # step 0: val_before only
         vals = [h["val/acc/mean"] for h in records if "val/acc/mean" in h]

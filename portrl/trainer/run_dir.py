@@ -11,6 +11,9 @@ from ``trainer.resume``, ``trainer.on_existing_run`` and what the directory hold
   (files but no ``run.json``), is refused with the differing keys; when every checkpoint is unusable the
   error lists them (CheckpointManager.resolve_auto).
 * ``resume=off``: a fresh start, into a directory that holds no earlier run; one that does is refused.
+
+A fresh start (either way) into a directory holding anything a run does not write (:data:`RUN_ENTRIES`: a user's
+notes, a project checkout) is refused too: a run's files are never mixed with the user's.
 * ``resume=PATH``: that checkpoint, which must be of this run (and, inside this run's folder, its newest: a
   continuation from an older one would be mixed with the newer ones).
 
@@ -26,18 +29,23 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from portrl import outputs
 from portrl.trainer.checkpoint import CheckpointError, CheckpointManager, _load_manifest, check_compatible
 from portrl.trainer.run_identity import RUN_FILE, identity_diff, read_run_record, run_identity, write_run_record
 
 log = logging.getLogger(__name__)
 
-ON_EXISTING = ("refuse", "move_aside")
+ON_EXISTING = outputs.ON_EXISTING
 #: what marks a directory as holding a run (besides checkpoints)
 RUN_MARKERS = (RUN_FILE, "metrics.jsonl", "hf_model")
+#: what else a run (or ``portrl sft``'s default output, ``<output_dir>/sft``) writes there; a fresh start refuses a
+#: folder holding anything but these (a user's files are not mixed with a run's)
+RUN_ENTRIES = (*RUN_MARKERS, "checkpoints", "plots", "tensorboard", "wandb", "mlruns", "sft")
+_TEMP = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}")  # portrl.user_files.temp_name, left by a killed writer
 
 
 def run_contents(out_dir: Path, ckpt: CheckpointManager) -> List[str]:
@@ -49,22 +57,17 @@ def run_contents(out_dir: Path, ckpt: CheckpointManager) -> List[str]:
     return found
 
 
+def foreign_entries(out_dir: Path) -> List[str]:
+    """The entries of ``out_dir`` that no run writes (sorted; none when it does not exist)."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(e.name for e in out_dir.iterdir() if e.name not in RUN_ENTRIES and not _TEMP.match(e.name))
+
+
 def move_aside(out_dir: Path) -> Path:
-    """Rename ``out_dir`` to ``<out_dir>.old-<time>`` (a sibling; a number is added if taken); recreate it empty."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = out_dir.with_name(f"{out_dir.name}.old-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = out_dir.with_name(f"{out_dir.name}.old-{stamp}-{n}")
-    try:
-        os.rename(out_dir, target)
-    except OSError:  # e.g. a mount point or the working directory: move its entries instead
-        target.mkdir()
-        for entry in out_dir.iterdir():
-            os.rename(entry, target / entry.name)
+    """Rename ``out_dir`` to ``<out_dir>.old-<time>`` (portrl.outputs.move_aside); recreate it empty."""
+    target = outputs.move_aside(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log.warning("trainer.on_existing_run=move_aside: the earlier run in %s moved to %s", out_dir, target)
     return target
 
 
@@ -103,11 +106,19 @@ def prepare_run_dir(cfg: Any, out_dir: Path, ckpt: CheckpointManager, identity: 
         move_aside(out_dir)
         rec = None
 
+    def refuse_foreign() -> None:  # a fresh start into a folder of the user's own files
+        foreign = foreign_entries(out_dir)
+        if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+            aside_or_refuse(f"holds files that are not a portrl run ({', '.join(foreign[:3])}{more})")
+
     try:
         if resume == "off":
             held = run_contents(out_dir, ckpt)
             if held:
                 aside_or_refuse(f"holds an earlier run ({', '.join(held)}) and trainer.resume=off starts a new one")
+            else:
+                refuse_foreign()
             path = None
         else:
             if rec == {}:
@@ -119,6 +130,8 @@ def prepare_run_dir(cfg: Any, out_dir: Path, ckpt: CheckpointManager, identity: 
             elif run_contents(out_dir, ckpt) and not ckpt.checkpoints():
                 aside_or_refuse(f"holds a run of unknown identity ({', '.join(run_contents(out_dir, ckpt))}; "
                                 f"no {RUN_FILE})")
+            elif not ckpt.checkpoints():
+                refuse_foreign()
             if resume != "auto":
                 _check_no_newer(ckpt, Path(os.path.expanduser(resume)))
             if dry_run:
@@ -189,4 +202,5 @@ def check_run_dir(cfg: Any) -> None:
     prepare_run_dir(cfg, out_dir, ckpt, run_identity(cfg), dry_run=True)
 
 
-__all__ = ["ON_EXISTING", "check_run_dir", "prepare_run_dir", "move_aside", "run_contents"]
+__all__ = ["ON_EXISTING", "RUN_ENTRIES", "check_run_dir", "foreign_entries", "prepare_run_dir", "move_aside",
+           "run_contents"]
