@@ -11,8 +11,8 @@
   in portrl/config/checks_algorithm.py);
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
-  max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq >= 1 or 0 (off), KL coefficients >= 0,
-  temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
+  max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps >= 1 or 0 (off), KL
+  coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * environment: ``device.env`` names only variables a backend declares or runtime prefixes (ENV_PREFIXES);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
   ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``.
@@ -211,6 +211,8 @@ def check_ranges(cfg) -> list[str]:
          "must be > 0 (seconds per batch), or 0 / null (no limit)")
     need(t.worker_timeout_s is None or t.worker_timeout_s >= 0, "trainer.worker_timeout_s",
          "must be > 0 (seconds), or 0 / null (no limit)")
+    need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
+         "must be >= 1 (stop after that many steps in a row with a non-finite loss or gradient), or 0 (never stop)")
     code = cfg.reward.code
     need(code.timeout_s > 0, "reward.code.timeout_s", "must be > 0 (seconds per test case)")
     need(code.memory_mb >= 64, "reward.code.memory_mb", "must be >= 64 (the interpreter itself needs ~30 MB)")

@@ -369,6 +369,10 @@ class TrainerConfig:
     # a call to the workers that gets no answer within max(worker_timeout_s, 5 x the slowest RL step so far)
     # stops the run naming the worker (the first step gets 3 x worker_timeout_s); None = wait forever
     worker_timeout_s: Optional[float] = 300.0
+    # a step whose loss or gradient norm is not finite skips its optimizer step (actor, critic, PRIME's reward model;
+    # counted in <role>/nonfinite_skipped); after this many steps in a row with a skipped update the run stops with
+    # one line naming the last checkpoint with finite weights (portrl.trainer.divergence); 0 = never stop
+    max_nonfinite_steps: int = 3
 
 
 # ------------------------------------------------------------------------------------ device
