@@ -20,7 +20,13 @@ Rotation (after each save) keeps the checkpoint just written and the newest inta
 
 The frozen reference policy of a run (KL terms) is the same in every checkpoint, so it is written once to
 ``<root>/reference`` (:meth:`CheckpointManager.save_reference`) and each checkpoint's ``meta.reference`` pins
-it by the sha256 of its manifest; resuming verifies it with the checkpoint (``verify(..., with_reference=True)``).
+it: ``{"dir", "manifest_sha256", "manifest"}``, the sha256 of the reference's manifest and that manifest itself
+(every file's size and sha256). A checkpoint is taken for a resume on its own files and a well-formed pin
+(:func:`resumable_problem`); the reference is checked as it loads (:func:`reference_damage`). One copy serves
+every checkpoint, so a damaged or missing copy does not make them unusable: the resume rebuilds it from the
+run's model source (:func:`portrl.trainer.reference_repair.restore_reference`), uses the rebuilt copy only when
+every file matches the pinned sha256, and keeps the damaged one aside as ``reference.damaged-<time>``; when the
+source no longer gives the same bytes it stops with one line naming the damaged file and the recovery.
 """
 
 from __future__ import annotations
@@ -88,11 +94,17 @@ def write_manifest(ckpt_dir: Path, step: int, meta: dict) -> dict:
     manifest = {"step": int(step), "time": time.time(), "meta": meta, "files": files}
     tmp = ckpt_dir / (MANIFEST + ".tmp")
     with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True, default=str)
+        fh.write(manifest_text(manifest))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, ckpt_dir / MANIFEST)
     return manifest
+
+
+def manifest_text(manifest: dict) -> str:
+    """The text :func:`write_manifest` writes for ``manifest`` (the same dict always gives the same text, so a
+    manifest kept in a checkpoint's ``meta.reference`` can be written again byte for byte)."""
+    return json.dumps(manifest, indent=1, sort_keys=True, default=str)
 
 
 def manifest_problem(manifest: Any) -> Optional[str]:
@@ -132,36 +144,93 @@ def _load_manifest(ckpt_dir: Path) -> tuple[Optional[dict], Optional[str]]:
     return (None, problem) if problem else (manifest, None)
 
 
+def _file_problem(folder: Path, files: Dict[str, dict]) -> Optional[tuple[str, str]]:
+    """``(relative path, what is wrong)`` of the first of ``files`` (a manifest's ``files``) that ``folder`` does
+    not hold with the listed size and sha256; None when all match."""
+    for rel, want in files.items():
+        p = folder / rel
+        if not p.is_file():
+            return rel, "is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return rel, f"has {size} bytes, manifest says {want['size']}"
+        if sha256_file(p) != want["sha256"]:
+            return rel, "sha256 differs from the manifest"
+    return None
+
+
+def reference_pin(manifest: dict) -> tuple[Optional[dict], Optional[str]]:
+    """``(meta.reference, None)`` of a checkpoint's manifest (``(None, None)`` when it pins no reference), or
+    ``(None, what is wrong)`` when the pin is malformed."""
+    ref = manifest["meta"].get("reference")
+    if ref is None:
+        return None, None
+    if not isinstance(ref, dict) or ref.get("dir") != REFERENCE or not isinstance(ref.get("manifest_sha256"), str) \
+            or not _SHA256.match(ref["manifest_sha256"]) \
+            or ("manifest" in ref and manifest_problem(ref["manifest"]) is not None):
+        return None, f"manifest.json meta.reference is {ref!r}, not {{'dir': '{REFERENCE}', 'manifest_sha256': ...}}"
+    return ref, None
+
+
+def reference_damage(root: Path, pin: dict) -> Optional[tuple[Path, str]]:
+    """None when the reference ``pin`` (a checkpoint's ``meta.reference``) names is intact in ``root`` (the
+    checkpoints' folder): its manifest has the pinned sha256 and every file it lists matches. Otherwise
+    ``(the damaged path, what is wrong)``, the damaged data file named where the pin lists the files."""
+    rdir = Path(root) / pin["dir"]
+    if not rdir.is_dir():
+        return rdir, "is missing"
+    mpath = rdir / MANIFEST
+    if mpath.is_file() and sha256_file(mpath) == pin["manifest_sha256"]:
+        manifest, problem = _load_manifest(rdir)
+        bad = (MANIFEST, problem) if problem else _file_problem(rdir, manifest["files"])
+    else:
+        bad = _file_problem(rdir, pin["manifest"]["files"]) if isinstance(pin.get("manifest"), dict) else None
+        bad = bad or (MANIFEST, "is missing" if not mpath.is_file() else "differs from the one the checkpoints pin")
+    return None if bad is None else (rdir / bad[0], bad[1])
+
+
 def verify(ckpt_dir: Path, with_reference: bool = False) -> Optional[str]:
     """None when ``ckpt_dir`` matches its manifest (well-formed, every file's size and sha256), else what is
     wrong (one line). ``with_reference``: also the run's reference model the checkpoint names (meta.reference,
-    see :meth:`CheckpointManager.save_reference`), which resuming needs and evaluating does not."""
+    see :meth:`CheckpointManager.save_reference`), which loading it for training needs and evaluating does not."""
     ckpt_dir = Path(ckpt_dir)
     manifest, problem = _load_manifest(ckpt_dir)
     if problem:
         return problem
-    for rel, want in manifest["files"].items():
-        p = ckpt_dir / rel
-        if not p.is_file():
-            return f"{rel} is missing"
-        size = p.stat().st_size
-        if size != want["size"]:
-            return f"{rel} has {size} bytes, manifest says {want['size']}"
-        if sha256_file(p) != want["sha256"]:
-            return f"{rel} sha256 differs from the manifest"
-    ref = manifest["meta"].get("reference")
-    if with_reference and ref is not None:
-        if not isinstance(ref, dict) or ref.get("dir") != REFERENCE or not isinstance(ref.get("manifest_sha256"), str):
-            return f"manifest.json meta.reference is {ref!r}, not {{'dir': '{REFERENCE}', 'manifest_sha256': ...}}"
-        rdir = ckpt_dir.parent / REFERENCE
-        if not (rdir / MANIFEST).is_file():
-            return f"its reference model {rdir} is missing (it is written once per run, next to the checkpoints)"
-        if sha256_file(rdir / MANIFEST) != ref["manifest_sha256"]:
-            return f"its reference model {rdir} is another one than it was saved with"
-        problem = verify(rdir)
-        if problem is not None:
-            return f"its reference model {rdir}: {problem}"
+    bad = _file_problem(ckpt_dir, manifest["files"])
+    if bad is not None:
+        return " ".join(bad)
+    if not with_reference:
+        return None
+    ref, problem = reference_pin(manifest)
+    if problem is not None:
+        return problem
+    damage = reference_damage(ckpt_dir.parent, ref) if ref is not None else None
+    if damage is not None:
+        return f"its reference model {ckpt_dir.parent / REFERENCE}: {damage[0]} {damage[1]}"
     return None
+
+
+def resumable_problem(ckpt_dir: Path) -> Optional[str]:
+    """:func:`verify` of what a resume takes a checkpoint for: its own files and a well-formed reference pin. The
+    run's reference (one copy for every checkpoint) is checked, and rebuilt when damaged, as it loads
+    (portrl.trainer.run_checkpoints.load_run_checkpoint)."""
+    problem = verify(ckpt_dir)
+    if problem is None:
+        problem = reference_pin(_load_manifest(Path(ckpt_dir))[0])[1]
+    return problem
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename ``path`` to ``<path>.<why>-<YYYYmmdd-HHMMSS>`` beside it (a number added if taken); returns the new
+    path. Nothing is deleted."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
+    os.replace(path, target)
+    return target
 
 
 def check_compatible(path: Path, manifest: dict, identity: Optional[Dict[str, Any]] = None,
@@ -287,19 +356,21 @@ class CheckpointManager:
         log.info("checkpoint saved: %s", final)
         return final
 
-    def save_reference(self, write_fn: Callable[[Path], None]) -> Dict[str, str]:
+    def save_reference(self, write_fn: Callable[[Path], None]) -> Dict[str, Any]:
         """Write the run's frozen reference policy once to ``<root>/reference`` (atomically, with its own manifest)
-        and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256"}``. Checkpoints
-        then pin it instead of each holding a copy; rotation never removes it."""
+        and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256", "manifest"}`` (the
+        manifest itself, so that a damaged copy can be rebuilt and checked file by file). Checkpoints then pin it
+        instead of each holding a copy; rotation never removes it."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / REFERENCE
         # an existing one is another run's (moved-aside runs take theirs along) or a damaged one
         with new_dir(final, tmp=self.root / f".tmp_{REFERENCE}_{os.getpid()}",
                      aside=self.root / f".old_{REFERENCE}_{os.getpid()}") as tmp:
             write_fn(tmp)
-            write_manifest(tmp, 0, {"format": FORMAT_VERSION, "portrl_version": __version__, "kind": REFERENCE})
+            manifest = write_manifest(tmp, 0, {"format": FORMAT_VERSION, "portrl_version": __version__,
+                                               "kind": REFERENCE})
         _fsync_dir(self.root)
-        return {"dir": REFERENCE, "manifest_sha256": sha256_file(final / MANIFEST)}
+        return {"dir": REFERENCE, "manifest_sha256": sha256_file(final / MANIFEST), "manifest": manifest}
 
     def _remove_stale_temps(self) -> None:
         for p in self.root.iterdir():
@@ -323,7 +394,7 @@ class CheckpointManager:
     def latest_valid(self) -> Optional[Path]:
         """The newest checkpoint whose files match its manifest; bad ones are skipped with a warning."""
         for _step, path in reversed(self.checkpoints()):
-            problem = verify(path, with_reference=True)
+            problem = resumable_problem(path)
             if problem is None:
                 return path
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
@@ -336,7 +407,7 @@ class CheckpointManager:
         newest intact one has another format or belongs to another run."""
         problems: List[str] = []
         for _step, path in reversed(self.checkpoints()):
-            problem = verify(path, with_reference=True)
+            problem = resumable_problem(path)
             if problem is None:
                 check_compatible(path, read_meta(path), identity)
                 if problems:
@@ -366,7 +437,7 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointError(f"trainer.resume={resume}: no such checkpoint directory (use auto, off or a "
                                   f"{PREFIX}<step> directory)")
-        problem = verify(path, with_reference=True)
+        problem = resumable_problem(path)
         if problem is not None:
             raise CheckpointError(f"trainer.resume={resume}: checkpoint is unusable: {problem}; use auto, off or "
                                   f"another {PREFIX}<step> directory")
@@ -374,6 +445,7 @@ class CheckpointManager:
         return path
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "check_compatible", "manifest_problem", "open_checkpoint",
-           "read_meta", "verify", "write_manifest", "sha256_file"]
+__all__ = ["CheckpointManager", "CheckpointError", "check_compatible", "manifest_problem", "manifest_text",
+           "open_checkpoint", "read_meta", "reference_damage", "reference_pin", "resumable_problem", "set_aside",
+           "verify", "write_manifest", "sha256_file"]
 

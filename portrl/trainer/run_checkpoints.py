@@ -14,7 +14,11 @@ One checkpoint (``<output_dir>/checkpoints/global_step_<step>/``, written atomic
 
 The frozen reference policy is not copied into every checkpoint: it is written once per run to
 ``checkpoints/reference`` (after an SFT warm start it is the post-SFT policy, which nothing else holds) and each
-checkpoint's manifest pins it by sha256 (:class:`ReferenceCopy`). A reference that moves (SPIN,
+checkpoint's manifest pins it by sha256 (:class:`ReferenceCopy`). Loading a checkpoint for training checks that
+copy; a damaged or missing one is rebuilt from the policy the run starts from (the model at ``model.path``, frozen
+as a fresh start freezes it) and used only when its files match the pin
+(:func:`portrl.trainer.reference_repair.restore_reference`); a reference after an SFT warm start cannot be
+rebuilt so, and the error says which file to restore. A reference that moves (SPIN,
 ``trainer.ref_update_freq > 0``) is written into each checkpoint instead (``ref``, meta ``reference_in_checkpoint``),
 verified with the checkpoint's other files, so a resume restores the reference of that very step. A run's manifest
 also records the format, portrl's version and the run identity (``portrl/trainer/run_identity.py``), checked before
@@ -28,8 +32,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointError, CheckpointManager, open_checkpoint, \
-    sha256_file
+    reference_pin, sha256_file
 from portrl.trainer.checkpoint_io import ShardedState, StateFormatError, is_sharded, load_state, save_state
+from portrl.trainer.reference_repair import restore_reference
 from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, fingerprint, run_identity
 from portrl.workers.training import rng_state, set_rng_state
 
@@ -110,14 +115,40 @@ def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bo
     return shards.load(), False
 
 
+def _restore_reference(trainer: Any, path: Path, manifest: Dict[str, Any]) -> None:
+    """The run's reference copy that checkpoint ``path`` pins, made intact before it loads: checked, or (damaged,
+    missing) rebuilt as a fresh start of ``trainer`` freezes it, from the actor's starting policy (call it before
+    the checkpoint loads into the actor), and checked against the pin. Raises CheckpointError."""
+    pin, problem = reference_pin(manifest)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+    if pin is None:
+        return
+
+    def write(folder: Path) -> None:
+        ref = trainer.actor.rank0("reference_state")  # a trainer that ran fit() before holds the run's reference
+        if ref is None:
+            trainer.actor.run("init_reference")  # what fit() freezes on a fresh start without a warm start
+            ref = trainer.actor.rank0("reference_state")
+        save_state(folder, "ref", ref)  # as save_run_checkpoint writes it
+
+    sft = bool(getattr(trainer.cfg.model, "sft_warm_start", False))
+    restore_reference(path.parent, pin, write, f"model.path={trainer.cfg.model.path}",
+                      " (with model.sft_warm_start the reference is the policy after the warm start, which "
+                      "model.path does not hold)" if sft else "")
+
+
 def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> None:
     """Load checkpoint ``path`` into ``trainer`` after verifying it (manifest sizes and sha256, format version,
-    the model it was trained from; the run's reference when this run uses one); nothing is unpickled. A learning
-    rate changed since the checkpoint is applied and logged. ``policy_only`` (``portrl eval``): the actor and the
-    step only, not the critic, data position, RNG or KL controller of the training run."""
+    the model it was trained from; the run's reference when this run uses one, rebuilt when damaged or missing:
+    :func:`_restore_reference`); nothing is unpickled. A learning rate changed since the checkpoint is applied
+    and logged. ``policy_only`` (``portrl eval``): the actor and the step only, not the critic, data position,
+    RNG, KL controller or reference of the training run."""
     path = Path(path)
     use_ref = trainer.use_ref and not policy_only
-    manifest = open_checkpoint(path, run_identity(trainer.cfg), only=MODEL_KEYS, with_reference=use_ref)
+    manifest = open_checkpoint(path, run_identity(trainer.cfg), only=MODEL_KEYS)
+    if use_ref:
+        _restore_reference(trainer, path, manifest)
     ref_meta = manifest["meta"].get("reference")
     try:
         actor, actor_by_rank = _worker_state(path, "actor", trainer.actor)

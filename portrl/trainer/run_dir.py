@@ -17,6 +17,10 @@ notes, a project checkout) is refused too: a run's files are never mixed with th
 * ``resume=PATH``: that checkpoint, which must be of this run (and, inside this run's folder, its newest: a
   continuation from an older one would be mixed with the newer ones).
 
+A checkpoint is taken on its own files: the run's reference copy (``checkpoints/reference``, one for every
+checkpoint) is checked, and rebuilt when damaged or missing, as the checkpoint loads
+(:mod:`portrl.trainer.reference_repair`), so neither this decision nor :func:`check_run_dir` refuses a run for it.
+
 ``on_existing_run=move_aside`` (default ``refuse``) turns each refusal because of an earlier run into moving
 that run's directory to ``<output_dir>.old-<YYYYmmdd-HHMMSS>`` (nothing deleted) and starting fresh.
 A trainer object that calls ``fit()`` again (``own_run_id``) continues the run it started itself.
