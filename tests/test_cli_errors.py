@@ -195,10 +195,36 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("engine-not-here", ["train", "rollout.engine=vllm"], "rollout.engine=vllm is not available on backend 'cpu'", {}),
     ("dtype-not-here", ["train", "--device", "cpu", "device.dtype=float16"], "dtype 'float16' is not supported", {}),
     ("eval-device-npu", ["eval", "--device", "npu"], "device 'npu' (from --device) is not usable here", {}),
+    # ---------------------------------------------------------------- text that is not UTF-8, pickled weights
+    ("parquet-not-utf8", ["train", "data.train_files=[{not_utf8}]"], "row 5: column 'data_source' holds text that "
+                                                                       "is not valid UTF-8", {}),
+    ("sft-parquet-not-utf8", ["sft", "--train-files", "{sft_not_utf8}"], "column 'response' holds text that is not "
+                                                                          "valid UTF-8", {}),
+    ("preprocess-jsonl-not-utf8", ["preprocess", "gsm8k", "--input", "{jsonl_not_utf8}", "--output-dir", "{tmp}/pp"],
+     "line 2 is not valid UTF-8", {}),
+    ("model-pickled-code", ["train", "model.path={pickled_model}"], "pytorch_model.bin is a pickle that builds more "
+                                                                     "than tensors (print)", {}),
+    ("eval-model-pickled-code", ["eval", "--model", "{pickled_model}"], "pytorch_model.bin is a pickle", {}),
+    ("model-pickle-damaged", ["train", "model.path={damaged_pickle}"], "cannot be read as PyTorch weights", {}),
+    # ---------------------------------------------------------------- output paths that hold something
+    ("sft-output-not-empty", ["sft", "--output", "{tmp}"], "is a non-empty folder that this command did not write", {}),
+    ("eval-report-exists", ["eval", "--report", "{text_file}"], "is an existing file that this command did not write",
+     {}),
+    ("train-output-users-files", ["train", "trainer.output_dir={user_folder}"], "holds files that are not a portrl "
+                                                                                "run (notes.txt)", {}),
+    ("on-existing-bad", ["plot", "{bad_run}", "--on-existing", "overwrite"], "invalid choice: 'overwrite'", {}),
 ]
 SUBPROCESS_IDS = ["device-npu-flag", "ground-truth-nan", "reward-import-raises", "ckpt-not-a-ckpt", "plot-missing",
+                  "sft-output-not-empty",
                   "lr-zero", "unknown-command"]
 TRAINING_COMMANDS = ("train", "sft", "eval")
+
+
+class _PrintOnLoad:
+    """Unpickled by a full pickle load it would call print(): torch's weights_only loader must refuse it."""
+
+    def __reduce__(self):
+        return (print, ("a model file ran code",))
 
 
 def _write_parquet(path: Path, rows: list[dict]) -> str:
@@ -261,6 +287,28 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (tmp / "bad_run").mkdir()
     (tmp / "bad_run" / "metrics.jsonl").write_text("{not json\n")
     f["bad_run"] = str(tmp / "bad_run")
+    not_utf8 = pa.array([b"arith"] * 5 + [b"ari\xffth"] + [b"arith"] * 2, type=pa.binary()).view(pa.string())
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table.set_column(table.schema.get_field_index("data_source"), "data_source", not_utf8),
+                   tmp / "not_utf8.parquet")
+    f["not_utf8"] = str(tmp / "not_utf8.parquet")
+    sft = pa.table({"prompt": table.column("prompt"), "response": not_utf8})
+    pq.write_table(sft, tmp / "sft_not_utf8.parquet")
+    f["sft_not_utf8"] = str(tmp / "sft_not_utf8.parquet")
+    (tmp / "not_utf8.jsonl").write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n{"question": "\xff"}\n')
+    f["jsonl_not_utf8"] = str(tmp / "not_utf8.jsonl")
+    for name in ("pickled_model", "damaged_pickle"):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+        (tmp / name / "tokenizer.json").write_text("{}")
+        f[name] = str(tmp / name)
+    import torch
+
+    torch.save({"w": torch.zeros(2), "hook": _PrintOnLoad()}, tmp / "pickled_model" / "pytorch_model.bin")
+    (tmp / "damaged_pickle" / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a whole zip")
+    (tmp / "user_folder").mkdir()
+    (tmp / "user_folder" / "notes.txt").write_text("keep\n")
+    f["user_folder"] = str(tmp / "user_folder")
     rewards = {
         "reward_good": "VALUE = 3\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                        "    return float(solution_str.strip() == ground_truth)\n",

@@ -25,6 +25,7 @@ from portrl.data import code, dapo_math, geo3k, gsm8k, hendrycks_math, qa
 from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 from portrl.data.images import IMAGE_KEY, IMAGES_TYPE
 from portrl.data.schema import DataError
+from portrl.data.table_rows import table_rows
 from portrl.outputs import claim, publish
 from portrl.user_files import ordinary_permissions
 
@@ -32,6 +33,13 @@ log = logging.getLogger(__name__)
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
 TEST_PREFIXES = ("test", "validation", "valid", "val")  # the first prefix that names files is the test split
+
+
+def _utf8(raw: bytes, path: Path, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: {where} is not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -42,15 +50,18 @@ def read_records(path: str | Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
-            return pq.read_table(path).to_pylist()
+            return table_rows(pq.read_table(path), str(path))
+        except DataError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input
             raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
     if suffix == ".arrow":
-        return read_arrow(path).to_pylist()
+        return table_rows(read_arrow(path), str(path))
     if suffix == ".jsonl":
         records = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _utf8(raw, path, f"line {lineno}")
                 if line.strip():
                     try:
                         records.append(json.loads(line))
@@ -59,7 +70,7 @@ def read_records(path: str | Path) -> list[dict]:
         return records
     if suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_utf8(path.read_bytes(), path, "the file"))
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
         if isinstance(data, dict):
@@ -118,7 +129,7 @@ def _saved_split(folder: Path) -> list[dict]:
     for f in files:
         if not f.is_file():
             raise DataError(f"{folder}/state.json names {f.name}, which does not exist")
-        records.extend(read_arrow(f).to_pylist())
+        records.extend(table_rows(read_arrow(f), str(f)))
     return records
 
 

@@ -34,6 +34,7 @@ import torch
 from portrl.data.images import IMAGE_KEY, check_row_images, decode_image
 from portrl.data.multimodal import encode_image_prompt
 from portrl.data.schema import DataError, MissingDataFile, check_row
+from portrl.data.table_rows import table_rows
 
 log = logging.getLogger(__name__)
 TRUNCATIONS = ("error", "left", "right")
@@ -119,7 +120,9 @@ class RLDataset:
         dropped = 0
         for path in self.files:
             try:
-                records = pq.read_table(path).to_pylist()
+                records = table_rows(pq.read_table(path), str(path))
+            except DataError:
+                raise
             except Exception as exc:
                 raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from None
             for i, rec in enumerate(records):

@@ -19,6 +19,7 @@ import torch
 
 from portrl.data.rl_dataset import as_file_list, encode_messages, pad_token_id
 from portrl.data.schema import DataError
+from portrl.data.table_rows import table_rows
 
 
 @dataclass
@@ -47,7 +48,7 @@ class SFTDataset:
         self.pad_id = pad_token_id(tokenizer)
         self.examples: list[SFTExample] = []
         for path in as_file_list(files):
-            for i, rec in enumerate(pq.read_table(path).to_pylist()):
+            for i, rec in enumerate(table_rows(pq.read_table(path), str(path))):
                 messages = rec.get(prompt_key)
                 if not isinstance(messages, (list, tuple)) or not messages or not all(
                         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -18,6 +18,7 @@ from portrl.data.images import IMAGE_KEY, check_row_images, decode_image
 from portrl.data.multimodal import encode_image_prompt
 from portrl.data.rl_dataset import encode_messages
 from portrl.data.schema import DataError, check_row
+from portrl.data.table_rows import check_utf8, table_rows
 
 VERL_COLUMNS = ("data_source", "prompt", "reward_model")
 VERL_HINT = ("verl parquet has columns data_source (str), prompt (chat messages), reward_model "
@@ -54,7 +55,7 @@ def read_verl_file(path: str | Path, key: str, prompt_key: str = "prompt", image
     if table.num_rows == 0:
         raise DataError(f"{path} ({key}) has no rows")
     rows = []
-    for i, rec in enumerate(table.to_pylist()):
+    for i, rec in enumerate(table_rows(table, str(path))):
         checked = check_row(rec, str(path), i, prompt_key)
         rows.append((*checked, check_row_images(rec, str(path), i, checked[0], image_key)))
     return rows
@@ -99,4 +100,5 @@ def check_sft_file(path: str | Path, key: str = "--train-files", prompt_key: str
                   "`portrl preprocess arith --sft` writes such files")
     if table.num_rows == 0:
         raise DataError(f"{path} ({key}) has no rows")
+    check_utf8(table.select([prompt_key, response_key]), str(path))
     return table.num_rows

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -58,6 +60,35 @@ def check_model_dir(path, key: str = "model path", *, config: bool = True, token
         raise ModelDirError(f"{key} {str(p)!r} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); "
                             "set model.tokenizer_path to a directory that has them, or download the full model")
     return p
+
+
+def check_pickled_weights(path, key: str = "model path") -> None:
+    """A model directory whose weights are pickles (``pytorch_model*.bin``, no ``*.safetensors``, which
+    transformers would prefer) is loaded here with torch's ``weights_only`` unpickler, memory-mapped (nothing is
+    read but the pickle's opcodes): a pickle that holds anything but tensors and plain containers is refused by
+    torch, and that refusal becomes one ModelDirError naming the file and the object it wanted to build, before
+    any worker starts. Nothing in the file runs either way."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or any(p.glob("*.safetensors")):
+        return
+    for f in sorted(p.glob("pytorch_model*.bin")):
+        try:
+            try:
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:  # the legacy (non-zip) format cannot be memory-mapped
+                if "mmap" not in str(exc):
+                    raise
+                torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"GLOBAL (\S+)", str(exc))
+            what = f" ({found.group(1)})" if found else ""
+            raise ModelDirError(f"{key} {str(p)!r}: {f.name} is a pickle that builds more than tensors{what}, which "
+                                "torch's safe loader refuses and portrl never runs; use the model's safetensors "
+                                "weights, or convert this file in an environment you trust") from None
+        except (RuntimeError, OSError, EOFError) as exc:
+            raise ModelDirError(f"{key} {str(p)!r}: {f.name} cannot be read as PyTorch weights "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); the file is damaged, "
+                                "download it again") from None
 
 
 def load_tokenizer(path):
@@ -126,8 +157,12 @@ def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient
     # a vision-language model (Qwen2-VL, Qwen2.5-VL) loads as transformers' image-text-to-text class; the attention
     # implementation applies to its text decoder and its vision tower alike (the vision blocks call it
     # non-causally per image / window; portrl/models/attention.py)
-    model = model_class(config).from_pretrained(str(p), config=config, dtype=torch_dtype(dtype), attn_implementation=attn_name,
-                                 local_files_only=True)
+    try:
+        model = model_class(config).from_pretrained(str(p), config=config, dtype=torch_dtype(dtype),
+                                                    attn_implementation=attn_name, local_files_only=True)
+    except pickle.UnpicklingError:  # torch refused a pickled weights file: name it as the preflight does
+        check_pickled_weights(p)
+        raise
     lp_impl, lp_fn = select("logprobs_entropy", backend=be)
     model.portrl_kernels = {"attention_varlen": impl, "logprobs_entropy": lp_impl}
     model.portrl_logprobs_entropy = lp_fn

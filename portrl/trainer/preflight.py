@@ -7,7 +7,8 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
   where it came from; its dtype and ``rollout.engine`` are available on it; an explicit ``trainer.num_workers``
   is no more than the node has devices (null, auto: every device of the node, is resolved when the run starts);
 * the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
-  Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template);
+  Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template); weights that are
+  only pickles (``pytorch_model.bin``) hold nothing torch's safe unpickler refuses (``check_pickled_weights``);
 * the data: ``data.train_files`` / ``data.val_files`` exist, are parquet with the verl columns, and every row
   is valid (NaN or empty ground truths name the row; images decode, one per ``<image>`` placeholder, and a model
   with an image processor reads them); every data_source has a reward; the train split has
@@ -40,7 +41,7 @@ from portrl.data.validate import count_fitting_prompts, read_verl_files
 from portrl.device.backend import module_available
 from portrl.errors import UserError
 from portrl.models import load_processor, load_tokenizer
-from portrl.models.loader import check_model_dir
+from portrl.models.loader import check_model_dir, check_pickled_weights
 from portrl.models.tokenizer import build_tokenizer
 from portrl.rewards.custom import RewardFunctionError, load_custom_reward
 from portrl.rewards.manager import RewardTimeoutError, _score_rows, describe_reward
@@ -138,13 +139,16 @@ def _check_model(cfg: Any, command: str):
     m = cfg.model
     if m.path:
         check_model_dir(str(m.path), "model.path", tokenizer=not m.tokenizer_path)
+        check_pickled_weights(str(m.path), "model.path")
     if m.tokenizer_path:
         check_model_dir(str(m.tokenizer_path), "model.tokenizer_path", config=False, tokenizer=True)
     if command == TRAIN:
         if cfg.critic.model_path and critic_enabled(cfg):
             check_model_dir(str(cfg.critic.model_path), "critic.model_path")
+            check_pickled_weights(str(cfg.critic.model_path), "critic.model_path")
         if cfg.reward.model_path:
             check_model_dir(str(cfg.reward.model_path), "reward.model_path")
+            check_pickled_weights(str(cfg.reward.model_path), "reward.model_path")
         for key in ("path", "ref_path"):  # PRIME's implicit PRM and its reference
             if cfg.reward_model.model[key] and implicit_prm_enabled(cfg):
                 check_model_dir(str(cfg.reward_model.model[key]), f"reward_model.model.{key}")
