@@ -20,6 +20,10 @@ what an uninterrupted run samples.
 
 SIGINT / SIGTERM end a run between steps with a checkpoint and :class:`portrl.errors.RunStopped`; calls to
 Ray workers have a time limit that follows the step time (portrl.trainer.interrupts).
+
+A run that diverges stops with one line naming the checkpoint to resume from (portrl.trainer.divergence):
+``trainer.max_nonfinite_steps`` steps in a row whose updates were skipped for a non-finite loss or gradient norm,
+or a policy whose logits are not finite; a checkpoint is never written from non-finite weights.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
 from portrl.rewards import per_source_metrics
+from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.checkpoint import CheckpointManager
+from portrl.trainer.divergence import DivergenceWatch, TrainingDiverged, logits_stop, nonfinite_roles
 from portrl.trainer.group_filter import group_filter_enabled, keep_groups
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
@@ -284,8 +290,14 @@ class RLTrainer:
             self.actor.run("sync_weights")
 
     # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """A checkpoint of the current step (portrl.trainer.run_checkpoints.save_run_checkpoint)."""
+    def save_checkpoint(self) -> Optional[Path]:
+        """A checkpoint of the current step (portrl.trainer.run_checkpoints.save_run_checkpoint); None, with a
+        warning, when some worker's weights are not finite: a checkpoint never holds them (portrl.trainer.divergence)."""
+        bad = nonfinite_roles(self)
+        if bad:
+            log.warning("no checkpoint of step %d: the %s weights are not finite (training diverged)", self.global_step,
+                        " and ".join(bad))
+            return None
         return save_run_checkpoint(self)
 
     def load_checkpoint(self, path: Path, policy_only: bool = False) -> None:
@@ -333,6 +345,7 @@ class RLTrainer:
         earlier = read_metrics_up_to(self.out_dir, self.global_step) if resume is not None else []
         if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:
             summary["val_before"] = earlier[0]["val/acc/mean"]
+        self.watch = DivergenceWatch(int(t.max_nonfinite_steps), earlier)  # skipped updates, counted over the run
         stop: Optional[StopSignals] = None
         try:
             with stop_signals() as stop:  # SIGINT / SIGTERM: finish the step, save, raise RunStopped
@@ -347,6 +360,12 @@ class RLTrainer:
                 why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, latest, abandoned=why),
                                  stop.exit_code) from exc
+            if isinstance(exc, NonFiniteLogitsError):  # the policy's weights diverged (portrl.trainer.divergence)
+                self.shutdown_workers()
+                raise logits_stop(self.ckpt, self.global_step, exc) from exc
+            if isinstance(exc, TrainingDiverged):
+                self.shutdown_workers()
+                raise
             if isinstance(exc, WorkerDiedError):
                 latest = self.ckpt.latest_valid()
                 raise exc.with_checkpoint(str(latest) if latest else None) from exc
@@ -387,14 +406,17 @@ class RLTrainer:
                 m.update(self.validate(step))
             m.update(pending)
             pending = {}
+            m.update(self.watch.observe(step, m))
             # the step's metrics line is written before its checkpoint: a run killed in between resumes
             # from the previous checkpoint (its later lines are dropped), never past an unlogged step
             tracker.log(m, step=step)
             self.history.append(m)
+            if self.watch.diverged:  # trainer.max_nonfinite_steps steps in a row skipped their update: stop, unsaved
+                raise self.watch.stop(self.ckpt)
             due = (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final)
             if due or (stop.requested and t.save_on_interrupt):
                 with_time = time.perf_counter()
-                last_ckpt = self.save_checkpoint()
+                last_ckpt = self.save_checkpoint() or last_ckpt  # None: not written (non-finite weights)
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
             if stop.requested and not last:
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)

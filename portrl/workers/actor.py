@@ -320,6 +320,11 @@ class ActorRolloutWorker:
         return True
 
     # ----------------------------------------------------------------------------- state / io
+    def weights_finite(self) -> bool:
+        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
+        checkpoint is written (portrl.trainer.divergence)."""
+        return self.master.finite()
+
     def state_dict(self) -> Dict[str, Any]:
         """model, optimizer, scheduler, RNG (and the reference when one exists). Under FSDP2 the model and
         optimizer states are gathered to full tensors keyed by parameter name, so a checkpoint loads into any

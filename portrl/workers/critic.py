@@ -137,6 +137,11 @@ class CriticWorker:
         return run_update(state, batch, self.loop_settings(), value_loss, prefix="critic",
                           additive=frozenset({"critic/vf_loss"}), advance_schedule=advance_schedule)
 
+    def weights_finite(self) -> bool:
+        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
+        checkpoint is written (portrl.trainer.divergence)."""
+        return self.master.finite()
+
     def state_dict(self) -> Dict[str, Any]:
         """model, optimizer, scheduler (the process RNG is the actor worker's to save); full tensors keyed by
         parameter name, whatever the number of workers (a collective under FSDP2: every rank calls it)."""

@@ -143,6 +143,11 @@ class ImplicitPRMWorker:
                           additive=frozenset({name}))
 
     # ----------------------------------------------------------------------------- state / io
+    def weights_finite(self) -> bool:
+        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
+        checkpoint is written (portrl.trainer.divergence)."""
+        return self.master.finite()
+
     def state_dict(self) -> Dict[str, Any]:
         """model, optimizer, scheduler, and the reference when it holds handed-over policy weights (a path's
         reference is loaded again from the path); full tensors keyed by name (a collective under FSDP2)."""
