@@ -9,16 +9,31 @@ the next run) load it in milliseconds, and a cache folder shared with a differen
 built for another instruction set. It is compiled to a temporary name and renamed: a concurrent or
 interrupted build never leaves a half-written library under the final name.
 
+Only what this user built is loaded. Beside each library, a manifest (``<library>.json``, written under a
+temporary name and renamed) records the sha256 of the bytes the build produced. A cached library is loaded
+only when it is a regular file (not a symlink) owned by this user and writable by no one else, so is its
+manifest, and the manifest names it and its sha256; else it is built again. The bytes are hashed and loaded
+through one descriptor (``/proc/self/fd``, kept open), so what is loaded is what was checked. The cache folder must
+belong to this user and be writable by no one else (portrl creates it so, mode 0700); a folder that does not
+(group- or world-writable, another user's), or a folder above it that another user owns or anyone may write
+without the sticky bit, is refused: no library is built or loaded there, and the callers' fallback serves
+with one warning that names the folder and the fix (``chmod go-w``, or ``PORTRL_KERNEL_CACHE`` elsewhere).
+Building elsewhere instead would cost every process its own ~10 s build, unannounced.
+
 Compiling takes about 10 s on 2 cores. :class:`KernelBuildError` (with the compiler's last lines) is raised
-when there is no compiler or the build fails; callers fall back to another implementation.
+when there is no compiler, the build fails or the cache folder is refused; callers fall back to another
+implementation.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -35,6 +50,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
+_held: dict[str, int] = {}  # the open descriptor each loaded library was loaded through
 
 
 class KernelBuildError(RuntimeError):
@@ -85,9 +101,15 @@ def library_path(name: str) -> Path:
     return cache_root() / f"{name}-{key}.so"
 
 
+def manifest_path(library: Path) -> Path:
+    """The manifest beside ``library``: its name and the sha256 of the bytes its build produced."""
+    return library.with_name(library.name + ".json")
+
+
 def load(name: str) -> Path:
-    """Build (if not cached) and load ``backends/cpu/{name}.cpp``'s ops into this process; idempotent.
-    Returns the library's path. Raises :class:`KernelBuildError` when it cannot be built or loaded."""
+    """Build (unless a library its manifest vouches for is cached) and load ``backends/cpu/{name}.cpp``'s ops into
+    this process; idempotent. Returns the library's path. Raises :class:`KernelBuildError` when it cannot be
+    built or loaded, or the cache folder is refused (:func:`folder_problem`)."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -95,12 +117,16 @@ def load(name: str) -> Path:
         if cxx is None:
             raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
         path = library_path(name)
-        if not path.exists():
-            _build(cxx, SOURCE_DIR / f"{name}.cpp", path)
+        _private_folder(path.parent)
+        fd = _open_vouched(path)
+        if fd is None:
+            fd = _build(cxx, SOURCE_DIR / f"{name}.cpp", path)
         try:
-            torch.ops.load_library(str(path))
-        except OSError as exc:
-            raise KernelBuildError(f"cannot load {path}: {exc}") from exc
+            _load_open(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        _held[name] = fd  # kept open: see _load_open
         _loaded[name] = path
         return path
 
@@ -120,8 +146,131 @@ def try_load(name: str) -> bool:
         return False
 
 
-def _build(cxx: str, source: Path, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def folder_problem(folder: Path) -> str:
+    """Why libraries in ``folder`` must not be loaded ("" when they may): it must be a folder of this user that
+    no one else can write; every folder above it must belong to this user or root and, if anyone else may write
+    it, have the sticky bit (as /tmp has). Symlinks on the way are followed: the real folders are checked."""
+    uid = os.getuid()
+    real = Path(os.path.realpath(folder))
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        return f"cannot read it ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{real} is not a folder"
+    if st.st_uid != uid:
+        return f"{real} belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"{real} is writable by {_writers(st.st_mode)} (mode {stat.S_IMODE(st.st_mode):o})"
+    for parent in real.parents:
+        st = os.stat(parent)
+        if st.st_uid not in (uid, 0):
+            return f"{parent}, above it, belongs to uid {st.st_uid}"
+        if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            return f"{parent}, above it, is writable by anyone and not sticky (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "anyone")) if mode & bit)
+
+
+def _private_folder(folder: Path) -> None:
+    """Create ``folder`` for this user only (0700) when missing; raise :class:`KernelBuildError` when it is
+    refused (:func:`folder_problem`)."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot create the kernel cache {folder}: {exc}") from exc
+    why = folder_problem(folder)
+    if why:
+        raise KernelBuildError(f"the kernel cache {folder} is refused: {why}; run chmod go-w on it, or set "
+                               "PORTRL_KERNEL_CACHE to a folder only you can write")
+
+
+def _own_file(fd: int) -> bool:
+    """A regular file of this user that no one else can write."""
+    st = os.fstat(fd)
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _open_checked(path: Path) -> int | None:
+    """``path`` opened for reading, not through a symlink, when it is :func:`_own_file`; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # missing, or a symlink (ELOOP)
+        return None
+    if _own_file(fd):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _sha256(fd: int) -> str:
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _open_vouched(path: Path) -> int | None:
+    """An open descriptor of the cached library ``path`` when its manifest vouches for it (both checked files;
+    the manifest names it and the sha256 of its bytes); None when it must be built (again)."""
+    fd = _open_checked(path)
+    if fd is None:
+        if os.path.lexists(path):
+            log.info("%s is a symlink, or not this user's alone; building it again", path)
+        return None
+    mfd = _open_checked(manifest_path(path))
+    try:
+        record = json.loads(os.read(mfd, 1 << 16)) if mfd is not None else None
+    except ValueError:
+        record = None
+    finally:
+        if mfd is not None:
+            os.close(mfd)
+    if isinstance(record, dict) and record.get("library") == path.name and record.get("sha256") == _sha256(fd):
+        return fd
+    os.close(fd)
+    log.info("%s has no manifest that vouches for it; building it again", path)
+    return None
+
+
+def _write_manifest(path: Path, digest: str) -> None:
+    """``path``'s manifest, written under a temporary name and renamed: never half-written under its name."""
+    target = manifest_path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"library": path.name, "sha256": digest}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load_open(fd: int, path: Path) -> None:
+    """Load the library open as ``fd`` into this process (its static initialisers register the ops): through
+    ``/proc/self/fd``, the bytes that were checked, whatever ``path`` names by now; by ``path`` where there is
+    no /proc. The caller keeps ``fd`` open for good: the dynamic loader takes a name it has loaded before for
+    that library, so a later library opened under the same descriptor number would not be loaded at all."""
+    target = f"/proc/self/fd/{fd}"
+    if not os.path.exists(target):
+        target = str(path)
+    try:
+        ctypes.CDLL(target)  # what torch.ops.load_library does, without resolving the descriptor back to a path
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {path}: {exc}") from exc
+    torch.ops.loaded_libraries.add(str(path))
+
+
+def _build(cxx: str, source: Path, path: Path) -> int:
+    """Compile ``source`` to ``path`` and record its sha256 in the manifest beside it. Returns a descriptor open
+    on the bytes built (the caller closes it)."""
+    _private_folder(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -129,7 +278,16 @@ def _build(cxx: str, source: Path, path: Path) -> None:
         if done.returncode != 0:
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
             raise KernelBuildError(f"building {source.name} failed (exit {done.returncode}):\n{tail}")
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o755)  # the linker's mode follows the umask: no one else may write what is loaded
+            digest = _sha256(fd)
+            os.replace(tmp, path)
+            _write_manifest(path, digest)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"building {source.name} failed: {exc}") from exc
     finally:
