@@ -371,7 +371,7 @@ class TrainerConfig:
     worker_timeout_s: Optional[float] = 300.0
     # a step whose loss or gradient norm is not finite skips its optimizer step (actor, critic, PRIME's reward model;
     # counted in <role>/nonfinite_skipped); after this many steps in a row with a skipped update the run stops with
-    # one line naming the last checkpoint with finite weights (portrl.trainer.divergence); 0 = never stop
+    # one line naming the last good checkpoint (portrl.trainer.divergence); 0 = never stop
     max_nonfinite_steps: int = 3
 
 
