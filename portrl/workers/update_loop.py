@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
+import re
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -144,7 +145,7 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
     if advance_schedule:
         with warnings.catch_warnings():
             if skipped == len(norms):  # torch warns of a schedule stepped before any optimizer step: wanted here
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             state.scheduler.step()
     state.module.eval()
     out = mean_metrics(rows)
