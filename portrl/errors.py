@@ -34,3 +34,11 @@ class RunStopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = int(exit_code)
+
+
+class RunFailed(RunStopped):
+    """A run that cannot go on for a reason outside its config (its disk is full, its folder read-only): printed
+    like RunStopped, one line naming the cause and the last good checkpoint, exit code 1."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 1)

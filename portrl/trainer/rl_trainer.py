@@ -43,7 +43,7 @@ from portrl.algo import algorithm_spec, critic_enabled, get_kl_controller, refer
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
 from portrl.config.composition import copy_config
 from portrl.data import RLDataset
-from portrl.errors import RunStopped
+from portrl.errors import RunFailed, RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
 from portrl.rewards import per_source_metrics
@@ -61,6 +61,7 @@ from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
 from portrl.trainer.run_dir import prepare_run_dir
+from portrl.trainer.storage_faults import storage_error, storage_stopped_message
 from portrl.trainer.run_identity import run_identity
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
 from portrl.trainer.value_pretrain import pretrain_critic
@@ -369,6 +370,11 @@ class RLTrainer:
             if isinstance(exc, WorkerDiedError):
                 latest = self.ckpt.latest_valid()
                 raise exc.with_checkpoint(str(latest) if latest else None) from exc
+            fault = storage_error(exc)
+            if fault is not None:  # disk full, read-only folder: the earlier checkpoints are intact
+                self.shutdown_workers()
+                raise RunFailed("portrl: " + storage_stopped_message(fault, self.global_step, int(t.total_steps),
+                                                                     self.ckpt.latest_valid())) from exc
             raise
         finally:
             tracker.close()
@@ -395,6 +401,7 @@ class RLTrainer:
             summary["val_before_rl"] = v.get("val/acc/mean")
             tracker.log(v, step=0)
         pending: Dict[str, float] = {}
+        owed = False  # a checkpoint put off at a step whose update was skipped
         for step in range(self.global_step + 1, int(t.total_steps) + 1):
             if stop.requested:  # asked during the validation before training: nothing of a step to save
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
@@ -413,8 +420,14 @@ class RLTrainer:
             self.history.append(m)
             if self.watch.diverged:  # trainer.max_nonfinite_steps steps in a row skipped their update: stop, unsaved
                 raise self.watch.stop(self.ckpt)
-            due = (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final)
-            if due or (stop.requested and t.save_on_interrupt):
+            due = (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final) or owed
+            # a step whose update was skipped holds the weights that gave the non-finite loss: its checkpoint waits
+            # for the next step whose update is taken, so that rotation keeps the checkpoints from before
+            owed = due and bool(self.watch.streak)
+            if owed:
+                log.warning("checkpoint of step %d put off: its update was skipped (a non-finite loss or gradient "
+                            "norm); it is written at the next step whose update is taken", step)
+            if (due and not owed) or (stop.requested and t.save_on_interrupt):
                 with_time = time.perf_counter()
                 last_ckpt = self.save_checkpoint() or last_ckpt  # None: not written (non-finite weights)
                 pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step

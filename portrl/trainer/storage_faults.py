@@ -1,0 +1,65 @@
+"""A run that cannot write its files (disk full, quota, read-only or forbidden folder) stops with one line.
+
+Checkpoints are written under a temporary name and renamed only when complete
+(portrl.trainer.checkpoint), so a write that fails leaves every earlier checkpoint intact; what the user
+needs is the cause and where to continue from. :func:`storage_error` finds the ``OSError`` behind an exception
+(also one raised in a Ray worker, which arrives wrapped, its cause kept) when its errno is one of
+:data:`STORAGE_ERRNOS`, and :func:`storage_stopped_message` says, on one line, what could not be written, why,
+after which step, and the last intact checkpoint (or that there is none).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+#: errno -> what it means for the run's folder
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "the file is larger than allowed (ulimit -f)",
+}
+
+
+#: how Rust's std::io::Error shows an errno in a message (safetensors raises SafetensorError with it, not OSError)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def storage_error(exc: BaseException) -> Optional[OSError]:
+    """The OSError with a :data:`STORAGE_ERRNOS` errno that caused ``exc`` (itself, its ``__cause__`` /
+    ``__context__`` chain, or a Ray task error's ``cause``), else None. An exception of a library written in Rust
+    whose message ends in ``(os error N)`` (safetensors' writer) counts as that OSError, without a file name."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        found = None if isinstance(e, OSError) else _RUST_OS_ERROR.search(str(e))
+        if found and int(found.group(1)) in STORAGE_ERRNOS:
+            return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
+    return None
+
+
+def storage_stopped_message(err: OSError, step: int, total: int, checkpoint: Optional[Path]) -> str:
+    """One line: what could not be written and why, after which step, and where the run continues from."""
+    what = f" {err.filename}" if err.filename else ""
+    cause = f"cannot write{what}: {STORAGE_ERRNOS[err.errno]} ({err.strerror or errno.errorcode[err.errno]})"
+    when = f"after step {step} of {total}" if step else "before step 1"
+    if checkpoint is None:
+        return f"the run stopped {when}: {cause}; no checkpoint was written yet: fix that, then rerun the same command"
+    return (f"the run stopped {when}: {cause}; the last good checkpoint is {checkpoint} (intact): fix that, then "
+            "rerun the same command with trainer.resume=auto to continue from it")
+
+
+__all__ = ["STORAGE_ERRNOS", "storage_error", "storage_stopped_message"]
