@@ -387,8 +387,8 @@ class DeviceConfig:
     attn_impl: Optional[str] = None  # overrides model.attn_impl when set
     kernels: Dict[str, str] = field(default_factory=dict)  # op -> implementation name
     tp_by_model_size: Dict[str, int] = field(default_factory=dict)  # e.g. {"7b": 1, "70b": 8}
-    # extra env vars for workers: names a backend declares (env_presets, declared_env) or runtime prefixes
-    # (NCCL_, CUDA_, ...: portrl.config.checks.ENV_PREFIXES); anything else (PYTHONPATH, LD_PRELOAD) is refused
+    # extra env vars for workers: only the exact names the backend accepts (Backend.accepted_env: its declared_env
+    # and env_presets); a loader, plugin or hook variable (LD_PRELOAD, RAY_JEMALLOC_LIB_PATH) is refused with why
     env: Dict[str, str] = field(default_factory=dict)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
 
