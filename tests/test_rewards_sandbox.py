@@ -38,6 +38,38 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _host_pids_with(marker: str) -> list[int]:
+    """Live processes of this machine whose command line holds ``marker`` (pids in a PID namespace mean
+    nothing here: a program reports what it started by a marker in its command line)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read() and _alive(int(name)):
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+            except OSError:
+                pass
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def _no_leftovers(result: RunResult) -> None:
     assert live_processes(pgid=result.pid) == []
     if result.uid_dropped:
@@ -80,15 +112,22 @@ def test_fork_bomb_is_bounded_and_leaves_no_process():
 
 
 def test_process_that_leaves_the_group_is_killed(isolation):
-    if not isolation.uid_dropped:
-        pytest.skip("needs the uid drop (root): a non-root sandbox cannot find a setsid() escapee")
-    src = ("import os, sys, time\npid = os.fork()\nif pid == 0:\n    os.setsid()\n    time.sleep(60)\n"
-           "    os._exit(0)\nprint(pid)\n")
-    r = run_program(src, "", FAST)
+    if not (isolation.uid_dropped or isolation.pid_isolated):
+        pytest.skip("needs the uid drop (root) or a PID namespace: otherwise nothing finds a setsid() escapee")
+    marker = f"portrl-escapee-{uuid.uuid4().hex}"
+    src = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
+           f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+           "time.sleep(1.0)\nprint('parent done')\n")
+    run = shared_pool(1).submit(run_program, src, "", FAST)
+    seen = False
+    while not run.done():
+        seen = seen or bool(_host_pids_with(marker))
+        time.sleep(0.02)
+    r = run.result()
     assert r.status == "ok", r.stderr
-    escapee = int(r.stdout)
+    assert seen  # the escapee ran
     time.sleep(0.05)
-    assert not _alive(escapee)
+    assert _host_pids_with(marker) == []
     _no_leftovers(r)
 
 
@@ -151,15 +190,16 @@ def test_socket_to_a_local_server_fails(isolation):
 
 def test_os_system_runs_inside_the_same_limits(isolation, tmp_path):
     marker = tmp_path / "from_shell.txt"
+    duration = f"60.{uuid.uuid4().int % 10**9}"  # finds the background job on this machine by its command line
     shell = ("id -u; sed -n 's/^Max processes *\\([0-9]*\\).*/\\1/p' /proc/self/limits; "
-             f"sleep 60 & echo $! > bg.pid; touch {marker} 2>/dev/null; echo done")
-    src = f"import os\nos.system({shell!r})\nprint(open('bg.pid').read().strip())\n"
+             f"sleep {duration} & echo $! > bg.pid; touch {marker} 2>/dev/null; echo done")
+    src = (f"import os\nos.system({shell!r})\nos.kill(int(open('bg.pid').read()), 0)\nprint('running')\n")
     r = run_program(src, "", SandboxLimits(timeout_s=3.0, memory_mb=256, nproc=8))
     assert r.status == "ok", r.stderr
-    uid, nproc, done, bg_pid = r.stdout.split()
-    assert done == "done"
+    uid, nproc, done, running = r.stdout.split()
+    assert (done, running) == ("done", "running")
     time.sleep(0.05)
-    assert not _alive(int(bg_pid))  # the shell's background job died with the run
+    assert _host_pids_with(f"sleep\0{duration}\0") == []  # the shell's background job died with the run
     _no_leftovers(r)
     if isolation.uid_dropped:
         assert uid == str(r.details["uid"]) and nproc == "8"
@@ -230,16 +270,17 @@ def test_program_dies_with_a_killed_parent(tmp_path):
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "TMPDIR": str(sandboxes)})
     try:
-        program = int(parent.stdout.readline())
-        assert _alive(program)
+        launcher = int(parent.stdout.readline())
+        tree = [launcher] + _descendants(launcher)  # with a PID namespace: its init and the program
+        assert all(_alive(pid) for pid in tree)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     for _ in range(100):
-        if not _alive(program):
+        if not any(_alive(pid) for pid in tree):
             break
         time.sleep(0.02)
-    assert not _alive(program)
+    assert not any(_alive(pid) for pid in tree)
 
 
 def test_folder_made_unreadable_by_the_program_is_still_removed():

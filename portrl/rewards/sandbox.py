@@ -3,42 +3,61 @@
 :func:`run_program` writes the program to a fresh temporary folder (its cwd, HOME and TMPDIR; removed
 afterwards) and starts it through portrl.rewards.sandbox_child in a new session (its own process group) with
 a clean environment (PATH, LANG, HOME, TMPDIR, and OMP/OPENBLAS/MKL_NUM_THREADS=1; the interpreter runs with
-``-I``: no PYTHONPATH, no user site). Before exec the child sets up, in this order (each reported on the
-:class:`RunResult`):
+``-I``: no PYTHONPATH, no user site). Each part below is reported on the :class:`RunResult`; a part the
+platform refuses is left out, its flag is False, ``details`` says why, and a warning is logged once per process.
 
-* a new network namespace (no interface but a down loopback: every connection fails) and a new mount
-  namespace in which /tmp, /var/tmp, /dev/shm and /run/lock are private, empty tmpfs mounts and the sandbox
-  folder is a tmpfs of ``disk_mb`` (without one, files are bounded only by ``file_size_mb`` each). As root
-  this is ``unshare(CLONE_NEWNET|CLONE_NEWNS)``; as another user
-  ``unshare(CLONE_NEWUSER|CLONE_NEWNET|CLONE_NEWNS)``. Where the platform refuses (Docker's default seccomp
-  profile without CAP_SYS_ADMIN, kernels with unprivileged user namespaces off), the program runs without
-  them: ``network_isolated`` / ``mount_isolated`` are False and a warning is logged once per process.
+What the program gets where every part applies (Linux on x86_64 or aarch64; as root, or as any user where
+unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as uid 65534):
+
+* its own file system (``root_isolated``, portrl/rewards/sandbox_root.py): a tmpfs root holding only its own
+  folder (a tmpfs of ``disk_mb``, the only place besides /tmp and /dev/shm, 64 MiB each, where it may write),
+  the interpreter's prefixes (the virtual environment and the base installation) and /usr read-only, two
+  files of /etc (ld.so.cache, localtime), five devices and a /proc of its own. The checkout, the training
+  data and its ground truths, home folders, /etc, /var, /sys and every other mount of the host do not exist
+  for it. A package installed in editable mode from outside the prefixes (a .pth pointing into a checkout)
+  does not import in it.
+* its own PID and IPC namespaces (``pid_isolated``): the program is pid 2, the namespace's init pid 1;
+  /proc lists only them and what the program starts; no process of the machine can be seen or signalled.
+  When the program exits, init exits and the kernel kills everything else in the namespace, also a process
+  that left the process group with setsid().
+* its own network namespace (``network_isolated``; no interface but a down loopback: every connection
+  fails, abstract unix sockets included) and mount namespace (``mount_isolated``).
+* a seccomp filter (``seccomp_filtered``, portrl/rewards/sandbox_seccomp.py, with no_new_privs): ptrace,
+  process_vm_readv/writev, mount, unshare, setns, clone with CLONE_NEW*, bpf, perf_event_open, io_uring,
+  keyrings, modules, kexec and a few more fail with EPERM; a syscall of another ABI (i386 ``int 0x80``, x32)
+  kills the program with SIGSYS.
 * limits (resource.setrlimit): CPU time, address space (``memory_mb``), file size, processes, open files,
   no core files.
-* as root: the program runs as an unprivileged uid/gid of its own (from ``UID_BASE``, one per concurrent run,
-  reserved across processes by a lock file in /run/portrl-sandbox-uids), so RLIMIT_NPROC applies (root is
-  exempt from it), files outside the sandbox folder are writable only where the world may write (and those
-  folders are private tmpfs when the mount namespace worked), and every process left with that uid is killed
-  after the run, also one that left the process group with setsid(). Folders that hide the interpreter or the
-  sandbox folder from that uid (Python under /root, a TMPDIR only root may enter) are replaced by a tmpfs in
-  the mount namespace with just those paths bound back; without a mount namespace the uid is then not
-  dropped (``uid_dropped`` False, a warning once).
-* the program is killed when the process that started it dies (PR_SET_PDEATHSIG).
+* as root: an unprivileged uid/gid of its own (``uid_dropped``; from ``UID_BASE``, one per concurrent run,
+  reserved across processes by a lock file in /run/portrl-sandbox-uids), so RLIMIT_NPROC applies and init
+  (root's) cannot be signalled; every process left with that uid is killed after the run. As another user
+  the program keeps that user's uid inside a user namespace with an identity map (RLIMIT_NPROC counts all of
+  the user's processes, so it is set to the user's current count plus ``limits.nproc``).
+* it is killed when the process that started it dies (PR_SET_PDEATHSIG on the launcher and on init).
 
-Not root: the program runs as the calling user. RLIMIT_NPROC counts all of that user's processes, so the
-limit is set to the user's current count plus ``limits.nproc``; the program can write wherever the user can
-(except the private tmpfs folders when the mount namespace worked); a process that leaves the process group
-with setsid() survives the group kill. There is no PID namespace on any platform: the program can see (not
-signal, when the uid was dropped) other processes.
+What it does not give: protection from kernel bugs (the kernel is shared) or CPU side channels (timing,
+caches, Spectre-class leaks); a /proc without host-wide facts (cpuinfo, meminfo, loadavg, /proc/sys are the
+machine's; mountinfo names the host paths of the bound folders); privacy of anything the caller puts into
+the program's own source or stdin (a test harness with the expected values in it can be read by the
+program); limits on the memory its tmpfs files take (not counted in ``memory_mb``).
 
-Written for Linux (namespaces, /proc, prctl); elsewhere only the rlimits, the process-group kill and the
-clean environment apply, untested.
+Where the platform refuses parts: Docker's default seccomp profile without CAP_SYS_ADMIN refuses the
+namespaces, kernels with unprivileged user namespaces off (or restricted, as AppArmor does on Ubuntu 24.04;
+untested) refuse them to a non-root user: then only the limits, the seccomp filter and, as root, the uid drop
+(where that uid can reach the interpreter) apply -- the program can read every file its uid may read and see
+every process (not signal them, when the uid was dropped). Where only the PID namespace is refused, the root
+is built without /proc; where the root cannot be built (pivot_root refused, an architecture without a syscall
+table), the mount namespace hides only the world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock) and
+the sandbox folder is still a tmpfs of ``disk_mb``. Kernels before 5.12 make each bound folder's top mount
+read-only, not mounts below it (no mount_setattr). Elsewhere than Linux only the rlimits, the process-group
+kill and the clean environment apply, untested.
 
 The wall-time limit (``timeout_s``) kills the whole process group (SIGKILL); stdout is read up to
 ``output_bytes`` (more: the group is killed, status "output_limit"; the same for more stderr than that);
 stderr keeps its last ``stderr_bytes``.
 The process group is killed after every run, so nothing the program started outlives it.
-The uid slots, the process table, that cleanup and the folders to mask live in portrl/rewards/sandbox_host.py.
+The uid slots, the process table, that cleanup, the root's layout and the folders to mask live in
+portrl/rewards/sandbox_host.py.
 """
 
 from __future__ import annotations
@@ -69,6 +88,7 @@ from portrl.rewards.sandbox_host import (
     kill_group,
     kill_uid,
     live_processes,
+    root_layout,
     user_task_count,
 )
 
@@ -110,9 +130,12 @@ class RunResult:
     returncode: int | None
     pid: int  # also the process group id (the group is gone when this is returned)
     network_isolated: bool = False  # a new network namespace
-    mount_isolated: bool = False  # a new mount namespace with private /tmp, /var/tmp, /dev/shm, /run/lock
+    mount_isolated: bool = False  # a new mount namespace (private /tmp, /dev/shm; the sandbox folder a tmpfs)
     uid_dropped: bool = False  # ran as its own unprivileged uid (root only), ``details["uid"]``
-    details: dict = field(default_factory=dict)  # "uid" when dropped; why a namespace step failed
+    pid_isolated: bool = False  # new PID and IPC namespaces: the program is pid 2, its init pid 1
+    root_isolated: bool = False  # the minimal root: only its folder, the interpreter, /usr (read-only)
+    seccomp_filtered: bool = False  # the seccomp filter of portrl.rewards.sandbox_seccomp
+    details: dict = field(default_factory=dict)  # "uid" when dropped; why a step failed ("*_error")
 
 
 _warned: set[str] = set()
@@ -179,12 +202,13 @@ def _remove_tree(path: str) -> None:
 
 def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | None, root: bool) -> RunResult:
     masks, keep, visible = isolation_view(tmp, root)
-    nproc = limits.nproc if root else user_task_count() + limits.nproc
+    # not root: the user's processes count, and with a PID namespace the launcher and init are two of them
+    nproc = limits.nproc if root else user_task_count() + limits.nproc + 2
     status_r, status_w = os.pipe()
     cfg = {
         "status_fd": status_w, "parent_pid": os.getpid(), "python": sys.executable, "cwd": tmp,
         "program": os.path.basename(program), "uid": uid, "gid": uid, "namespaces": limits.namespaces,
-        "masks": masks, "keep": keep, "interpreter_visible": visible,
+        "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": root_layout(),
         "cpu_s": math.ceil(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s),
         "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
         "nofile": limits.nofile, "nproc": nproc,
@@ -206,6 +230,8 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
     try:
         out, err, timed_out, over = _communicate(proc, stdin.encode("utf-8", "replace"), limits,
                                                  start + limits.timeout_s)
+        if not (timed_out or over):  # the pipes closed: let the launcher pass the program's status on
+            timed_out = not _exited_by(proc, start + limits.timeout_s)
         elapsed = time.monotonic() - start
     finally:
         kill_group(proc.pid)
@@ -215,9 +241,12 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
     if "error" in report or (proc.returncode == _SETUP_ERROR_EXIT and not report):
         raise SandboxError(f"the sandbox could not start the program: {report.get('error', 'no report')}")
     net, mnt, dropped = bool(report.get("net")), bool(report.get("mnt")), bool(report.get("uid_dropped"))
-    if limits.namespaces and not net:
-        _warn_once("net", "code sandbox: no new network namespace on this platform "
-                          f"({report.get('ns_error', 'unknown reason')}); programs can reach the network")
+    pid, new_root, filtered = bool(report.get("pid")), bool(report.get("root")), bool(report.get("seccomp"))
+    if limits.namespaces:
+        _warn_missing(report, net, pid, new_root)
+    if not filtered:
+        _warn_once("seccomp", "code sandbox: no seccomp filter on this platform "
+                              f"({report.get('seccomp_error', 'unknown reason')}); programs can ptrace, mount, ...")
     if root and not dropped:
         _warn_once("uid", "code sandbox: running as root without a uid drop (the interpreter is not reachable "
                           "by an unprivileged uid and no mount namespace); RLIMIT_NPROC does not apply to root")
@@ -227,7 +256,30 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
     details = {k: v for k, v in report.items() if k.endswith("error")}
     if dropped:
         details["uid"] = uid
-    return RunResult(status, stdout, stderr, elapsed, proc.returncode, proc.pid, net, mnt, dropped, details)
+    return RunResult(status, stdout, stderr, elapsed, proc.returncode, proc.pid, net, mnt, dropped, pid, new_root,
+                     filtered, details)
+
+
+def _warn_missing(report: dict, net: bool, pid: bool, new_root: bool) -> None:
+    why = report.get("ns_error", "unknown reason")
+    if not net:
+        _warn_once("net", f"code sandbox: no new network namespace on this platform ({why}); programs can reach "
+                          "the network")
+    if not pid:
+        _warn_once("pid", f"code sandbox: no new PID namespace on this platform ({why}); programs can see the "
+                          "machine's processes")
+    if not new_root:
+        why = report.get("root_error") or report.get("mnt_error") or why
+        _warn_once("root", f"code sandbox: no private root file system on this platform ({why}); programs can "
+                           "read every file their uid may read (the checkout, training data, ground truths)")
+
+
+def _exited_by(proc: subprocess.Popen, deadline: float) -> bool:
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _read_status(fd: int) -> dict:

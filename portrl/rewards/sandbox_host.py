@@ -5,13 +5,17 @@
 * the process table read from /proc: :func:`live_processes` of a process group or a uid, :func:`user_task_count`
   (what RLIMIT_NPROC counts for a non-root user);
 * cleanup after a run: :func:`kill_uid` and :func:`kill_group` SIGKILL until nothing of the run is left;
-* :func:`isolation_view`: the folders the child masks with tmpfs in its mount namespace (``WRITABLE_DIRS`` and,
-  as root, folders a dropped uid cannot enter) and the paths it binds back (the sandbox folder, the interpreter).
+* :func:`root_layout`: what the minimal root (portrl/rewards/sandbox_root.py) binds read-only -- the system's
+  /usr and its companions, two files of /etc, the interpreter's prefixes, five devices -- computed once per process;
+* :func:`isolation_view`: the fallback where that root cannot be built: the folders the child masks with tmpfs in
+  its mount namespace (``WRITABLE_DIRS`` and, as root, folders a dropped uid cannot enter) and the paths it binds
+  back (the sandbox folder, the interpreter).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import pwd
@@ -28,6 +32,9 @@ log = logging.getLogger("portrl.rewards.sandbox")  # the sandbox's warnings keep
 UID_BASE = 64200  # sandbox uids UID_BASE .. UID_BASE + UID_COUNT - 1 (root only; Debian leaves 60000-64999 free)
 UID_COUNT = 256
 WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # a folder is bound, a link copied
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's library index; the local time zone
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 
 
 class SandboxError(RuntimeError):
@@ -142,6 +149,36 @@ def _interpreter_paths() -> list[str]:
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
              os.path.dirname(os.path.realpath(sys.executable))}
     return sorted(paths)
+
+
+def _inside(path: str, folders) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+@functools.lru_cache(maxsize=1)
+def root_layout() -> dict:
+    """What the minimal root holds besides the program's folder: {"binds": [[source, target], ...] (folders,
+    read-only), "files": [[source, target], ...] (read-only), "links": [[path, link text], ...], "devices":
+    [...]}. The interpreter's prefixes are bound at their real paths and at the paths Python is started by (a
+    virtual environment is found next to the executable it is started as); a folder inside another is left out
+    (the outer bind holds it), and "/" never is bound."""
+    binds: dict[str, str] = {}
+    files, links = [], []
+    for path in SYSTEM_DIRS + SYSTEM_FILES:
+        if os.path.islink(path):
+            links.append([path, os.readlink(path)])
+        elif os.path.isdir(path):
+            binds[path] = path
+        elif os.path.isfile(path):
+            files.append([path, path])
+    linked = [path for path, _ in links]
+    for path in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable)):
+        for target in (os.path.abspath(path), os.path.realpath(path)):
+            if target != "/" and not _inside(target, linked):
+                binds.setdefault(target, os.path.realpath(path))
+    outer = [t for t in binds if not any(t != o and _inside(t, [o]) for o in binds)]
+    return {"binds": [[binds[t], t] for t in sorted(outer)], "files": files, "links": links,
+            "devices": [d for d in DEVICES if os.path.exists(d)]}
 
 
 def isolation_view(sandbox_dir: str, root: bool) -> tuple[list[str], list[str], bool]:

@@ -1,0 +1,257 @@
+"""The code sandbox's isolation (portrl.rewards.sandbox): what a program may see and do on this machine.
+
+A policy that learns to read its answers (the checkout, the training parquet with its ground truths) or to
+tamper with the reward process is reward hacking; these tests run real programs that try. Where the platform
+cannot give a part (no namespaces in a container, no seccomp), the test that needs it is skipped with the
+reason, except :func:`test_every_part_applies_where_the_platform_allows`, which fails when a part the kernel
+offers did not apply.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program
+from portrl.rewards.sandbox_seccomp import DENIED
+from portrl.rewards.sandbox_syscalls import table
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = SandboxLimits(timeout_s=5.0, memory_mb=256)
+
+
+@pytest.fixture(scope="module")
+def isolation() -> RunResult:
+    return run_program("print('probe')", "", FAST)
+
+
+def _need(isolation: RunResult, *parts: str) -> None:
+    missing = [p for p in parts if not getattr(isolation, p)]
+    if missing:
+        pytest.skip(f"this platform does not give {missing}: {isolation.details}")
+
+
+def _namespaces_allowed() -> bool:
+    """Whether this process may make the namespaces the sandbox asks for (root; in a forked child)."""
+    flags = 0x00020000 | 0x08000000 | 0x20000000 | 0x40000000  # NEWNS NEWIPC NEWPID NEWNET
+    probe = f"import ctypes, sys\nsys.exit(ctypes.CDLL(None).unshare({flags}) != 0)"
+    return os.geteuid() == 0 and subprocess.run([sys.executable, "-I", "-c", probe]).returncode == 0
+
+
+def test_every_part_applies_where_the_platform_allows():
+    if not (sys.platform == "linux" and _namespaces_allowed()):
+        pytest.skip("not root, or this platform refuses new namespaces (the sandbox then degrades, with warnings)")
+    r = run_program("print('probe')", "", FAST)
+    assert r.status == "ok", r.stderr
+    applied = {p: getattr(r, p) for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated",
+                                          "seccomp_filtered", "uid_dropped")}
+    assert all(applied.values()), (applied, r.details)
+
+
+@pytest.fixture
+def training_data():
+    """A training parquet with its ground truths where runs keep their files: in the checkout (outputs/ is
+    ignored by git), world-readable like everything a user's checkout holds."""
+    folder = REPO / "outputs" / f"sandbox-test-{uuid.uuid4().hex}"
+    folder.mkdir(parents=True)
+    secret = f"ground-truth-{uuid.uuid4().hex}"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = folder / "train.parquet"
+        pq.write_table(pa.table({"prompt": ["add 2 and 3"], "ground_truth": [secret]}), path)
+        os.chmod(folder, 0o755)
+        os.chmod(path, 0o644)
+        yield path, secret
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_program_cannot_read_the_checkout_or_the_training_data(isolation, training_data):
+    _need(isolation, "root_isolated")
+    parquet, secret = training_data
+    targets = [str(REPO / "README.md"), str(parquet), str(Path(__file__).resolve())]
+    src = textwrap.dedent(f"""
+        import os
+        for path in {targets!r}:
+            try:
+                print('read', path, open(path, 'rb').read()[-200:])
+            except OSError as exc:
+                print('refused', path, type(exc).__name__)
+        for folder in {[str(REPO), str(parquet.parent)]!r}:
+            try:
+                print('listed', folder, sorted(os.listdir(folder)))
+            except OSError as exc:
+                print('refused', folder, type(exc).__name__)
+    """)
+    r = run_program(src, "", FAST)
+    assert r.status == "ok", r.stderr
+    assert secret not in r.stdout
+    for path in targets + [str(parquet.parent)]:
+        assert f"refused {path} " in r.stdout, r.stdout
+    # the checkout's folder exists only as the way to the virtual environment, when that lives in it
+    listed = re.search(rf"listed {re.escape(str(REPO))} (.*)", r.stdout)
+    assert listed is None or set(ast.literal_eval(listed.group(1))) <= {".venv"}, r.stdout
+
+
+def test_program_sees_a_minimal_read_only_root(isolation):
+    _need(isolation, "root_isolated")
+    src = textwrap.dedent("""
+        import os, sys
+        print(sorted(os.listdir('/')))
+        print(sorted(os.listdir('/etc')))
+        for path in ('/usr/portrl-escape', '/portrl-escape', sys.prefix + '/portrl-escape'):
+            try:
+                open(path, 'w')
+                print('wrote', path)
+            except OSError as exc:
+                print('refused', path, exc.strerror)
+        open('scratch.txt', 'w').write('own folder')  # its own folder stays writable
+        print(open('scratch.txt').read())
+    """)
+    r = run_program(src, "", FAST)
+    assert r.status == "ok", r.stderr
+    top, etc, *writes, own = r.stdout.splitlines()
+    ways = {Path(os.path.realpath(p)).parts[1] for p in (sys.prefix, sys.base_prefix, tempfile.gettempdir())}
+    ways |= {Path(os.path.abspath(p)).parts[1] for p in (sys.prefix, sys.base_prefix, tempfile.gettempdir())}
+    system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+    assert set(ast.literal_eval(top)) <= system | ways  # no home, /work, /var, /opt, /mnt, /sys, ...
+    assert set(ast.literal_eval(etc)) <= {"ld.so.cache", "localtime"}  # no passwd, hosts, ssh keys, ...
+    assert all(w.startswith("refused") for w in writes), writes
+    assert own == "own folder"
+
+
+def test_program_sees_only_its_own_processes(isolation):
+    _need(isolation, "pid_isolated")
+    host_pid = os.getpid()
+    src = textwrap.dedent(f"""
+        import os, signal
+        print(os.getpid(), os.getppid())
+        print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+        for pid, sig in (({host_pid}, 0), (os.getppid(), signal.SIGKILL)):
+            try:
+                os.kill(pid, sig)
+                print('signalled', pid)
+            except OSError as exc:
+                print('refused', pid, type(exc).__name__)
+        print('alive')
+    """)
+    r = run_program(src, "", FAST)
+    assert r.status == "ok", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "2 1"  # the program is pid 2, the namespace's init pid 1
+    assert lines[1] == "[1, 2]"  # no process of the machine is visible
+    assert lines[2] == f"refused {host_pid} ProcessLookupError"  # the reward process does not exist in here
+    if isolation.uid_dropped:  # init is root's: the sandbox uid may not signal it
+        assert lines[3] == "refused 1 PermissionError"
+    assert lines[-1] == "alive"
+
+
+def test_ptrace_namespaces_and_mounts_are_refused(isolation):
+    _need(isolation, "seccomp_filtered")
+    src = textwrap.dedent("""
+        import ctypes, os, subprocess, sys, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def attempt(name, *args):
+            result = getattr(libc, name)(*args)
+            print(name, result, os.strerror(ctypes.get_errno()) if result == -1 else '')
+        attempt('ptrace', 0, 0, None, None)  # PTRACE_TRACEME
+        attempt('ptrace', 16, os.getppid(), None, None)  # PTRACE_ATTACH
+        attempt('unshare', 0x10000000)  # CLONE_NEWUSER: unprivileged, so only the filter refuses it
+        attempt('mount', b'none', b'/tmp', b'tmpfs', 0, None)
+        attempt('process_vm_readv', os.getppid(), None, 0, None, 0, 0)
+        # what programs need still works: threads (clone3 -> ENOSYS -> clone), fork, subprocesses
+        t = threading.Thread(target=print, args=('thread ok',))
+        t.start(); t.join()
+        print(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout.strip())
+    """)
+    r = run_program(src, "", FAST)
+    assert r.status == "ok", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:5] == [f"{name} -1 Operation not permitted"
+                         for name in ("ptrace", "ptrace", "unshare", "mount", "process_vm_readv")], lines
+    assert lines[5:] == ["thread ok", "42"]
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the x32 ABI exists on x86_64 only")
+def test_syscall_of_another_abi_kills_the_program(isolation):
+    _need(isolation, "seccomp_filtered")
+    r = run_program("import ctypes\nctypes.CDLL(None).syscall(0x40000000 | 39)\nprint('survived')\n", "", FAST)
+    assert r.returncode == -signal.SIGSYS and "survived" not in r.stdout, r
+    assert r.status == "runtime_error"
+
+
+def _header_numbers(path: str) -> dict[str, int]:
+    text = Path(path).read_text()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", text)}
+
+
+@pytest.mark.parametrize("arch, header", [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+                                          ("aarch64", "/usr/include/asm-generic/unistd.h")])
+def test_syscall_table_matches_the_kernel_headers(arch, header):
+    if not os.path.exists(header):
+        pytest.skip(f"no {header} here (linux-libc-dev)")
+    numbers, kernel = table(arch), _header_numbers(header)
+    assert {name: kernel.get(name) for name in numbers} == numbers
+    missing = set(DENIED) - set(numbers)
+    assert missing <= ({"iopl", "ioperm"} if arch == "aarch64" else set())
+
+
+def _blocking_ancestor(path: str) -> str | None:
+    parts = Path(path).parts
+    for i in range(2, len(parts) + 1):
+        folder = str(Path(*parts[:i]))
+        if not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+def test_an_unprivileged_user_gets_the_same_isolation():
+    """The non-root path (a user namespace with an identity map), run as uid 65534 by setpriv."""
+    if os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare") and shutil.which("mount")):
+        pytest.skip("needs root to start a process as another user (setpriv, unshare, mount from util-linux)")
+    if Path("/proc/sys/user/max_user_namespaces").read_text().strip() == "0":
+        pytest.skip("user namespaces are off on this kernel")
+    probe = textwrap.dedent(f"""
+        import json, sys
+        from portrl.rewards.sandbox import SandboxLimits, run_program
+        src = ("import ctypes, os\\n"
+               "try:\\n    open({str(REPO / 'README.md')!r}).read(); print('read')\\n"
+               "except OSError as exc:\\n    print('refused', type(exc).__name__)\\n"
+               "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\\n"
+               "print(ctypes.CDLL(None).ptrace(0, 0, None, None))\\n")
+        r = run_program(src, '', SandboxLimits(timeout_s=10.0, memory_mb=256))
+        print(json.dumps(r.__dict__))
+    """)
+    # the interpreter must be reachable by uid 65534: a folder only root may enter (Python in /root/.pyenv) is
+    # replaced, in a mount namespace of this test, by a tmpfs with the interpreter bound back
+    masks = ""
+    blocker = _blocking_ancestor(sys.base_prefix)
+    if blocker is not None:
+        masks = (f"d=$(mktemp -d); mount --bind {sys.base_prefix} $d; mount -t tmpfs tmpfs {blocker}; "
+                 f"mkdir -p {sys.base_prefix}; mount --move $d {sys.base_prefix}; ")
+    command = (f"set -e; {masks}cd {REPO}; exec setpriv --reuid=65534 --regid=65534 --clear-groups "
+               f"env HOME=/tmp TMPDIR=/tmp TORCH_DEVICE_BACKEND_AUTOLOAD=0 {sys.executable} -c {shlex.quote(probe)}")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert r["status"] == "ok", r
+    assert not r["uid_dropped"]
+    assert all(r[p] for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated",
+                              "seccomp_filtered")), r
+    assert r["stdout"].splitlines() == ["refused FileNotFoundError", "[1, 2]", "-1"], r
