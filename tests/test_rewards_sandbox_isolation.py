@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import re
 import shlex
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import pytest
 
+import portrl.rewards.sandbox as sandbox
 from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program
+from portrl.rewards.sandbox_host import root_layout
 from portrl.rewards.sandbox_seccomp import DENIED
-from portrl.rewards.sandbox_syscalls import table
+from portrl.rewards.sandbox_syscalls import native, table
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(timeout_s=5.0, memory_mb=256)
@@ -44,16 +47,22 @@ def _need(isolation: RunResult, *parts: str) -> None:
         pytest.skip(f"this platform does not give {missing}: {isolation.details}")
 
 
+def _seccomp_available() -> bool:
+    with open("/proc/self/status") as f:
+        return native() is not None and "\nSeccomp:" in f.read()
+
+
 def _namespaces_allowed() -> bool:
-    """Whether this process may make the namespaces the sandbox asks for (root; in a forked child)."""
+    """Whether this process may make the namespaces the sandbox asks for (root; in a child process)."""
     flags = 0x00020000 | 0x08000000 | 0x20000000 | 0x40000000  # NEWNS NEWIPC NEWPID NEWNET
     probe = f"import ctypes, sys\nsys.exit(ctypes.CDLL(None).unshare({flags}) != 0)"
     return os.geteuid() == 0 and subprocess.run([sys.executable, "-I", "-c", probe]).returncode == 0
 
 
 def test_every_part_applies_where_the_platform_allows():
-    if not (sys.platform == "linux" and _namespaces_allowed()):
-        pytest.skip("not root, or this platform refuses new namespaces (the sandbox then degrades, with warnings)")
+    if not (sys.platform == "linux" and _seccomp_available() and _namespaces_allowed()):
+        pytest.skip("not root, or this platform refuses new namespaces or seccomp (the sandbox then degrades, "
+                    "with warnings)")
     r = run_program("print('probe')", "", FAST)
     assert r.status == "ok", r.stderr
     applied = {p: getattr(r, p) for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated",
@@ -255,3 +264,54 @@ def test_an_unprivileged_user_gets_the_same_isolation():
     assert all(r[p] for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated",
                               "seccomp_filtered")), r
     assert r["stdout"].splitlines() == ["refused FileNotFoundError", "[1, 2]", "-1"], r
+
+
+def test_a_platform_that_refuses_namespaces_degrades_with_flags_and_warnings():
+    """Docker's default seccomp profile refuses unshare without CAP_SYS_ADMIN: imitated by a filter on a helper
+    process, which the sandbox inherits."""
+    if not _seccomp_available():
+        pytest.skip("no seccomp on this platform to imitate the refusal with")
+    helper = textwrap.dedent("""
+        import ctypes, json, logging
+        from portrl.rewards import sandbox_seccomp, sandbox_syscalls
+        from portrl.rewards.sandbox import SandboxLimits, run_program
+        arch, audit_arch, numbers = sandbox_syscalls.native()
+        refused = {name: numbers[name] for name in ("unshare", "clone", "clone3")}
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert sandbox_seccomp.install(libc, sandbox_seccomp.build_filter(audit_arch, refused)) is None
+        logging.basicConfig(format="WARNING %(message)s")
+        r = run_program("print('still runs')", "", SandboxLimits(timeout_s=10.0, memory_mb=256))
+        print(json.dumps(r.__dict__))
+    """)
+    done = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (r["status"], r["stdout"]) == ("ok", "still runs\n"), r
+    assert not any(r[p] for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated")), r
+    assert r["seccomp_filtered"] and "Operation not permitted" in r["details"]["ns_error"], r
+    for part in ("no new network namespace", "no new PID namespace", "no private root file system"):
+        assert f"WARNING code sandbox: {part}" in done.stderr, done.stderr[-3000:]
+
+
+def test_where_the_root_cannot_be_built_the_masked_view_applies(isolation, monkeypatch, caplog):
+    _need(isolation, "root_isolated", "pid_isolated")
+    broken = {**root_layout(), "binds": [["/nonexistent-portrl-sandbox-source", "/usr"]]}
+    monkeypatch.setattr(sandbox, "root_layout", lambda: broken)
+    monkeypatch.setattr(sandbox, "_warned", set())
+    src = textwrap.dedent(f"""
+        import os
+        try:
+            open({str(REPO / 'README.md')!r}).read()
+            print('read')
+        except OSError as exc:
+            print('refused', type(exc).__name__)
+        print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+    """)
+    with caplog.at_level(logging.WARNING, logger="portrl.rewards.sandbox"):
+        r = run_program(src, "", FAST)
+    assert r.status == "ok", r.stderr
+    assert (r.root_isolated, r.mount_isolated, r.pid_isolated) == (False, True, True)
+    assert "nonexistent-portrl-sandbox-source" in r.details["root_error"]
+    assert "no private root file system" in caplog.text
+    # as documented: the checkout is readable again, /proc is still the namespace's own
+    assert r.stdout.splitlines() == ["read", "[1, 2]"], r.stdout

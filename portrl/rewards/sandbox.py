@@ -10,12 +10,13 @@ What the program gets where every part applies (Linux on x86_64 or aarch64; as r
 unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as uid 65534):
 
 * its own file system (``root_isolated``, portrl/rewards/sandbox_root.py): a tmpfs root holding only its own
-  folder (a tmpfs of ``disk_mb``, the only place besides /tmp and /dev/shm, 64 MiB each, where it may write),
-  the interpreter's prefixes (the virtual environment and the base installation) and /usr read-only, two
-  files of /etc (ld.so.cache, localtime), five devices and a /proc of its own. The checkout, the training
-  data and its ground truths, home folders, /etc, /var, /sys and every other mount of the host do not exist
-  for it. A package installed in editable mode from outside the prefixes (a .pth pointing into a checkout)
-  does not import in it.
+  folder (a tmpfs of ``disk_mb``, the only place besides /tmp and /dev/shm, 64 MiB each, where it may
+  write), the interpreter's prefixes (the virtual environment and the base installation) and /usr read-only,
+  two files of /etc (ld.so.cache, localtime), five devices and a /proc of its own (where the kernel refuses
+  a new procfs, e.g. a user namespace under a partly masked /proc: none, ``details["proc_error"]``). The
+  checkout, the training data and its ground truths, home folders, /etc, /var, /sys and every other mount of
+  the host do not exist for it. A package installed in editable mode from outside the prefixes (a .pth
+  pointing into a checkout) does not import in it.
 * its own PID and IPC namespaces (``pid_isolated``): the program is pid 2, the namespace's init pid 1;
   /proc lists only them and what the program starts; no process of the machine can be seen or signalled.
   When the program exits, init exits and the kernel kills everything else in the namespace, also a process
@@ -47,10 +48,10 @@ untested) refuse them to a non-root user: then only the limits, the seccomp filt
 (where that uid can reach the interpreter) apply -- the program can read every file its uid may read and see
 every process (not signal them, when the uid was dropped). Where only the PID namespace is refused, the root
 is built without /proc; where the root cannot be built (pivot_root refused, an architecture without a syscall
-table), the mount namespace hides only the world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock) and
-the sandbox folder is still a tmpfs of ``disk_mb``. Kernels before 5.12 make each bound folder's top mount
-read-only, not mounts below it (no mount_setattr). Elsewhere than Linux only the rlimits, the process-group
-kill and the clean environment apply, untested.
+table), the mount namespace hides only the world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock), the
+sandbox folder is still a tmpfs of ``disk_mb`` and /proc is the PID namespace's. Kernels before 5.12 make each
+bound folder's top mount read-only, not mounts below it (no mount_setattr). Elsewhere than Linux only the
+rlimits, the process-group kill and the clean environment apply, untested.
 
 The wall-time limit (``timeout_s``) kills the whole process group (SIGKILL); stdout is read up to
 ``output_bytes`` (more: the group is killed, status "output_limit"; the same for more stderr than that);

@@ -19,7 +19,8 @@ does, in this order, before ``execve``:
    of the PID namespace; nothing else of the host). Where that fails (e.g. pivot_root refused), the earlier
    view: a small private tmpfs over every world-writable folder (/tmp, /var/tmp, /dev/shm, /run/lock) and over
    the folders that hide the interpreter from the sandbox user, the needed folders bound back, and a tmpfs of
-   ``disk_mb`` over the sandbox folder -- the rest of the host stays readable.
+   ``disk_mb`` over the sandbox folder, and a fresh /proc of the PID namespace -- the rest of the host stays
+   readable.
 4. resource limits (CPU time, address space, file size, processes, open files, no core files).
 5. as root: drop to the sandbox uid/gid (no supplementary groups), so that RLIMIT_NPROC applies (root is
    exempt from it) and only world-writable files outside the sandbox folder are writable.
@@ -46,7 +47,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
 SETUP_ERROR_EXIT = 121
 
 
@@ -249,6 +250,9 @@ def _file_view(libc, cfg: dict, root: bool, report: dict, tables, sandbox_root) 
     # from here on a failure leaves the view half-built: it is raised (a setup error), not reported
     _mask_and_bind(libc, cfg["masks"], cfg["keep"])
     _private_workdir(libc, cfg, code, options)
+    if report["pid"]:  # the host's /proc would list the machine's processes
+        err = _call(libc.mount, b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        report.update(proc=err is None, **({"proc_error": err} if err else {}))
 
 
 # ----------------------------------------------------------------------------------------- the program
