@@ -229,6 +229,18 @@ def _blocking_ancestor(path: str) -> str | None:
     return None
 
 
+def _reachable_by_others(paths: list[str]) -> str:
+    """Shell commands that, in a private mount namespace, make ``paths`` reachable by every uid: each path under
+    a folder others cannot enter is bound aside, a tmpfs covers that folder, and the path is moved back."""
+    paths = sorted({os.path.realpath(p) for p in paths})
+    paths = [p for p in paths if not any(p != o and p.startswith(o + "/") for o in paths)]
+    hidden = [(shlex.quote(p), b) for p in paths if (b := _blocking_ancestor(p)) is not None]
+    save = "".join(f"d{i}=$(mktemp -d); mount --bind {p} $d{i}; " for i, (p, _) in enumerate(hidden))
+    cover = "".join(f"mount -t tmpfs tmpfs {shlex.quote(b)}; " for b in sorted({b for _, b in hidden}))
+    back = "".join(f"mkdir -p {p}; mount --move $d{i} {p}; " for i, (p, _) in enumerate(hidden))
+    return save + cover + back
+
+
 def test_an_unprivileged_user_gets_the_same_isolation():
     """The non-root path (a user namespace with an identity map), run as uid 65534 by setpriv."""
     if os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare") and shutil.which("mount")):
@@ -246,14 +258,10 @@ def test_an_unprivileged_user_gets_the_same_isolation():
         r = run_program(src, '', SandboxLimits(timeout_s=10.0, memory_mb=256))
         print(json.dumps(r.__dict__))
     """)
-    # the interpreter must be reachable by uid 65534: a folder only root may enter (Python in /root/.pyenv) is
-    # replaced, in a mount namespace of this test, by a tmpfs with the interpreter bound back
-    masks = ""
-    blocker = _blocking_ancestor(sys.base_prefix)
-    if blocker is not None:
-        masks = (f"d=$(mktemp -d); mount --bind {sys.base_prefix} $d; mount -t tmpfs tmpfs {blocker}; "
-                 f"mkdir -p {sys.base_prefix}; mount --move $d {sys.base_prefix}; ")
-    command = (f"set -e; {masks}cd {REPO}; exec setpriv --reuid=65534 --regid=65534 --clear-groups "
+    # the interpreter and the checkout must be reachable by uid 65534 (Python in /root/.pyenv, a checkout in
+    # /root): in a mount namespace of this test, such folders are bound back onto a tmpfs over what hides them
+    masks = _reachable_by_others([sys.base_prefix, sys.prefix, str(REPO)])
+    command = (f"set -e; {masks}cd {shlex.quote(str(REPO))}; exec setpriv --reuid=65534 --regid=65534 --clear-groups "
                f"env HOME=/tmp TMPDIR=/tmp TORCH_DEVICE_BACKEND_AUTOLOAD=0 {sys.executable} -c {shlex.quote(probe)}")
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", command],
                           capture_output=True, text=True, timeout=300)
