@@ -52,26 +52,33 @@ def _actor(ckpt):
     return load_file(str(ckpt / "actor.safetensors"))
 
 
-def _nan_loss_from(monkeypatch, first_update):
-    """The actor's loss is NaN from its ``first_update``-th update (0-based) on; its gradient stays finite."""
+def _nan_loss_from(monkeypatch, first_update, last_update=10**9):
+    """The actor's loss is NaN in its updates ``first_update`` .. ``last_update`` (0-based); its gradient stays
+    finite. Returns
+    the list that gets, after each update, the weights and AdamW states (copies)."""
     import portrl.workers.actor as actor_mod
 
     real = actor_mod.actor_loss
     calls = {"updates": 0}
     real_update = actor_mod.ActorRolloutWorker.update_actor
+    after: list = []
 
     def update_actor(self, batch):
         try:
             return real_update(self, batch)
         finally:
             calls["updates"] += 1
+            opt = self.optimizer.state
+            after.append(([m.detach().clone() for m in self.master.masters],
+                          [{k: v.clone() for k, v in opt[m].items()} for m in self.master.masters if m in opt]))
 
     def loss(*args, **kwargs):
         value, metrics = real(*args, **kwargs)
-        return (value + float("nan") if calls["updates"] >= first_update else value), metrics
+        return (value + float("nan") if first_update <= calls["updates"] <= last_update else value), metrics
 
     monkeypatch.setattr(actor_mod, "actor_loss", loss)
     monkeypatch.setattr(actor_mod.ActorRolloutWorker, "update_actor", update_actor)
+    return after
 
 
 def test_steps_in_a_row_with_a_non_finite_loss_stop_the_run_and_it_resumes_from_the_good_checkpoint(
@@ -80,24 +87,26 @@ def test_steps_in_a_row_with_a_non_finite_loss_stop_the_run_and_it_resumes_from_
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    _nan_loss_from(monkeypatch, 2)  # steps 1 and 2 train; 3 and 4 have a NaN loss
-    rc = main(_argv(tiny_model, out, **{"trainer.total_steps": 6, "trainer.max_nonfinite_steps": 2}))
+    after = _nan_loss_from(monkeypatch, 2)  # steps 1 and 2 train; 3 and 4 have a NaN loss
+    over = {"trainer.total_steps": 6, "trainer.max_nonfinite_steps": 2, "trainer.max_ckpt_to_keep": 2}
+    rc = main(_argv(tiny_model, out, **over))
     err = capsys.readouterr().err.strip().splitlines()
     ckpts = out / "checkpoints"
     assert rc == 2 and "Traceback" not in "\n".join(err)
     assert err[-1] == (f"portrl train: error: training diverged: steps 3-4 in a row had a non-finite loss or gradient "
                        f"norm (actor), so their updates were skipped (trainer.max_nonfinite_steps=2); last good "
-                       f"checkpoint: {ckpts / 'global_step_1'} (global_step_2.diverged, global_step_3.diverged hold the "
-                       f"diverged weights); lower actor.optim.lr and resume from it (trainer.resume=auto)")
-    # step 2's weights gave the NaN losses: its checkpoint and step 3's (the same weights) are set aside, step 4 is
-    # not saved; the skipped update of step 3 changed no weight and no optimizer moment
+                       f"checkpoint: {ckpts / 'global_step_1'} (global_step_2.diverged holds the diverged weights); "
+                       f"lower actor.optim.lr and resume from it (trainer.resume=auto)")
+    # step 2's weights gave the NaN losses: its checkpoint is set aside; the checkpoints of steps 3 and 4 (skipped
+    # updates) were put off, so rotation (max 2) kept step 1's
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("global")) == \
-        ["global_step_1", "global_step_2.diverged", "global_step_3.diverged"]
-    two, three = _actor(ckpts / "global_step_2.diverged"), _actor(ckpts / "global_step_3.diverged")
-    trained = [k for k in two if k.startswith(("model.", "optimizer."))]  # weights, AdamW moments and step count
-    assert len(trained) > 10 and all(torch.equal(two[k], three[k]) for k in trained)
-    one = _actor(ckpts / "global_step_1")
-    assert any(not torch.equal(one[k], two[k]) for k in one if k.startswith("model."))  # step 2 did train
+        ["global_step_1", "global_step_2.diverged"]
+    # the skipped updates changed no weight, no AdamW moment and no step count
+    assert len(after) == 4 and not all(torch.equal(a, b) for a, b in zip(after[0][0], after[1][0]))
+    for skipped in after[2:]:
+        assert all(torch.equal(a, b) for a, b in zip(after[1][0], skipped[0]))
+        assert len(skipped[1]) == len(after[1][1]) > 0
+        assert all(torch.equal(s1[k], s2[k]) for s1, s2 in zip(after[1][1], skipped[1]) for k in s1)
     rows = {r["step"]: r for r in _rows(out)}
     assert sorted(rows) == [1, 2, 3, 4]  # the metrics of every finished step are written
     assert [rows[s]["actor/nonfinite_skipped"] for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 1.0]
@@ -106,10 +115,26 @@ def test_steps_in_a_row_with_a_non_finite_loss_stop_the_run_and_it_resumes_from_
 
     monkeypatch.undo()  # the loss is finite again (as after a lower learning rate): the relaunch resumes and finishes
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
-    assert main(_argv(tiny_model, out, **{"trainer.total_steps": 6, "trainer.max_nonfinite_steps": 2})) == 0
+    assert main(_argv(tiny_model, out, **over)) == 0
     assert f"resumed from       {ckpts / 'global_step_1'}" in capsys.readouterr().out
     rows = {r["step"]: r for r in _rows(out)}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6] and all(rows[k]["actor/nonfinite_skipped"] == 0.0 for k in rows)
+
+
+def test_a_checkpoint_due_at_a_skipped_step_is_written_at_the_next_clean_one(tiny_model, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """One step with a NaN loss (step 2) is skipped and the run goes on; its due checkpoint (save_freq=2) waits for
+    step 3, whose update is taken."""
+    from portrl.trainer import run_training
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    _nan_loss_from(monkeypatch, 1, 1)
+    out = tmp_path / "run"
+    s = run_training(_cfg(tiny_model, out, **{"trainer.total_steps": 4, "trainer.save_freq": 2}))
+    assert s["steps"] == 4 and "checkpoint of step 2 put off: its update was skipped" in caplog.text
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("global")) == \
+        ["global_step_3", "global_step_4"]
+    assert [r["train/nonfinite_streak"] for r in _rows(out)] == [0.0, 1.0, 0.0, 0.0]
 
 
 def test_non_finite_weights_are_never_saved_and_their_logits_stop_the_run(tiny_model, tmp_path, monkeypatch, caplog):

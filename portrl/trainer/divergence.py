@@ -18,7 +18,9 @@ Three signs of divergence, each handled once:
 Which checkpoints hold the diverged weights: a streak that starts at step ``s`` had its updates skipped because the
 weights of step ``s-1`` (the last update taken) gave non-finite losses on every batch since, so every checkpoint of
 step ``s-1`` or later holds them; logits that are not finite after step ``k`` condemn the checkpoints of step ``k``
-on. On the stop those are renamed ``global_step_N.diverged`` (kept for a look, never resumed from), so that
+on. A checkpoint due at a step whose update was skipped is put off to the next step whose update is taken
+(portrl.trainer.rl_trainer), so that rotation (``trainer.max_ckpt_to_keep``) keeps the checkpoints from before a
+streak. On the stop those are renamed ``global_step_N.diverged`` (kept for a look, never resumed from), so that
 ``trainer.resume=auto`` starts from the newest checkpoint left, which the one line names (:class:`TrainingDiverged`,
 a UserError: exit code 2, no traceback; the metrics of the finished steps are already in metrics.jsonl).
 """

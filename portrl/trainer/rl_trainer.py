@@ -426,7 +426,8 @@ class RLTrainer:
             owed = due and bool(self.watch.streak)
             if owed:
                 log.warning("checkpoint of step %d put off: its update was skipped (a non-finite loss or gradient "
-                            "norm); it is written at the next step whose update is taken", step)
+                            "norm); %s", step, "the run ends without it" if last else
+                            "it is written at the next step whose update is taken")
             if (due and not owed) or (stop.requested and t.save_on_interrupt):
                 with_time = time.perf_counter()
                 last_ckpt = self.save_checkpoint() or last_ckpt  # None: not written (non-finite weights)
