@@ -12,11 +12,11 @@ unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as
 * its own file system (``root_isolated``, portrl/rewards/sandbox_root.py): a tmpfs root holding only its own
   folder (a tmpfs of ``disk_mb``, the only place besides /tmp and /dev/shm, 64 MiB each, where it may
   write), the interpreter's prefixes (the virtual environment and the base installation) and /usr read-only,
-  two files of /etc (ld.so.cache, localtime), five devices and a /proc of its own (where the kernel refuses
-  a new procfs, e.g. a user namespace under a partly masked /proc: none, ``details["proc_error"]``). The
-  checkout, the training data and its ground truths, home folders, /etc, /var, /sys and every other mount of
-  the host do not exist for it. A package installed in editable mode from outside the prefixes (a .pth
-  pointing into a checkout) does not import in it.
+  three entries of /etc (alternatives, ld.so.cache, localtime), five devices and a /proc of its own (where
+  the kernel refuses a new procfs, e.g. a user namespace under a partly masked /proc: none,
+  ``details["proc_error"]``). The checkout, the training data and its ground truths, home folders, /etc,
+  /var, /sys and every other mount of the host do not exist for it. A package installed in editable mode
+  from outside the prefixes (a .pth pointing into a checkout) does not import in it.
 * its own PID and IPC namespaces (``pid_isolated``): the program is pid 2, the namespace's init pid 1;
   /proc lists only them and what the program starts; no process of the machine can be seen or signalled.
   When the program exits, init exits and the kernel kills everything else in the namespace, also a process

@@ -6,7 +6,8 @@
   (what RLIMIT_NPROC counts for a non-root user);
 * cleanup after a run: :func:`kill_uid` and :func:`kill_group` SIGKILL until nothing of the run is left;
 * :func:`root_layout`: what the minimal root (portrl/rewards/sandbox_root.py) binds read-only -- the system's
-  /usr and its companions, two files of /etc, the interpreter's prefixes, five devices -- computed once per process;
+  /usr and its companions, three entries of /etc, the interpreter's prefixes, five devices -- computed once per
+  process;
 * :func:`isolation_view`: the fallback where that root cannot be built: the folders the child masks with tmpfs in
   its mount namespace (``WRITABLE_DIRS`` and, as root, folders a dropped uid cannot enter) and the paths it binds
   back (the sandbox folder, the interpreter).
@@ -32,7 +33,8 @@ log = logging.getLogger("portrl.rewards.sandbox")  # the sandbox's warnings keep
 UID_BASE = 64200  # sandbox uids UID_BASE .. UID_BASE + UID_COUNT - 1 (root only; Debian leaves 60000-64999 free)
 UID_COUNT = 256
 WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # a folder is bound, a link copied
+# a folder is bound, a link copied; /etc/alternatives holds the links of Debian tools (/usr/bin/awk -> ...)
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/alternatives")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's library index; the local time zone
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 

@@ -4,9 +4,9 @@
 this, in a tmpfs mounted over the sandbox folder, then pivots into it and detaches the old root:
 
 * read-only (recursive binds, also nosuid and nodev): the ``binds`` of the layout -- the system's /usr (and
-  /bin, /lib, ... where they are folders rather than links into /usr) and the interpreter's prefixes (the
-  virtual environment, the base installation) -- and the single ``files`` (/etc/ld.so.cache, /etc/localtime);
-  the layout's ``links`` are recreated as the same symbolic links;
+  /bin, /lib, ... where they are folders rather than links into /usr; /etc/alternatives) and the interpreter's
+  prefixes (the virtual environment, the base installation) -- and the single ``files`` (/etc/ld.so.cache,
+  /etc/localtime); the layout's ``links`` are recreated as the same symbolic links;
 * /dev: the layout's ``devices`` (null, zero, full, random, urandom) bound one by one, fd/stdin/stdout/stderr
   links into /proc/self, and /dev/shm a private tmpfs;
 * /tmp: a private tmpfs (64 MiB, mode 1777);
