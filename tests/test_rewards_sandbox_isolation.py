@@ -74,6 +74,7 @@ def test_every_part_applies_where_the_platform_allows():
 def training_data():
     """A training parquet with its ground truths where runs keep their files: in the checkout (outputs/ is
     ignored by git), world-readable like everything a user's checkout holds."""
+    outputs_existed = (REPO / "outputs").exists()
     folder = REPO / "outputs" / f"sandbox-test-{uuid.uuid4().hex}"
     folder.mkdir(parents=True)
     secret = f"ground-truth-{uuid.uuid4().hex}"
@@ -88,6 +89,11 @@ def training_data():
         yield path, secret
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if not outputs_existed:
+            try:
+                (REPO / "outputs").rmdir()  # only when empty: a run may have started writing there meanwhile
+            except OSError:
+                pass
 
 
 def test_program_cannot_read_the_checkout_or_the_training_data(isolation, training_data):
