@@ -180,10 +180,10 @@ def test_a_huge_learning_rate_stops_the_run_on_its_first_diverged_rollout(tiny_m
     out = tmp_path / "run"
     assert main(_argv(tiny_model, out, **{"trainer.total_steps": 3, "actor.optim.lr": 1e20})) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("portrl train: error: training diverged: the policy's logits are not finite (NaN or inf at decode "
-                       "step 0) with the weights after step 1's update; last good checkpoint: none (global_step_1."
-                       "diverged holds the diverged weights); lower actor.optim.lr and start again (trainer.resume=auto "
-                       "starts over when there is no checkpoint)")
+    assert err[-1] == ("portrl train: error: training diverged: the policy's logits are not finite (NaN or inf at "
+                       "decode step 0) with the weights after step 1's update; last good checkpoint: none "
+                       "(global_step_1.diverged holds the diverged weights); lower actor.optim.lr and start again "
+                       "(trainer.resume=auto starts over when there is no checkpoint)")
     weights = _actor(out / "checkpoints" / "global_step_1.diverged")  # finite, huge: the forward overflows
     assert all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point())
     assert main(_argv(tiny_model, out, **{"trainer.total_steps": 2})) == 0  # lr 1e-3: starts over, runs through
@@ -197,7 +197,8 @@ def test_the_watch_counts_streaks_and_carries_a_resumed_runs_counts():
     assert w.observe(3, {"train/skipped": 1.0}) == {"actor/nonfinite_skipped_total": 2.0,
                                                     "critic/nonfinite_skipped_total": 0.0,
                                                     "train/nonfinite_streak": 1.0}  # no update: the streak stays
-    assert w.observe(4, {"critic/nonfinite_skipped": 1.0, "actor/nonfinite_skipped": 0.0})["train/nonfinite_streak"] == 2
+    step4 = w.observe(4, {"critic/nonfinite_skipped": 1.0, "actor/nonfinite_skipped": 0.0})
+    assert step4["train/nonfinite_streak"] == 2
     assert not w.diverged
     w.observe(5, {"actor/nonfinite_skipped": 1.0})
     assert w.diverged and w.streak == [2, 4, 5] and w.roles == ["actor", "critic"]

@@ -45,7 +45,7 @@ class DecodeRows:
     def record(self, t: int, tok: torch.Tensor, lp: torch.Tensor) -> bool:
         """Store step ``t``'s samples of the batch rows still generating; True when the loop is done. A non-finite
         ``lp`` (its row's logits were not finite, :mod:`portrl.rollout.sampling`) raises NonFiniteLogitsError:
-        ``sum(lp)`` is queued before the one host sync this method makes anyway (the count of rows that hit a stop id)."""
+        ``sum(lp)`` is queued before the one host sync this method makes anyway (the rows that hit a stop id)."""
         if self.n_alive < len(self.active):
             self.tokens[self.active[self.alive], t] = tok[self.alive]
             self.logps[self.active[self.alive], t] = lp[self.alive]
