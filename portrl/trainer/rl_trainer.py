@@ -293,7 +293,8 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Optional[Path]:
         """A checkpoint of the current step (portrl.trainer.run_checkpoints.save_run_checkpoint); None, with a
-        warning, when some worker's weights are not finite: a checkpoint never holds them (portrl.trainer.divergence)."""
+        warning, when some worker's weights are not finite: a checkpoint never holds them
+        (portrl.trainer.divergence)."""
         bad = nonfinite_roles(self)
         if bad:
             log.warning("no checkpoint of step %d: the %s weights are not finite (training diverged)", self.global_step,
