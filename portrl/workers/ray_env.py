@@ -21,11 +21,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from portrl import process_env
+from portrl.workers import ray_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,10 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
     each node). No dashboard unless ``trainer.ray_dashboard`` (then bound to 127.0.0.1). Every worker of the
     job gets :func:`worker_env` through the job's runtime_env. A no-op when Ray is already initialised.
 
+    A local Ray gets a watchdog (portrl.workers.ray_watchdog) that ends its processes when this process ends,
+    however it ends. ``ray.init`` replaces the SIGTERM handler with its own (``sys.exit``); a handler the caller
+    had installed (the trainer's, portrl.trainer.interrupts) is put back.
+
     ``num_cpus`` / ``num_gpus`` / ``resources`` size a *local* Ray only (tests; ignored when joining).
     """
     import ray  # only where Ray is used (module docstring)
@@ -71,13 +77,19 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
                   log_to_driver=True, configure_logging=False)
     if dashboard:
         common["dashboard_host"] = "127.0.0.1"
-    if address:
-        log.info("joining the Ray cluster at %s", address)
-        ray.init(address=str(address), **common)
-        return
-    _loopback_only()
-    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
-             resources=resources, **common)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if address:
+            log.info("joining the Ray cluster at %s", address)
+            ray.init(address=str(address), **common)
+            return
+        _loopback_only()
+        ray_watchdog.start(os.path.dirname(ray.__file__))  # before ray.init: a driver killed meanwhile is covered
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
+                 resources=resources, **common)
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
     log.info("started a local Ray on 127.0.0.1 (dashboard %s)", "on" if dashboard else "off")
 
 
@@ -91,11 +103,12 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
-def terminate_local_ray(wait_s: float = 2.0) -> None:
-    """Stop the processes of a local Ray this process started (raylet, GCS, ...) with SIGTERM, waiting at most
-    ``wait_s``: for a driver about to end at once (``os._exit``), whose ``ray.shutdown`` at exit will not run.
-    The raylet stops its workers and agents on SIGTERM; killed with the driver instead, it would leave its
-    agents behind for a while."""
+def terminate_local_ray(wait_s: float = 0.0) -> None:
+    """Send SIGTERM to the processes of a local Ray this process started (raylet, GCS, ...) and to the raylet's
+    children, waiting at most ``wait_s`` for them: for a driver about to end at once (``os._exit``), whose
+    ``ray.shutdown`` at exit will not run. By default it does not wait: Ray's client in this process ends it
+    with exit code 1 once it sees the raylet gone, and what is left when the driver ends, the watchdog ends
+    (portrl.workers.ray_watchdog)."""
     ray = sys.modules.get("ray")
     node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
     procs = [info.process for infos in (getattr(node, "all_processes", None) or {}).values() for info in infos]

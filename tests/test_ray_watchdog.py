@@ -1,0 +1,105 @@
+"""The watchdog of a local Ray (portrl.workers.ray_watchdog), on stand-in processes: a "driver" that starts the
+watchdog and a "raylet" (a script in a folder standing for Ray's package folder) which starts an "agent". When the
+driver is killed alone, or its raylet ends while it lives, the raylet and the agent go and the watchdog exits;
+what is not that Ray (another child of the driver, a raylet the driver did not start) is left alone."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the watchdog reads /proc (Linux)")
+
+RAYLET = textwrap.dedent("""
+    import subprocess, sys, time
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(sys.argv[1], "w") as fh:
+        fh.write(str(agent.pid))
+    time.sleep(120)
+""")
+
+DRIVER = textwrap.dedent("""
+    import subprocess, sys, time
+    from portrl.workers import ray_watchdog
+    ray_dir, pid_file, end_raylet = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    watchdog = ray_watchdog.start(ray_dir)
+    raylet = subprocess.Popen([sys.executable, ray_dir + "/raylet.py", pid_file])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # the driver's, not Ray's
+    print(watchdog.pid, raylet.pid, other.pid, flush=True)
+    if end_raylet:
+        time.sleep(1.5)  # the watchdog has seen the raylet and its agent
+        raylet.kill()
+        raylet.wait()
+    time.sleep(120)
+""")
+
+_STARTED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    yield
+    for pid in _STARTED:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _STARTED.clear()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone_within(pids, seconds: float) -> float:
+    t0 = time.monotonic()
+    while any(_running(p) for p in pids):
+        assert time.monotonic() - t0 < seconds, f"still running after {seconds}s: {[p for p in pids if _running(p)]}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _start(tmp_path, end_raylet: bool):
+    ray_dir = tmp_path / "site-packages" / "ray"
+    ray_dir.mkdir(parents=True)
+    (ray_dir / "raylet.py").write_text(RAYLET)
+    (ray_dir / "gcs_server.py").write_text("import time\ntime.sleep(120)\n")
+    pid_file = tmp_path / "agent.pid"
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(ray_dir), str(pid_file), "1" if end_raylet else "0"],
+                              stdout=subprocess.PIPE, text=True)
+    watchdog, raylet, other = (int(p) for p in driver.stdout.readline().split())
+    _STARTED.extend([driver.pid, watchdog, raylet, other])
+    deadline = time.monotonic() + 30
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the stand-in raylet did not start its agent"
+        time.sleep(0.05)
+    agent = int(pid_file.read_text())
+    _STARTED.append(agent)
+    # a raylet this driver did not start (say, of a cluster built with `ray start`): never the watchdog's
+    stranger = subprocess.Popen([sys.executable, str(ray_dir / "gcs_server.py")])
+    _STARTED.append(stranger.pid)
+    return driver, watchdog, raylet, agent, other, stranger
+
+
+def test_driver_killed_alone_takes_its_ray_and_nothing_else(tmp_path):
+    driver, watchdog, raylet, agent, other, stranger = _start(tmp_path, end_raylet=False)
+    time.sleep(1.5)  # the watchdog records every 0.5 s
+    driver.kill()  # kill -9 of the driver alone
+    driver.wait()
+    took = _gone_within([raylet, agent, watchdog], 10)
+    assert took < 5, took
+    assert _running(other) and stranger.poll() is None  # not that Ray's
+
+
+def test_watchdog_exits_once_the_ray_it_saw_has_ended(tmp_path):
+    driver, watchdog, raylet, agent, other, stranger = _start(tmp_path, end_raylet=True)
+    _gone_within([raylet, agent, watchdog], 10)  # the raylet's orphaned agent goes with it; the watchdog exits
+    assert driver.poll() is None and _running(other) and stranger.poll() is None
