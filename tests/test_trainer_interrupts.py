@@ -145,6 +145,100 @@ def test_handlers_are_restored_and_nested_blocks_share_one_state():
     assert StopSignals().exit_code == 1  # nothing asked
 
 
+def test_first_signal_while_the_run_starts_stops_at_once():
+    code = textwrap.dedent("""
+        import time
+        from portrl.trainer.interrupts import stop_signals
+        with stop_signals() as stop:
+            stop.at_once, stop.abort_message = True, lambda name: f"stopped by {name} while starting"
+            stop.on_abort = [lambda: print("hook ran", flush=True)]
+            print("ready", flush=True)
+            time.sleep(20)
+        print("not reached")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _LAUNCHED.append(proc)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=10)  # not after the 20 s the block sleeps
+    assert proc.returncode == 143 and out == "hook ran\n" and err == "stopped by SIGTERM while starting\n", (out, err)
+
+
+def _ray_processes(driver):
+    """The processes of the run's local Ray (and its watchdog): everything below the driver."""
+    return pytest.importorskip("psutil").Process(driver.pid).children(recursive=True)
+
+
+def _gone_within(procs, seconds):
+    """Seconds until none of ``procs`` runs (a zombie counts as gone); fails past ``seconds``."""
+    psutil = pytest.importorskip("psutil")
+    t0 = time.time()
+    while True:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return time.time() - t0
+        assert time.time() - t0 < seconds, f"left running after {seconds}s: {[(p.pid, p.name()) for p in alive]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["raylet", "sft step "])
+def test_ctrl_c_while_ray_starts_or_the_warm_start_runs(tmp_path, cache, when):
+    """A first Ctrl-C in a 2-worker run while Ray starts (its raylet is up) or while the workers run the SFT warm
+    start stops the run within seconds (before, it waited for the workers and the whole warm start: 25-44 s):
+    exit 130, one line, no traceback, and every process of the run's Ray gone. Slow: Ray's start on 2 shared
+    cores (~15 s)."""
+    out = tmp_path / "run"
+    proc = _launch(tmp_path, cache, out, 0.05, "trainer.total_steps=20", "trainer.num_workers=2",
+                   "model.sft_steps=1000")  # a warm start of ~70 s, logged every 100 steps
+    deadline = time.time() + 180
+    if when == "raylet":
+        while not any(when in c.name() for c in _ray_processes(proc) if c.is_running()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() < deadline, f"no {when} process in time"
+            time.sleep(0.05)
+    else:
+        for line in proc.stdout:  # the workers' lines reach the driver's stdout
+            if when in line:
+                break
+    procs = {p.pid: p for p in _ray_processes(proc)}
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < 90:  # what Ray starts until the driver ends counts too
+        try:
+            procs.update({p.pid: p for p in _ray_processes(proc) if p.pid not in procs})
+        except pytest.importorskip("psutil").NoSuchProcess:  # the driver just ended
+            break
+        time.sleep(0.05)
+    took = time.time() - t0
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("portrl: stopped by SIGINT before step 1 of 20; no checkpoint was "
+                                            "written: rerun the same command to start again"), err[-3000:]
+    assert took < 10, f"stopped {took:.1f}s after the signal"
+    gone = took + _gone_within(list(procs.values()), 10)
+    print(f"\nSIGINT at {when!r}: stopped after {took:.1f}s, every Ray process gone after {gone:.1f}s")
+    assert not any((out / "checkpoints").glob("global_step_*"))
+
+
+@pytest.mark.slow
+def test_driver_killed_alone_takes_its_ray_with_it(tmp_path, cache):
+    """kill -9 of the driver alone (not its process group) once step 1 is logged: every process of its local Ray
+    (raylet, GCS, agents, workers) and the watchdog are gone within 10 s (the agents lived ~60 s before).
+    Slow: a 2-worker Ray run to step 1 (~40 s on 2 shared cores)."""
+    out = tmp_path / "run"
+    proc = _launch(tmp_path, cache, out, 0.05, "trainer.total_steps=30", "trainer.num_workers=2")
+    _wait_for_step(proc, out, timeout=180)
+    procs = _ray_processes(proc)
+    names = " ".join(p.name() for p in procs)
+    assert "raylet" in names and "ray::WorkerHost" in names and "Agent" in names, names
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    took = _gone_within(procs, 10)
+    print(f"\nkill -9 of the driver alone: its {len(procs)} Ray processes gone after {took:.1f}s")
+
+
 def test_worker_time_limit_rule():
     assert worker_timeout(None, 10.0) is None and worker_timeout(0, 10.0) is None
     assert worker_timeout(300, None) == FIRST_STEP_FACTOR * 300  # nothing measured yet

@@ -1,16 +1,21 @@
 """SIGINT and SIGTERM during a run: finish the step, save, stop with one line (issue 16, item 6).
 
-:func:`stop_signals` installs handlers for SIGINT and SIGTERM for the duration of a ``with`` block (the
-trainer's ``fit``) and restores the previous ones after it:
+:func:`stop_signals` installs handlers for SIGINT and SIGTERM for the duration of a ``with`` block (the whole
+of ``run_training``, the start of Ray and the workers included) and restores the previous ones after it:
 
-* The first signal only sets a flag (:attr:`StopSignals.requested`) and prints one line on stderr saying
-  so. The trainer checks the flag between steps: the running step finishes, a checkpoint is written when
-  one is due or ``trainer.save_on_interrupt`` asks for it, the workers are shut down and the run raises
-  :class:`portrl.errors.RunStopped` (exit code ``128 + signal``: 130 for SIGINT, 143 for SIGTERM) whose
-  message says where to resume from. A step that cannot finish is abandoned: a worker that stops answering
-  is ended by the time limit below; Ray's own processes gone (a SIGTERM sent to the whole process group, as
-  systemd and Slurm do, reaches them too) are noticed between 1 s waits (or, when Ray's client blocks, Ray
-  ends the driver after 60 s without its GCS). The run then stops the same way, naming the last checkpoint.
+* While the run starts (:attr:`StopSignals.at_once`: Ray and the workers starting, a checkpoint loading, the
+  SFT warm start, value pretraining) there is nothing to finish, so the first signal already stops at once, as
+  a second one does later (below), with the line ``stopped by SIGINT before step 1 of N; no checkpoint was
+  written ...``, whatever start-up wait the driver is in. It is not raised as an exception: raised from the
+  handler inside Ray's waits it comes out as a SystemError.
+* From validation before training on, the first signal only sets a flag (:attr:`StopSignals.requested`) and
+  prints one line on stderr saying so. The trainer checks the flag between steps: the running step finishes, a
+  checkpoint is written when one is due or ``trainer.save_on_interrupt`` asks for it, the workers are shut down
+  and the run raises :class:`portrl.errors.RunStopped` (exit code ``128 + signal``: 130 for SIGINT, 143 for
+  SIGTERM) whose message says where to resume from. A step that cannot finish is abandoned: a worker that stops
+  answering is ended by the time limit below; Ray's own processes gone (a SIGTERM sent to the whole process
+  group, as systemd and Slurm do, reaches them too) are noticed between 1 s waits (or, when Ray's client blocks,
+  Ray ends the driver after 60 s without its GCS). The run then stops the same way, naming the last checkpoint.
 * A second signal stops at once: one line on stderr (from :attr:`StopSignals.abort_message`), the
   :attr:`StopSignals.on_abort` hooks (the trainer's stops a local Ray), and ``os._exit(128 + signal)``:
   no traceback, no ``finally`` blocks. What was finished is safe: every metrics line is flushed when
@@ -19,7 +24,9 @@ trainer's ``fit``) and restores the previous ones after it:
 Handlers can only be installed from the main thread; elsewhere the block runs without them. Ray workers
 need nothing: Ray starts them in process groups of their own with SIGINT blocked, so a Ctrl-C in the
 terminal reaches only the driver, which decides. ``ray.init`` installs its own SIGTERM handler
-(``sys.exit``) in the driver; an inner ``with stop_signals()`` re-installs ours over it.
+(``sys.exit``) in the driver; ``init_ray`` puts ours back. A driver that cannot act on a signal (``kill -9``
+of the driver alone) still takes its local Ray with it: the watchdog of portrl.workers.ray_watchdog ends
+every process of that Ray within seconds.
 
 Hangs: :func:`worker_timeout` is the time limit on each call to Ray workers during RL.
 """
@@ -74,6 +81,7 @@ class StopSignals:
                                               f"(send it again to stop at once)")
         self.abort_message: Callable[[str], str] = lambda name: f"portrl: stopped at once by a second {name}"
         self.on_abort: list = []  # callables run (quickly, errors ignored) before the process ends at once
+        self.at_once = False  # the first signal already stops at once (while the run starts: module docstring)
         self._previous: dict = {}
 
     @property
@@ -92,8 +100,9 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002 - the signal module's signature
         if self.signum is None:
             self.signum = signum
-            _say(self.notice(signal_name(signum)))
-            return
+            if not self.at_once:
+                _say(self.notice(signal_name(signum)))
+                return
         try:
             line = self.abort_message(signal_name(signum))
         except Exception:  # noqa: BLE001 - the process must end whatever the message does

@@ -390,6 +390,7 @@ class RLTrainer:
         then = "saving a checkpoint and stopping" if t.save_on_interrupt else "stopping"
         stop.notice = lambda name: (f"portrl: {name} received: finishing step {self.global_step + 1}, then {then} "
                                     f"(send it again to stop at once)")
+        stop.at_once = False  # from here a signal lets the validation or step that runs finish
         if any(getattr(g, "use_ray", False) for g in (self.rollout, self.critic, self.actor)):
             stop.on_abort = [terminate_local_ray]
         slowest: Optional[float] = None
@@ -487,7 +488,16 @@ def run_training(cfg: Any) -> Dict[str, Any]:
     SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
     "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}`` (validation accuracies are val/acc/mean, None
     without validation; critic/pretrain_* from portrl.trainer.value_pretrain)."""
-    with stop_signals() as stop:  # a signal while the workers start is acted on before the first step
+    trainer: Optional[RLTrainer] = None
+
+    def stopped_while_starting(name: str) -> str:  # the line of a signal before step 1 (interrupts)
+        step = getattr(trainer, "global_step", 0)  # > 0 once a checkpoint is loaded
+        ckpt = trainer.ckpt.path_for(step) if step and getattr(trainer, "ckpt", None) is not None else None
+        return "portrl: " + stopped_message(name, step, int(cfg.trainer.total_steps), str(cfg.trainer.resume),
+                                            ckpt if ckpt is not None and ckpt.is_dir() else None)
+
+    with stop_signals() as stop:  # until the loop starts, a signal stops at once: there is nothing to finish
+        stop.at_once, stop.abort_message, stop.on_abort = True, stopped_while_starting, [terminate_local_ray]
         trainer = RLTrainer(cfg)
         stop.install()  # again: ray.init replaced the SIGTERM handler
         return trainer.fit()
