@@ -86,10 +86,16 @@ def _argv(pid: int) -> List[str]:
         return []
 
 
+def _program(argv: List[str]) -> List[str]:
+    """The executable and, for an interpreter (``python -u script.py``), its script: argv[0] and the first
+    argument after it that is not an option."""
+    return argv[:1] + [a for a in argv[1:] if not a.startswith("-")][:1]
+
+
 def ray_roots(driver: int, ray_dir: str) -> List[int]:
-    """The driver's children that Ray started: their executable or script (argv[0] or argv[1]) is in ``ray_dir``."""
+    """The driver's children that Ray started: their executable or script is in ``ray_dir``."""
     prefix = ray_dir.rstrip("/") + "/"
-    return [c for c in _children(driver) if any(a.startswith(prefix) for a in _argv(c)[:2])]
+    return [c for c in _children(driver) if any(a.startswith(prefix) for a in _program(_argv(c)))]
 
 
 def _with_descendants(pids: Iterable[int]) -> Dict[int, int]:
