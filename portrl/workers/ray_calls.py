@@ -144,7 +144,35 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
                 _shutdown_all(items)
                 raise err from exc
             except Exception as exc:
+                dead = _dead_peer(items, pending)  # a collective that failed because a peer died: name the peer
+                if dead is not None:
+                    _shutdown_all(items)
+                    raise dead from exc
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"raised by worker {group.describe(rank)}")
                 raise
     return results
+
+
+#: how long a failed call waits for the other calls to show whether a peer died (Ray notices a dead actor in ms)
+PEER_GRACE_S = 5.0
+
+
+def _dead_peer(items: Sequence[tuple], pending: dict, grace_s: float = PEER_GRACE_S) -> Optional[WorkerDiedError]:
+    """A WorkerDiedError for a worker among the ``pending`` calls that died, found within ``grace_s``, else None:
+    when one rank's collective fails because a peer was killed (gloo's "Connection reset by peer"), the cause
+    to report is the dead peer, not the survivor's error."""
+    import ray
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+    for ref in ready:
+        group, rank, _ = items[pending[ref]]
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            return WorkerDiedError(group.describe(rank), exc)
+        except Exception:  # another rank's own error: not a death
+            continue
+    return None
