@@ -203,7 +203,7 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("preprocess-jsonl-not-utf8", ["preprocess", "gsm8k", "--input", "{jsonl_not_utf8}", "--output-dir", "{tmp}/pp"],
      "line 2 is not valid UTF-8", {}),
     ("model-pickled-code", ["train", "model.path={pickled_model}"], "pytorch_model.bin is a pickle that builds more "
-                                                                     "than tensors (print)", {}),
+                                                                     "than tensors", {}),
     ("eval-model-pickled-code", ["eval", "--model", "{pickled_model}"], "pytorch_model.bin is a pickle", {}),
     ("model-pickle-damaged", ["train", "model.path={damaged_pickle}"], "cannot be read as PyTorch weights", {}),
     # ---------------------------------------------------------------- output paths that hold something
