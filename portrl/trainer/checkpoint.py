@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from portrl import __version__
 from portrl.errors import UserError
+from portrl.outputs import sibling_name
 from portrl.trainer.checkpoint_io import FORMAT_VERSION, LEGACY_FILES
 from portrl.trainer.run_identity import identity_diff
 from portrl.user_files import new_dir
@@ -224,11 +225,7 @@ def resumable_problem(ckpt_dir: Path) -> Optional[str]:
 def set_aside(path: Path, why: str) -> Path:
     """Rename ``path`` to ``<path>.<why>-<YYYYmmdd-HHMMSS>`` beside it (a number added if taken); returns the new
     path. Nothing is deleted."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
+    target = sibling_name(path, why)
     os.replace(path, target)
     return target
 
