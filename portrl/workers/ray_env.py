@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from portrl import process_env
 from portrl.workers import ray_watchdog
@@ -113,7 +113,7 @@ def terminate_local_ray(wait_s: float = 0.0) -> None:
     node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
     procs = [info.process for infos in (getattr(node, "all_processes", None) or {}).values() for info in infos]
     # the raylet's own children (its agents) too: they outlive a raylet that cannot finish draining
-    children = _children_of({p.pid for p in procs})
+    children = [c for p in procs for c in ray_watchdog.children(p.pid)]
     for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
@@ -127,26 +127,6 @@ def terminate_local_ray(wait_s: float = 0.0) -> None:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
-
-
-def _children_of(parents: set) -> List[int]:
-    """Pids whose parent is in ``parents`` (Linux /proc; empty elsewhere)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid in parents:
-            out.append(int(entry))
-    return out
 
 
 def _loopback_only() -> None:
@@ -250,4 +230,3 @@ class ResourcePool:
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
-

@@ -62,7 +62,7 @@ def _stat(pid: int) -> Optional[tuple]:
         return None
 
 
-def _children(pid: int) -> List[int]:
+def children(pid: int) -> List[int]:
     """The children of ``pid``, whichever of its threads started them."""
     out: List[int] = []
     try:
@@ -95,7 +95,7 @@ def _program(argv: List[str]) -> List[str]:
 def ray_roots(driver: int, ray_dir: str) -> List[int]:
     """The driver's children that Ray started: their executable or script is in ``ray_dir``."""
     prefix = ray_dir.rstrip("/") + "/"
-    return [c for c in _children(driver) if any(a.startswith(prefix) for a in _program(_argv(c)))]
+    return [c for c in children(driver) if any(a.startswith(prefix) for a in _program(_argv(c)))]
 
 
 def _with_descendants(pids: Iterable[int]) -> Dict[int, int]:
@@ -108,7 +108,7 @@ def _with_descendants(pids: Iterable[int]) -> Dict[int, int]:
         if pid in out or st is None or st[0] == "Z":
             continue
         out[pid] = st[1]
-        todo += _children(pid)
+        todo += children(pid)
     return out
 
 
