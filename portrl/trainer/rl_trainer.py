@@ -43,14 +43,13 @@ from portrl.algo import algorithm_spec, critic_enabled, get_kl_controller, refer
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
 from portrl.config.composition import copy_config
 from portrl.data import RLDataset
-from portrl.errors import RunFailed, RunStopped
+from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
 from portrl.rewards import per_source_metrics
-from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.checkpoint import CheckpointManager
-from portrl.trainer.divergence import DivergenceWatch, TrainingDiverged, logits_stop, nonfinite_roles
+from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.group_filter import group_filter_enabled, keep_groups
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
@@ -61,14 +60,14 @@ from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
 from portrl.trainer.run_dir import prepare_run_dir
-from portrl.trainer.storage_faults import storage_error, storage_stopped_message
+from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
 from portrl.trainer.value_pretrain import pretrain_critic
 from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch, concat_rollouts
 from portrl.workers.critic import CriticWorker
-from portrl.workers.group import WorkerDiedError, WorkerGroup
+from portrl.workers.group import WorkerGroup
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.rollout_worker import separated_rollout
 from portrl.workers.setup import resolve_num_workers, setup_process, worker_backend
@@ -356,27 +355,10 @@ class RLTrainer:
             self.shutdown_workers()
             raise
         except Exception as exc:
-            if stop is not None and stop.requested:  # the step could not finish after the signal: abandoned
-                self.shutdown_workers()
-                latest = self.ckpt.latest_valid()
-                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise RunStopped("portrl: " + self._stopped_message(stop.name, latest, abandoned=why),
-                                 stop.exit_code) from exc
-            if isinstance(exc, NonFiniteLogitsError):  # the policy's weights diverged (portrl.trainer.divergence)
-                self.shutdown_workers()
-                raise logits_stop(self.ckpt, self.global_step, exc) from exc
-            if isinstance(exc, TrainingDiverged):
-                self.shutdown_workers()
+            err = run_failure(self, exc, stop)  # one line instead of a traceback, where there is one (run_end)
+            if err is None or err is exc:
                 raise
-            if isinstance(exc, WorkerDiedError):
-                latest = self.ckpt.latest_valid()
-                raise exc.with_checkpoint(str(latest) if latest else None) from exc
-            fault = storage_error(exc)
-            if fault is not None:  # disk full, read-only folder: the earlier checkpoints are intact
-                self.shutdown_workers()
-                raise RunFailed("portrl: " + storage_stopped_message(fault, self.global_step, int(t.total_steps),
-                                                                     self.ckpt.latest_valid())) from exc
-            raise
+            raise err from exc
         finally:
             tracker.close()
         return self._finish(summary, started, earlier)

@@ -1,0 +1,54 @@
+"""How a run whose loop raised ends: the one-line error to raise instead of a traceback, where there is one.
+
+:func:`run_failure` maps what ended ``RLTrainer.fit``'s loop to the error the command prints (portrl.cli.main):
+
+* anything, after a stop signal: the step could not finish, RunStopped naming the last good checkpoint (checked
+  first: whatever failed, the user asked the run to stop);
+* non-finite logits (portrl.rollout.sampling.NonFiniteLogitsError): the divergence stop
+  (portrl.trainer.divergence.logits_stop), which sets aside the checkpoints of the diverged weights;
+* TrainingDiverged (too many skipped updates in a row): itself;
+* a worker that died: WorkerDiedError naming the last good checkpoint;
+* a write that failed for want of space or permission: RunFailed (portrl.trainer.storage_faults).
+
+In that order. Every case but the dead worker (whose group is already shut down) stops the run's workers first. Anything else
+is an internal error, re-raised as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from portrl.errors import RunFailed, RunStopped
+from portrl.rollout.sampling import NonFiniteLogitsError
+from portrl.trainer.divergence import TrainingDiverged, logits_stop
+from portrl.trainer.storage_faults import storage_error, storage_stopped_message
+from portrl.workers.group import WorkerDiedError
+
+
+def run_failure(trainer: Any, exc: BaseException, stop: Any) -> Optional[BaseException]:
+    """The error ``trainer`` (an RLTrainer) ends with when ``exc`` ended its loop (``stop``: its StopSignals, or
+    None); ``exc`` itself when it is already that error, None for an internal error (see the module docstring)."""
+    if stop is not None and stop.requested:  # the step could not finish after the signal: abandoned
+        trainer.shutdown_workers()
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return RunStopped("portrl: " + trainer._stopped_message(stop.name, trainer.ckpt.latest_valid(), abandoned=why),
+                          stop.exit_code)
+    if isinstance(exc, NonFiniteLogitsError):  # the policy's weights diverged
+        trainer.shutdown_workers()
+        return logits_stop(trainer.ckpt, trainer.global_step, exc)
+    if isinstance(exc, TrainingDiverged):
+        trainer.shutdown_workers()
+        return exc
+    if isinstance(exc, WorkerDiedError):  # its group is shut down already
+        latest = trainer.ckpt.latest_valid()
+        return exc.with_checkpoint(str(latest) if latest else None)
+    fault = storage_error(exc)
+    if fault is None:
+        return None
+    trainer.shutdown_workers()  # disk full, read-only folder: the earlier checkpoints are intact
+    return RunFailed("portrl: " + storage_stopped_message(fault, trainer.global_step,
+                                                         int(trainer.cfg.trainer.total_steps),
+                                                         trainer.ckpt.latest_valid()))
+
+
+__all__ = ["run_failure"]
