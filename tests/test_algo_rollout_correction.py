@@ -44,14 +44,6 @@ def test_diff_stats_by_hand():
     assert s["probs_sum"] == pytest.approx(sum(dp), rel=1e-6) and s["probs_max"] == pytest.approx(max(dp), rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
 def _actor(path, **over):
     from portrl.config.schema import default_config
     from portrl.workers.actor import ActorRolloutWorker

@@ -200,14 +200,6 @@ def test_rotation_keeps_the_newest_intact_checkpoints(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
 def _argv(model, out, *extra):
     return ["--log-level", "WARNING", "train", "device.name=cpu", "device.num_threads=1", f"model.path={model}",
             f"trainer.output_dir={out}", "data.arith.num_train=64", "data.arith.num_test=8", "data.train_batch_size=4",

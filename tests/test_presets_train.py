@@ -58,6 +58,8 @@ import pytest
 
 from portrl.config import compose, list_presets
 
+from _shared import built_once
+
 pytestmark = pytest.mark.slow
 
 STEPS = 20
@@ -80,16 +82,24 @@ TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, 
 
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory):
-    """(SFT model dir, training-prompt parquet): the tiny model part-way through the default SFT."""
+    """(SFT model dir, training-prompt parquet): the tiny model part-way through the default SFT. Built once per
+    test session, however many xdist workers run these tests (tests/_shared.py); read-only."""
+    import torch
+
+    torch.set_num_threads(1)
+    root = built_once(tmp_path_factory, "presets_train", _warm_start)
+    return root / "sft", root / "train.parquet"
+
+
+def _warm_start(root):
+    """Write the training prompts and the SFT-warm-started tiny model into ``root``."""
     import torch
 
     from portrl.data import make_arith_rows, make_arith_sft_rows, write_split
     from portrl.models import load_causal_lm, load_tokenizer, write_tiny_model
     from portrl.workers.sft import PROBE_ROWS, run_sft
 
-    root = tmp_path_factory.mktemp("presets_train")
-    train = root / "train.parquet"
-    write_split(make_arith_rows(SFT_ROWS, seed=0, difficulty=1, split="train")[:TRAIN_PROMPTS], train)
+    write_split(make_arith_rows(SFT_ROWS, seed=0, difficulty=1, split="train")[:TRAIN_PROMPTS], root / "train.parquet")
     base = write_tiny_model(root / "base", vocab="arith", **TINY)
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -100,10 +110,8 @@ def sft_setup(tmp_path_factory):
                   target_answer_p=SFT_TARGET, check_every=SFT_CHECK_EVERY)
     print(f"SFT warm start: P(answer) on the training prompts {sft.get('sft/answer_p', 0):.3f} after "
           f"{sft['sft/steps']:.0f} steps")
-    out = root / "sft"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out, train
+    model.save_pretrained(root / "sft")
+    tok.save_pretrained(root / "sft")
 
 
 def _config(name: str, model_dir, train, out_dir):

@@ -40,14 +40,6 @@ def _steps(out):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
-@pytest.fixture(scope="module")
 def finished(tiny_model, tmp_path_factory):
     """A finished 2-step run with checkpoints at steps 1 and 2."""
     from portrl.trainer import run_training

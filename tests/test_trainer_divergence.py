@@ -16,14 +16,6 @@ from portrl.errors import UserError
 from portrl.trainer.divergence import DivergenceWatch, TrainingDiverged
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
 BASE = {"device.name": "cpu", "device.num_threads": 1, "data.arith.num_train": 64, "data.arith.num_test": 8,
         "data.train_batch_size": 4, "data.max_response_length": 5, "rollout.n": 4, "actor.ppo_mini_batch_size": 4,
         "actor.optim.lr": 1e-3, "trainer.test_freq": 0, "trainer.val_before_train": False,

@@ -41,14 +41,6 @@ def _overrides(model, out, **extra):
     return o
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
 def _env(tmp_path):
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_WAIT_POLICY="PASSIVE",
                PORTRL_CACHE=str(tmp_path / "cache"))

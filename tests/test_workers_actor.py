@@ -13,14 +13,6 @@ from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-
-
 def _cfg(path, **over):
     cfg = default_config()
     cfg.device.name = "cpu"

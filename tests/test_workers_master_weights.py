@@ -5,7 +5,6 @@ small learning rate (an update of ~lr is below half a bfloat16 spacing). With ma
 float32 and the compute copy is its rounding; checkpoints carry the float32 masters.
 """
 
-import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -13,14 +12,6 @@ from portrl.config.schema import default_config
 from portrl.workers.actor import ActorRolloutWorker
 from portrl.workers.master_weights import MasterWeights, load_dtype
 from portrl.workers.training import clip_and_step
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from portrl.models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=1, num_heads=2,
-                                num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
 
 
 def _holder(p):
