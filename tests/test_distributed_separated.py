@@ -49,6 +49,7 @@ def _same(got, want):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.slow  # a training and a rollout Ray worker group, several updates (~30 s)
 def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, tmp_path, monkeypatch):
     from portrl.trainer.rl_trainer import RLTrainer
 

@@ -141,6 +141,8 @@ def _probe_reward(trainer) -> float:
     return float(trainer.reward.compute_reward(batch).tensors["seq_scores"].mean())
 
 
+# Slow: 20 RL steps of 64 sequences each, 30-50 s a preset on 2 shared cores; VAPO several minutes (its 2000 value
+# pretraining steps, module docstring); the first test also waits for the SFT warm start (~3.5 min, sft_setup).
 @pytest.mark.parametrize("name", list_presets("algorithm"))
 def test_preset_trains_tiny_setup(name, sft_setup, tmp_path):
     from portrl.trainer.rl_trainer import RLTrainer

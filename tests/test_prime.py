@@ -295,6 +295,7 @@ def warm_start(tmp_path_factory):
     return root / "sft", train
 
 
+@pytest.mark.slow  # 30 PRIME steps of the policy and the implicit PRM (~40 s on 2 shared cores)
 def test_prime_trains_arith_prm_loss_falls_and_reward_rises(warm_start, tmp_path, capsys):
     """`portrl train algorithm=prime` on arith problems: the implicit PRM's ce loss falls, it ranks right answers
     above wrong ones more often, and the policy's sampled accuracy on the training problems rises.

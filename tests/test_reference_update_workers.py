@@ -73,6 +73,7 @@ def test_update_reference_in_process(path, lora):
     assert all(not p.requires_grad for p in w.ref_module.parameters())  # still a frozen copy, not the policy
 
 
+@pytest.mark.slow  # two Ray workers under FSDP with LoRA (~35 s)
 def test_two_ray_workers_fsdp_lora_update_reference_and_sum_pi_squared(path):
     """The reference update under FSDP2 with LoRA; then Σπ² of the old-log-prob pass (optimal_token_baseline), which
     runs inside the FSDP2 root forward, equals one worker's on the same weights."""

@@ -27,6 +27,7 @@ IMAGE_PAD = 151655
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
 
+@pytest.mark.slow  # two GRPO steps of the tiny vision-language model, exported and reloaded (~40 s)
 def test_grpo_two_steps_on_a_tiny_qwen25_vl(tmp_path, monkeypatch):
     model_dir = write_tiny_vl_model(tmp_path / "qwen25vl", initializer_range=0.2)
     files = write_geo3k_parquet(tmp_path / "geo3k", n=4, n_test=2)
