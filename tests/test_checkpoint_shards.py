@@ -69,7 +69,7 @@ def _metrics(out):
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
 
 
-@pytest.mark.slow  # two Ray workers train, save shards, and a run resumes from them (~40 s)
+@pytest.mark.slow  # two Ray workers train, save shards, and a run resumes from them (40-65 s)
 def test_two_fsdp_workers_write_a_shard_each_and_resume_exactly(tiny, tmp_path, monkeypatch, caplog):
     from safetensors.torch import load_file
 
@@ -188,7 +188,7 @@ def test_lora_adapters_under_fsdp_are_sharded_and_restored_exactly(tiny, tmp_pat
         group.shutdown()
 
 
-@pytest.mark.slow  # shards of two Ray ranks loaded by three (~35 s)
+@pytest.mark.slow  # shards of two Ray ranks loaded by three (35-55 s)
 def test_shards_of_two_ranks_load_into_three(tiny, tmp_path):
     """Resharding: 3 FSDP2 ranks each read their rows (torch.chunk's uneven cut) of a 2-rank actor state from the
     files that hold them; the model and optimizer state they then hold are the 2 ranks' exactly."""
