@@ -67,7 +67,7 @@ class StepGeneration:
             gen_batches += 1
             with timer("reward"):
                 batch.union(self.reward.compute_reward(batch))
-                if algorithm_spec(cfg.algorithm).needs_greedy_baselines:
+                if algorithm_spec(cfg.algorithm).needs_greedy_baseline:
                     batch["reward_baselines"] = self.greedy_baselines(prompts, step, gen_batches)
             if not group_filter_enabled(cfg):
                 return batch, metrics
