@@ -203,8 +203,8 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
         raise UserError(no_train_files_message(cfg))
     if command == EVAL and not val_files and not generated:
         raise UserError(f"no validation data: data.val_files is empty and only data.name="
-                        f"{names_where(lambda t: t.generated)} is generated (data.name={d.name!r}); pass data.val_files=[TEST.parquet] (`portrl preprocess` writes "
-                        "test.parquet)")
+                        f"{names_where(lambda t: t.generated)} is generated (data.name={d.name!r}); pass "
+                        "data.val_files=[TEST.parquet] (`portrl preprocess` writes test.parquet)")
     train_rows, train_images = ([], None) if command == EVAL else read_verl_files(train_files, "data.train_files")
     val_rows, val_images = read_verl_files(val_files, "data.val_files")
     processor = _check_processor(cfg, train_images or val_images)

@@ -373,10 +373,11 @@ class RLTrainer:
 
 
 def run_training(cfg: Any) -> Dict[str, Any]:
-    """Run RL training as configured (``cfg`` settled here when it is not yet: resources.settle_config); returns ``{"run_dir", "steps", "val_before" (before any training,
-    SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
-    "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}`` (validation accuracies are val/acc/mean, None
-    without validation; critic/pretrain_* from portrl.trainer.value_pretrain)."""
+    """Run RL training as configured (``cfg`` is settled here when it is not yet: resources.settle_config);
+    returns ``{"run_dir", "steps", "val_before" (before any training, SFT included), "val_before_rl", "val_after",
+    "time_s", "tokens_per_s", "export_dir", "plots", "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}``
+    (validation accuracies are val/acc/mean, None without validation; critic/pretrain_* from
+    portrl.trainer.value_pretrain)."""
     trainer: Optional[RLTrainer] = None
 
     def stopped_while_starting(name: str) -> str:  # the line of a signal before step 1 (interrupts)
