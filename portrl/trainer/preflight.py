@@ -52,7 +52,7 @@ from portrl.rollout import engine_factory, offered_engines
 from portrl.tasks import generated_task, names_where
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
-from portrl.trainer.resources import no_train_files_message
+from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
 from portrl.workers.lora import check_target_modules
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
@@ -165,7 +165,7 @@ def _check_model(cfg: Any, command: str):
 def _load_tokenizer(cfg: Any):
     m = cfg.model
     if not m.path and not m.tokenizer_path:
-        return build_tokenizer("arith")  # what the built-in tiny model is saved with
+        return build_tokenizer(TINY_VOCAB)  # what the built-in tiny model is saved with
     try:
         return load_tokenizer(str(m.tokenizer_path or m.path))
     except UserError:

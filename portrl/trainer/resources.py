@@ -57,14 +57,24 @@ def _key(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
+#: the vocabulary of the built-in tiny model (portrl.models.tokenizer: one token per byte, ChatML specials)
+TINY_VOCAB = "arith"
+
+
+def tiny_model_dir(cfg: Any) -> Path:
+    """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`)."""
+    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key(t)}"
+
+
 def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
         return str(check_model_dir(str(cfg.model.path), "model.path"))
     t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
-    out = cache_dir() / "models" / f"tiny-arith-{_key(t)}"
+    out = tiny_model_dir(cfg)
     if not (out / "config.json").is_file():
-        write_tiny_model(out, vocab="arith", hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
+        write_tiny_model(out, vocab=TINY_VOCAB, hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
                          num_heads=int(t["num_heads"]), num_kv_heads=int(t["num_kv_heads"]),
                          intermediate_size=int(t["intermediate_size"]), seed=int(t["seed"]), overwrite=True)
     return str(out)

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from portrl import __version__
-from portrl.trainer.resources import _key, cache_dir, generated_files
+from portrl.trainer.resources import generated_files, tiny_model_dir
 
 RUN_FILE = "run.json"
 TINY = "<tiny>"
@@ -88,8 +88,7 @@ def _is_tiny_path(cfg: Any, path: Optional[str]) -> bool:
     """True when ``path`` is the cached built-in tiny model for ``model.tiny`` (see portrl.trainer.resources)."""
     if not path:
         return True
-    tiny = _plain(cfg.model.tiny)
-    return Path(str(path)) == cache_dir() / "models" / f"tiny-arith-{_key(dict(tiny))}"
+    return Path(str(path)) == tiny_model_dir(cfg)
 
 
 def run_identity(cfg: Any) -> Dict[str, Any]:
