@@ -1,7 +1,7 @@
 """Package discovery only (metadata lives in pyproject.toml).
 
 The top-level ``backends/`` folder is installed as ``portrl.backends`` and ``configs/`` (YAML presets)
-as ``portrl.configs`` (DESIGN.md), which ``[tool.setuptools.packages.find]`` cannot express, so the
+as ``portrl.configs`` (docs/ARCHITECTURE.md), which ``[tool.setuptools.packages.find]`` cannot express, so the
 package list is computed here.
 """
 from setuptools import find_packages, setup

@@ -202,6 +202,7 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
     import torch
 
     from portrl.data import write_split
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     _common.set_threads(THREADS)
@@ -213,7 +214,7 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
         write_split(_common.prompt_rows(data, prompts_per_step * total, seed=SEED), train_file)
         cfg = portrl_config(model_dir, train_file, str(Path(tmp) / "run"), total, prompts_per_step, samples, max_new,
                             checkpointing=checkpointing, max_prompt_length=1024 if data == "gsm8k" else 256)
-        trainer = RLTrainer(cfg)
+        trainer = RLTrainer(settle_config(cfg))
         step_times, step_cpu, gen_times, gen_tokens, decode, update = [], [], [], [], [], []
         for step in range(1, total + 1):
             t0, c0 = time.perf_counter(), time.process_time()

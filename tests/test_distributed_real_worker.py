@@ -257,11 +257,14 @@ def _run_cfg(path, out, **over):
 
 
 def test_run_training_with_two_workers_then_a_killed_worker(path, tmp_path, monkeypatch):
+    from omegaconf import read_write
+
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    trainer = RLTrainer(_run_cfg(path, out))
+    trainer = RLTrainer(settle_config(_run_cfg(path, out)))
     try:
         assert trainer.actor.num_workers == 2 and isinstance(trainer.actor, WorkerGroup)
         summary = trainer.fit()
@@ -277,8 +280,9 @@ def test_run_training_with_two_workers_then_a_killed_worker(path, tmp_path, monk
 
         pid = trainer.actor.info[1]["pid"]
         os.kill(pid, 9)
-        trainer.cfg.trainer.total_steps = 3
-        trainer.cfg.trainer.resume = "off"
+        with read_write(trainer.cfg.trainer):  # the settled config is read-only: this test extends the run in place
+            trainer.cfg.trainer.total_steps = 3
+            trainer.cfg.trainer.resume = "off"
         with pytest.raises(WorkerDiedError) as err:
             trainer.fit()
         msg = str(err.value)

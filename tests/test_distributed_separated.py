@@ -51,12 +51,13 @@ def _same(got, want):
 
 @pytest.mark.slow  # a training and a rollout Ray worker group, several updates (~30 s)
 def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, tmp_path, monkeypatch):
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(tiny_model, tmp_path / "run")
     init_ray(cfg, get_backend("cpu"), num_cpus=3)
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))
     try:
         actor, rollout = trainer.actor, trainer.rollout
         assert rollout is not None and rollout.launcher.pool is not actor.launcher.pool  # a resource pool of its own

@@ -63,6 +63,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
 
     from portrl.config.schema import default_config
     from portrl.data import RLDataset
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     path, _ = chat_model
@@ -79,7 +80,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
         "reward.custom.path": str(reward),
     }.items():
         OmegaConf.update(cfg, key, value)
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))
     # the prompts are the chat template of the parquet's system + user turns, ending with the assistant header
     ds = RLDataset([train], trainer.tokenizer, max_prompt_length=64, shuffle=False)
     want = [chat_ids(trainer.tokenizer, q) for q in QUESTIONS]

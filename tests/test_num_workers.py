@@ -124,13 +124,14 @@ def test_cpu_is_one_worker(tmp_path):
 def test_rl_trainer_records_the_resolved_number(tmp_path):
     """RLTrainer (run_training, portrl train, the Python API) resolves null once, before it builds its workers, and
     its config, the one its tracker logs, holds the number."""
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     cfg = _cfg(tmp_path, "device=cpu", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
                "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "data.arith.num_train=8",
                "data.arith.num_test=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                "model.sft_warm_start=false", "trainer.progress_bar=false")
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))
     try:
         assert cfg.trainer.num_workers is None  # the caller's config is left as it was
         assert trainer.cfg.trainer.num_workers == 1 and trainer.actor.num_workers == 1

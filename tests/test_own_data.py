@@ -14,11 +14,10 @@ import pytest
 
 from portrl.cli import main
 from portrl.config import compose
-from portrl.config.composition import copy_config
 from portrl.errors import UserError
 from portrl.models import write_tiny_model
 from portrl.trainer.preflight import TRAIN, preflight
-from portrl.trainer.resources import resolve_data_files
+from portrl.trainer.resources import settle_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # what keeps a run on a tiny model fast; none of it is a key the README asks the user to set
@@ -158,8 +157,8 @@ def test_validation_files_follow_the_training_files(tmp_path, home, model_dir, c
     cfg = _cfg(tmp_path, model_dir, f"data.train_files=[{with_test}/train.parquet]", "data.val_files=[]")
     preflight(cfg, TRAIN)
     assert list(cfg.data.val_files) == []  # data.val_files=[] set by you: off
-    trainer_copy = copy_config(cfg)  # what RLTrainer works on: it still knows you set it
-    assert resolve_data_files(trainer_copy) == ([str(with_test / "train.parquet")], [])
+    settled = settle_config(cfg)  # what RLTrainer works on: it still knows you set it
+    assert list(settled.data.train_files) == [str(with_test / "train.parquet")] and list(settled.data.val_files) == []
     cfg = _cfg(tmp_path, model_dir, f"data.train_files=[{without_test}/train.parquet]")
     preflight(cfg, TRAIN)
     assert list(cfg.data.val_files) == [] and "validation is off" in caplog.text

@@ -145,10 +145,11 @@ def _probe_reward(trainer) -> float:
 # pretraining steps, module docstring); the first test also waits for the SFT warm start (~3.5 min, sft_setup).
 @pytest.mark.parametrize("name", list_presets("algorithm"))
 def test_preset_trains_tiny_setup(name, sft_setup, tmp_path):
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     model_dir, train = sft_setup
-    trainer = RLTrainer(_config(name, model_dir, train, tmp_path / name))
+    trainer = RLTrainer(settle_config(_config(name, model_dir, train, tmp_path / name)))
     assert len(trainer.val_prompts) == TRAIN_PROMPTS
     before = _probe_reward(trainer)
     summary = trainer.fit()

@@ -138,10 +138,11 @@ def test_value_pretraining_trains_the_critic_alone(tiny_model, tmp_path):
     critic's LR schedule or the RL step count; the run then trains its own total_steps."""
     import torch
 
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
     from portrl.trainer.value_pretrain import pretrain_critic
 
-    trainer = RLTrainer(_pretrain_cfg(tiny_model, tmp_path, **{"critic.pretrain_steps": 3}))
+    trainer = RLTrainer(settle_config(_pretrain_cfg(tiny_model, tmp_path, **{"critic.pretrain_steps": 3})))
     actor0 = {k: v.clone() for k, v in trainer.actor.rank0("state_dict")["model"].items()}
     critic0 = trainer.critic.rank0("state_dict")
     heads0 = {k: v.clone() for k, v in critic0["model"].items()}

@@ -94,11 +94,12 @@ def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
     """Also: the run's checkpoint holds the adapters, not the frozen base, and the run resumes from it."""
     from safetensors import safe_open
 
+    from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(tiny_model, tmp_path / "run", **{"algorithm.adv_estimator": "grpo", "trainer.save_final": True})
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))
     worker = trainer.actor.local_worker
     lora0, base0 = _split(worker)
     summary = trainer.fit()
@@ -113,7 +114,7 @@ def test_grpo_with_lora_trains_adapters_only(tiny_model, tmp_path, monkeypatch):
         saved = {k[len("model."):] for k in f.keys() if k.startswith("model.")}
     assert saved == set(lora1)
     cfg.trainer.total_steps = 3
-    again = RLTrainer(cfg)
+    again = RLTrainer(settle_config(cfg))
     assert all(torch.equal(p, lora1[n]) for n, p in _split(again.actor.local_worker)[0].items())
     assert again.fit()["steps"] == 3
 

@@ -44,10 +44,8 @@ def add_arguments(parser) -> None:
 
 
 def evaluation_config(cfg):
-    """``cfg`` (checked as the training run it came from) without the workers only training uses."""
-    from omegaconf import OmegaConf
-
-    OmegaConf.set_readonly(cfg, False)
+    """``cfg`` (checked as the training run it came from) without the workers only training uses; a step
+    between composition and the preflight (the config is settled, read-only, after the preflight)."""
     for section in (cfg.ref, cfg.critic, cfg.reward_model):
         section.enable = False
     return cfg
@@ -58,6 +56,7 @@ def run(args) -> int:
     from portrl.models.loader import check_model_dir
     from portrl.trainer import RLTrainer
     from portrl.trainer.preflight import EVAL, preflight
+    from portrl.trainer.resources import settle_config
 
     extra = list(EVAL_OVERRIDES)
     if opts.model:
@@ -69,7 +68,7 @@ def run(args) -> int:
     preflight(cfg, EVAL, checkpoint=opts.checkpoint)  # before the model loads
     if opts.report:
         claim(opts.report, "--report", opts.on_existing)
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))  # resources resolved, then read-only
     if opts.checkpoint:
         trainer.load_checkpoint(Path(opts.checkpoint), policy_only=True)  # verified; the policy only
     metrics = trainer.validate(trainer.global_step)

@@ -7,13 +7,11 @@ Heavy modules (pyarrow, the converters) are imported when the command runs, so t
 from __future__ import annotations
 
 from portrl.outputs import add_on_existing_argument
-
-# as portrl.data.preprocess.TASKS (not imported: --help stays fast)
-TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
+from portrl.tasks import TASK_NAMES  # the registry imports nothing heavy: --help stays fast
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("task", choices=TASKS, help="dataset format of the input (arith: generated, no input; "
+    parser.add_argument("task", choices=TASK_NAMES, help="dataset format of the input (arith: generated, no input; "
                         "code without --input: the small problem set shipped with portrl; qa: any rows with a "
                         "question and an answer; geo3k: hiyouga/geometry3k rows with images, problem and answer, "
                         "written as verl's multimodal parquet)")

@@ -46,12 +46,16 @@ def _rows(cfg, tokenizer, files):
 
         ds = SFTDataset(files, tokenizer, max_length=int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length))
         return [ds[i] for i in range(len(ds))]
-    if str(cfg.data.name) != "arith":
-        raise UserError(f"--train-files is required for data.name={cfg.data.name!r} (only arith is generated); "
-                        "give parquet files with prompt and response columns")
-    from portrl.trainer.resources import arith_sft_rows
+    from portrl.trainer.resources import builtin_sft_rows
 
-    return arith_sft_rows(cfg, int(cfg.data.arith.num_train))
+    rows = builtin_sft_rows(cfg)
+    if rows is None:
+        from portrl.tasks import names_where
+
+        raise UserError(f"--train-files is required for data.name={cfg.data.name!r} (only "
+                        f"{names_where(lambda t: t.sft_rows is not None)} is generated); give parquet files with "
+                        "prompt and response columns")
+    return rows
 
 
 def _output(opts, cfg) -> Path:
@@ -77,6 +81,7 @@ def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)  # --help exits
     from portrl.models import load_causal_lm, load_tokenizer
     from portrl.models.export import export_pretrained
+    from portrl.tasks import builtin_sft_task
     from portrl.trainer import run_sft
     from portrl.trainer.preflight import SFT, preflight
     from portrl.trainer.resources import resolve_model_path
@@ -85,7 +90,7 @@ def run(args) -> int:
 
     cfg = compose_from(opts)  # bad input here and below: a UserError, printed as one line by portrl.cli.main
     _check_options(opts)
-    if not opts.train_files and str(cfg.data.name) != "arith":
+    if not opts.train_files and builtin_sft_task(cfg) is None:
         _rows(cfg, None, None)  # the error naming --train-files
     preflight(cfg, SFT)
     out = claim(_output(opts, cfg), "--output" if opts.output else "the SFT output (--output)", opts.on_existing)

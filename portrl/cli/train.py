@@ -63,8 +63,9 @@ def run(args) -> int:
     cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
     from portrl.trainer import run_training  # after the config: a config error is reported without loading these
     from portrl.trainer.preflight import TRAIN, preflight
+    from portrl.trainer.resources import settle_config
 
     preflight(cfg, TRAIN)  # everything that can be checked before a model loads
-    summary = run_training(cfg)
+    summary = run_training(settle_config(cfg))  # resources resolved, then read-only
     print(format_summary(summary))
     return 0

@@ -138,96 +138,122 @@ def check_consistency(cfg) -> list[str]:
     return problems
 
 
+class _Problems(list):
+    """The problems found so far (one line each) and how a range check adds one."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def need(self, ok: bool, key: str, rule: str) -> None:
+        """Add ``key=<value> <rule>`` unless ``ok``."""
+        if not ok:
+            self.append(f"{key}={_get(self.cfg, key)!r} {rule}")
+
+
 def check_ranges(cfg) -> list[str]:
     """Numeric knobs outside their valid range, each with the range in the message."""
-    problems: list[str] = []
+    p = _Problems(cfg)
+    for check in (_optimizer_ranges, _policy_ranges, _sampling_and_data_ranges, _run_ranges):
+        check(cfg, p)
+    return list(p)
 
-    def need(ok: bool, key: str, rule: str) -> None:
-        if not ok:
-            problems.append(f"{key}={_get(cfg, key)!r} {rule}")
 
+def _optimizer_ranges(cfg, p: _Problems) -> None:
+    """The optimizers of the trained models and the SFT warm start's settings."""
     for group in ("actor", "critic", "reward_model.model"):
         o = _get(cfg, group).optim
         if o.lr == 0 and o.freeze:
             pass  # an explicit freeze: the weights stay fixed
         elif o.freeze:
-            problems.append(f"{group}.optim.freeze=true needs {group}.optim.lr=0 (got {o.lr!r}); "
-                            "drop freeze to train")
+            p.append(f"{group}.optim.freeze=true needs {group}.optim.lr=0 (got {o.lr!r}); "
+                     "drop freeze to train")
         else:
-            need(o.lr > 0, f"{group}.optim.lr", f"must be > 0 (or 0 with {group}.optim.freeze=true to keep "
-                                                   "the weights fixed on purpose)")
-        need(o.weight_decay >= 0, f"{group}.optim.weight_decay", "must be >= 0")
-        need(o.eps > 0, f"{group}.optim.eps", "must be > 0")
-        need(o.warmup_steps >= 0, f"{group}.optim.warmup_steps", "must be >= 0")
-        need(0 <= o.warmup_ratio < 1, f"{group}.optim.warmup_ratio", "must be in [0, 1)")
-        need(0 <= o.min_lr_ratio <= 1, f"{group}.optim.min_lr_ratio", "must be in [0, 1]")
+            p.need(o.lr > 0, f"{group}.optim.lr", f"must be > 0 (or 0 with {group}.optim.freeze=true to keep "
+                                                     "the weights fixed on purpose)")
+        p.need(o.weight_decay >= 0, f"{group}.optim.weight_decay", "must be >= 0")
+        p.need(o.eps > 0, f"{group}.optim.eps", "must be > 0")
+        p.need(o.warmup_steps >= 0, f"{group}.optim.warmup_steps", "must be >= 0")
+        p.need(0 <= o.warmup_ratio < 1, f"{group}.optim.warmup_ratio", "must be in [0, 1)")
+        p.need(0 <= o.min_lr_ratio <= 1, f"{group}.optim.min_lr_ratio", "must be in [0, 1]")
     m = cfg.model
-    need(m.sft_lr > 0, "model.sft_lr", "must be > 0")
+    p.need(m.sft_lr > 0, "model.sft_lr", "must be > 0")
     if m.sft_warm_start:
-        need(m.sft_steps >= 1, "model.sft_steps", "must be >= 1 when model.sft_warm_start=true")
-        need(m.sft_batch_size >= 1, "model.sft_batch_size", "must be >= 1 when model.sft_warm_start=true")
+        p.need(m.sft_steps >= 1, "model.sft_steps", "must be >= 1 when model.sft_warm_start=true")
+        p.need(m.sft_batch_size >= 1, "model.sft_batch_size", "must be >= 1 when model.sft_warm_start=true")
+
+
+def _policy_ranges(cfg, p: _Problems) -> None:
+    """The policy loss's clipping and coefficients, PF-PPO and the KL controller."""
     a = cfg.actor
-    need(a.clip_ratio >= 0, "actor.clip_ratio", "must be >= 0")
+    p.need(a.clip_ratio >= 0, "actor.clip_ratio", "must be >= 0")
     for side in ("low", "high"):
         value = a[f"clip_ratio_{side}"]
-        need(value is None or value >= 0, f"actor.clip_ratio_{side}", "must be >= 0 (or null: actor.clip_ratio)")
+        p.need(value is None or value >= 0, f"actor.clip_ratio_{side}", "must be >= 0 (or null: actor.clip_ratio)")
     low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
     high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
     if low >= 0 and high >= 0 and low > high:
         low_key = "actor.clip_ratio_low" if a.clip_ratio_low is not None else "actor.clip_ratio"
         high_key = "actor.clip_ratio_high" if a.clip_ratio_high is not None else "actor.clip_ratio"
-        problems.append(f"{low_key}={low!r} must be <= {high_key}={high!r} (the clip range is [1 - low, 1 + high])")
-    need(a.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
-    need(cfg.critic.ppo_epochs is None or cfg.critic.ppo_epochs >= 1, "critic.ppo_epochs",
-         "must be >= 1 (or null: actor.ppo_epochs)")
-    need(a.kl_loss_coef >= 0, "actor.kl_loss_coef", "must be >= 0")
-    need(a.entropy_coeff >= 0, "actor.entropy_coeff", "must be >= 0")
-    need(cfg.algorithm.pf_ppo.weight_pow >= 0, "algorithm.pf_ppo.weight_pow", "must be >= 0")
+        p.append(f"{low_key}={low!r} must be <= {high_key}={high!r} (the clip range is [1 - low, 1 + high])")
+    p.need(a.ppo_epochs >= 1, "actor.ppo_epochs", "must be >= 1")
+    p.need(cfg.critic.ppo_epochs is None or cfg.critic.ppo_epochs >= 1, "critic.ppo_epochs",
+           "must be >= 1 (or null: actor.ppo_epochs)")
+    p.need(a.kl_loss_coef >= 0, "actor.kl_loss_coef", "must be >= 0")
+    p.need(a.entropy_coeff >= 0, "actor.entropy_coeff", "must be >= 0")
+    p.need(cfg.algorithm.pf_ppo.weight_pow >= 0, "algorithm.pf_ppo.weight_pow", "must be >= 0")
     k = cfg.algorithm.kl_ctrl
-    need(k.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
+    p.need(k.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
     if k.type == "adaptive":
-        need(k.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0 with kl_ctrl.type=adaptive")
-        need(k.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1 with kl_ctrl.type=adaptive")
+        p.need(k.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0 with kl_ctrl.type=adaptive")
+        p.need(k.horizon >= 1, "algorithm.kl_ctrl.horizon", "must be >= 1 with kl_ctrl.type=adaptive")
+
+
+def _sampling_and_data_ranges(cfg, p: _Problems) -> None:
+    """Rollout sampling (training and validation), rollout workers and the validation data."""
     for prefix, sampling in (("rollout", cfg.rollout), ("rollout.val_kwargs", cfg.rollout.val_kwargs)):
-        need(sampling.temperature >= 0, f"{prefix}.temperature", "must be > 0, or 0 for greedy decoding")
-        need(0 < sampling.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1] (1 = off)")
-        need(sampling.top_k == -1 or sampling.top_k >= 1, f"{prefix}.top_k", "must be -1 (off) or >= 1")
-    need(cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n", "must be >= 1")
-    need(cfg.rollout.num_rollout_workers >= 1, "rollout.num_rollout_workers", "must be >= 1")
+        p.need(sampling.temperature >= 0, f"{prefix}.temperature", "must be > 0, or 0 for greedy decoding")
+        p.need(0 < sampling.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1] (1 = off)")
+        p.need(sampling.top_k == -1 or sampling.top_k >= 1, f"{prefix}.top_k", "must be -1 (off) or >= 1")
+    p.need(cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n", "must be >= 1")
+    p.need(cfg.rollout.num_rollout_workers >= 1, "rollout.num_rollout_workers", "must be >= 1")
     d = cfg.data
-    need(d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size", "must be >= 1 (or null: all at once)")
-    need(d.max_val_samples is None or d.max_val_samples >= 1, "data.max_val_samples", "must be >= 1 (or null: all)")
+    p.need(d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size", "must be >= 1 (or null: all at once)")
+    p.need(d.max_val_samples is None or d.max_val_samples >= 1, "data.max_val_samples", "must be >= 1 (or null: all)")
+
+
+def _run_ranges(cfg, p: _Problems) -> None:
+    """The trainer's steps, workers, checkpoints and time limits, and the reward workers and code sandbox."""
     t = cfg.trainer
-    need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
-    need(t.num_workers is None or t.num_workers >= 1, "trainer.num_workers",
-         "must be >= 1, or null (auto: every device of this node)")
-    need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
-    need(t.save_freq >= 0, "trainer.save_freq", "must be >= 1, or 0 (off: one checkpoint at the end with "
-                                                "trainer.save_final)")
-    need(t.test_freq >= 0, "trainer.test_freq", "must be >= 1, or 0 (off: no validation during training)")
-    need(t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1")
-    need(t.ref_update_freq >= 0, "trainer.ref_update_freq", "must be >= 1 (refresh the reference every k steps), "
-                                                            "or 0 (never)")
-    need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
-    need(cfg.reward.timeout_s is None or cfg.reward.timeout_s >= 0, "reward.timeout_s",
-         "must be > 0 (seconds per batch), or 0 / null (no limit)")
-    need(t.worker_timeout_s is None or t.worker_timeout_s >= 0, "trainer.worker_timeout_s",
-         "must be > 0 (seconds), or 0 / null (no limit)")
-    need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
-         "must be >= 1 (stop after that many steps in a row with a non-finite loss or gradient), or 0 (never stop)")
+    p.need(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
+    p.need(t.num_workers is None or t.num_workers >= 1, "trainer.num_workers",
+           "must be >= 1, or null (auto: every device of this node)")
+    p.need(t.nnodes >= 1, "trainer.nnodes", "must be >= 1")
+    p.need(t.save_freq >= 0, "trainer.save_freq", "must be >= 1, or 0 (off: one checkpoint at the end with "
+                                                  "trainer.save_final)")
+    p.need(t.test_freq >= 0, "trainer.test_freq", "must be >= 1, or 0 (off: no validation during training)")
+    p.need(t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1")
+    p.need(t.ref_update_freq >= 0, "trainer.ref_update_freq", "must be >= 1 (refresh the reference every k steps), "
+                                                              "or 0 (never)")
+    p.need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")
+    p.need(cfg.reward.timeout_s is None or cfg.reward.timeout_s >= 0, "reward.timeout_s",
+           "must be > 0 (seconds per batch), or 0 / null (no limit)")
+    p.need(t.worker_timeout_s is None or t.worker_timeout_s >= 0, "trainer.worker_timeout_s",
+           "must be > 0 (seconds), or 0 / null (no limit)")
+    p.need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
+           "must be >= 1 (stop after that many steps in a row with a non-finite loss or gradient), or 0 (never stop)")
     code = cfg.reward.code
-    need(code.timeout_s > 0, "reward.code.timeout_s", "must be > 0 (seconds per test case)")
-    need(code.memory_mb >= 64, "reward.code.memory_mb", "must be >= 64 (the interpreter itself needs ~30 MB)")
-    need(code.max_workers >= 1, "reward.code.max_workers", "must be >= 1")
-    need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
-         "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
+    p.need(code.timeout_s > 0, "reward.code.timeout_s", "must be > 0 (seconds per test case)")
+    p.need(code.memory_mb >= 64, "reward.code.memory_mb", "must be >= 64 (the interpreter itself needs ~30 MB)")
+    p.need(code.max_workers >= 1, "reward.code.max_workers", "must be >= 1")
+    p.need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
+           "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
     # null (auto) depends on the node's devices: the preflight checks Ray for the number it resolves to
     if (t.num_workers or 1) > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
         if not module_available("ray"):
-            problems.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
-                            f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "
-                            "pip install 'ray[default]' or use trainer.num_workers=1")
-    return problems
+            p.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
+                     f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "
+                     "pip install 'ray[default]' or use trainer.num_workers=1")
 
 
 def _env_backends(cfg) -> list:

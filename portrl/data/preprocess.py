@@ -16,22 +16,20 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from portrl.data import code, dapo_math, geo3k, gsm8k, hendrycks_math, qa
-from portrl.data.arith import make_arith_rows, make_arith_sft_rows
 from portrl.data.images import IMAGE_KEY, IMAGES_TYPE
 from portrl.data.schema import DataError
 from portrl.data.table_rows import table_rows
 from portrl.outputs import claim, publish
+from portrl.tasks import TASK_NAMES, TASKS, Task, names_where
 from portrl.user_files import ordinary_permissions
 
 log = logging.getLogger(__name__)
 RAW_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
-TASKS = ("gsm8k", "math", "dapo_math", "arith", "code", "qa", "geo3k")
 TEST_PREFIXES = ("test", "validation", "valid", "val")  # the first prefix that names files is the test split
 
 
@@ -185,12 +183,6 @@ def split_records(records: list, test_fraction: float, seed: int) -> tuple[list,
     return ([r for i, r in enumerate(records) if i not in test_idx], [r for i, r in enumerate(records) if i in test_idx])
 
 
-_CONVERTERS: dict[str, Callable[..., list[dict]]] = {
-    "gsm8k": gsm8k.convert, "math": hendrycks_math.convert, "dapo_math": dapo_math.convert, "code": code.convert,
-    "qa": qa.convert, "geo3k": geo3k.convert,
-}  # arith is generated, not converted
-
-
 def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
     out = []
     for p in paths:
@@ -204,70 +196,49 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
                data_source: str | None = None, question_key: str | None = None, answer_key: str | None = None,
                instruction: str | None = None, system: str | None = None,
                on_existing: str = "refuse") -> dict[str, Path]:
-    """Write ``train.parquet`` and ``test.parquet`` for ``task`` into ``output_dir``; returns their paths.
-    Those files must not exist yet (``on_existing="move_aside"``: earlier ones are renamed to
-    ``<name>.old-<time>``; portrl.outputs.claim), checked before any input is read; other files in the folder
-    are left alone.
+    """Write ``train.parquet`` and ``test.parquet`` for ``task`` (a name of portrl.tasks.TASKS) into
+    ``output_dir``; returns their paths. Those files must not exist yet (``on_existing="move_aside"``: earlier
+    ones are renamed to ``<name>.old-<time>``; portrl.outputs.claim), checked before any input is read; other
+    files in the folder are left alone.
 
-    ``n`` limits the raw records read per split (arith: the number of problems, train + test, default 2000);
-    ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (arith only),
-    ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are written too. ``data_source``
-    (code, qa), ``question_key``, ``answer_key``, ``instruction`` and ``system`` (qa) are the converters'
-    options (portrl.data.code, portrl.data.qa).
+    ``n`` limits the raw records read per split (a generated task, arith: the number of problems, train + test,
+    default 2000); ``difficulty`` is arith's level, or MATH's highest kept level (1-5). With ``sft`` (a task with
+    built-in SFT rows: arith), ``sft_train.parquet`` / ``sft_test.parquet`` with a ``response`` column are
+    written too. ``data_source`` (code, qa), ``question_key``, ``answer_key``, ``instruction`` and ``system`` (qa)
+    are the converters' options (portrl.data.code, portrl.data.qa); a task takes the options its record lists.
     """
     if task not in TASKS:
-        raise DataError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {task!r}; valid: {', '.join(TASK_NAMES)}")
+    t = TASKS[task]
     if n is not None and n <= 0:
         raise DataError(f"--n must be positive, got {n}")
     if not 0.0 <= test_fraction < 1.0:
         raise DataError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     out = Path(output_dir)
-    for name in ("train", "test", *(("sft_train", "sft_test") if sft and task == "arith" else ())):
+    for name in ("train", "test", *(("sft_train", "sft_test") if sft and t.sft_rows else ())):
         claim(out / f"{name}.parquet", "--output-dir", on_existing)
-    if task == "arith":
+    if sft and t.sft_rows is None:
+        raise DataError(f"--sft is only available for {names_where(lambda t: t.sft_rows is not None)} (other tasks "
+                        "have no reference responses)")
+    if t.generated:
         if input_path is not None or test_input is not None:
-            raise DataError("arith generates its problems; it takes no --input")
-        total = n or 2000  # difficulty 1 has about 2,850 distinct problems
-        n_test = round(total * test_fraction)
-        kw = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
-        splits = {"train": make_arith_rows(total - n_test, split="train", **kw),
-                  "test": make_arith_rows(n_test, split="test", **kw)}
-        if sft:
-            splits["sft_train"] = make_arith_sft_rows(total - n_test, split="train", **kw)
-            splits["sft_test"] = make_arith_sft_rows(n_test, split="test", **kw)
-        return _write_splits(splits, out)
-    if sft:
-        raise DataError("--sft is only available for arith (other tasks have no reference responses)")
-    if difficulty is not None and task != "math":
-        raise DataError("--difficulty applies to arith (level) and math (highest MATH level kept) only")
-    if data_source is not None and task not in ("code", "qa"):
-        raise DataError("--data-source applies to code and qa only (the other tasks write their dataset's own name)")
-    qa_options = {"question_key": question_key, "answer_key": answer_key, "instruction": instruction, "system": system}
-    if task != "qa" and any(v is not None for v in qa_options.values()):
-        raise DataError("--question-key, --answer-key, --instruction and --system apply to qa only")
-    if input_path is None and task == "code":
-        input_path = code.BUILTIN_PROBLEMS  # the small problem set shipped with portrl
+            raise DataError(f"{task} generates its problems; it takes no --input")
+        return _write_splits(_generated_splits(t, n, seed, difficulty, test_fraction, sft), out)
+    options = {"difficulty": difficulty, "data_source": data_source, "question_key": question_key,
+               "answer_key": answer_key, "instruction": instruction, "system": system}
+    _check_options(t, options)
+    if input_path is None:
+        input_path = t.builtin_input()  # code: the small problem set shipped with portrl
     if input_path is None:
         raise DataError(f"{task} needs --input (a raw file or a folder with train*/test* files)")
     src = Path(input_path)
     if not src.exists():
         raise DataError(f"input {str(src)!r} does not exist")
-    if src.is_dir() and is_saved_dataset(src):
-        saved = read_saved_dataset(src)
-        train_raw, test_raw = ([(f"{src} ({name})", i, r) for i, r in enumerate(saved.get(name, [])[:n])]
-                               for name in ("train", "test"))
-    elif src.is_dir():
-        files = find_split_files(src)
-        train_raw = _load(files["train"], n)
-        test_raw = _load(files["test"], n)
-    else:
-        train_raw = _load([src], n)
-        test_raw = []
+    train_raw, test_raw = _read_input(src, n)
     if test_input is not None:
         test_raw = _load([Path(test_input)], n)
-    convert = _CONVERTERS[task]  # task is one of TASKS (checked above) and not arith (returned above)
-    kw = ({"max_level": difficulty} if task == "math" else {"data_source": data_source} if task == "code"
-          else {"data_source": data_source, **qa_options} if task == "qa" else {})
+    convert = t.convert()
+    kw = {arg: options[flag] for flag, arg in t.options.items()}
     train = convert(train_raw, split="train", **kw)
     test = convert(test_raw, split="test", **kw)
     if not test_raw and test_fraction > 0:
@@ -278,6 +249,52 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
         raise DataError(f"{task}: no training rows left from {src}")
     log.info("%s: %d train rows, %d test rows -> %s", task, len(train), len(test), out)
     return _write_splits({"train": train, "test": test}, out)
+
+
+#: what each converter option is, for the message naming the tasks that take it
+_OPTION_HELP = {"difficulty": " (arith: the level; math: the highest MATH level kept)",
+                "data_source": " (the other tasks write their dataset's own name)"}
+
+
+def _check_options(task: Task, options: dict) -> None:
+    """DataError for an option (given, not None) that ``task`` does not take."""
+    def takers(flag: str) -> str:
+        return names_where(lambda t: flag in t.options)
+
+    for flag, value in options.items():
+        if value is not None and flag not in task.options:
+            alike = [f"--{f.replace('_', '-')}" for f in options if takers(f) == takers(flag)]  # named together
+            flags = alike[0] if len(alike) == 1 else f"{', '.join(alike[:-1])} and {alike[-1]}"
+            verb = "applies" if len(alike) == 1 else "apply"
+            raise DataError(f"{flags} {verb} to {takers(flag)} only{_OPTION_HELP.get(flag, '')}")
+
+
+def _generated_splits(task: Task, n: int | None, seed: int, difficulty: int | None, test_fraction: float,
+                      sft: bool) -> dict[str, list[dict]]:
+    """The train / test rows (and with ``sft`` the SFT rows) of a generated task: ``n`` problems in all."""
+    total = n or 2000  # arith: difficulty 1 has about 2,850 distinct problems
+    n_test = round(total * test_fraction)
+    level = 1 if difficulty is None else difficulty
+    sizes = {"train": total - n_test, "test": n_test}
+    splits = {name: task.generate(k, seed, level, name, test_fraction=test_fraction) for name, k in sizes.items()}
+    if sft:
+        splits.update({f"sft_{name}": task.generate_sft(k, seed, level, name, test_fraction=test_fraction)
+                       for name, k in sizes.items()})
+    return splits
+
+
+def _read_input(src: Path, n: int | None) -> tuple[list, list]:
+    """(train, test) raw records of ``src``: a saved dataset folder, a folder of train*/test* files, or one file
+    (test empty); at most ``n`` per split."""
+    if src.is_dir() and is_saved_dataset(src):
+        saved = read_saved_dataset(src)
+        train_raw, test_raw = ([(f"{src} ({name})", i, r) for i, r in enumerate(saved.get(name, [])[:n])]
+                               for name in ("train", "test"))
+        return train_raw, test_raw
+    if src.is_dir():
+        files = find_split_files(src)
+        return _load(files["train"], n), _load(files["test"], n)
+    return _load([src], n), []
 
 
 def _relabel(rows: list[dict], split: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """The single-controller RL loop, SFT, checkpoints and metrics.
 
-``run_training(cfg) -> summary`` runs RL as configured (portrl.trainer.rl_trainer);
+``run_training(cfg) -> summary`` runs RL as configured (portrl.trainer.rl_trainer); ``RLTrainer`` takes a config
+``settle_config(cfg)`` returned (its resources resolved, read-only: portrl.trainer.resources);
 ``run_sft(cfg, model, tokenizer, rows, steps, lr, batch_size)`` is the supervised warm start.
 Names are resolved lazily so importing the package does no work.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 _EXPORTS = {
     "run_training": "portrl.trainer.rl_trainer",
     "RLTrainer": "portrl.trainer.rl_trainer",
+    "settle_config": "portrl.trainer.resources",
     "run_sft": "portrl.workers.sft",
 }
 

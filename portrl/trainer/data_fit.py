@@ -12,8 +12,8 @@ locations; a user's own files can be smaller or elsewhere. What is fitted, each 
   ``data.max_prompt_length`` is lowered to that count when it came from a preset or the defaults, and
   ``actor.ppo_mini_batch_size`` to a divisor of it that keeps about the preset's mini-batches per step; one the
   user set is refused with the key to change.
-* **The SFT warm start.** ``model.sft_warm_start`` is built in for ``data.name=arith`` only: elsewhere a preset's
-  ``true`` is turned off with a note, a user's is refused.
+* **The SFT warm start.** ``model.sft_warm_start`` is built in for tasks with built-in SFT rows (portrl.tasks:
+  ``data.name=arith``) only: elsewhere a preset's ``true`` is turned off with a note, a user's is refused.
 * **The micro-batch token budget.** ``actor.max_tokens_per_micro_batch=null`` (the ``cpu`` preset's), not set by
   the user, becomes a budget sized by the model for models of at least 100M parameters (where gradient
   checkpointing turns itself on too, ``portrl/workers/setup.py``): :func:`token_budget`. It caps every
@@ -36,6 +36,7 @@ from omegaconf import read_write
 
 from portrl.config.composition import explicit_keys
 from portrl.errors import UserError
+from portrl.tasks import builtin_sft_task, names_where
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, count_parameters
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def fit_val_files(cfg: Any) -> None:
     train = [str(f) for f in d.train_files or []]
     val = [str(f) for f in d.val_files or []]
     if not train:
-        return  # arith's generated data brings its own test split
+        return  # a generated task's data brings its own test split (portrl.trainer.resources)
     keys = explicit_keys(cfg)
     if not val and keys is not None and "data.val_files" in keys:
         note_once(cfg, "data.val_files=[] (set by you): validation is off")
@@ -138,14 +139,16 @@ def fit_val_files(cfg: Any) -> None:
 
 
 def fit_warm_start(cfg: Any) -> None:
-    """``model.sft_warm_start`` off for data other than arith when a preset set it; UserError when the user did."""
-    if not bool(cfg.model.sft_warm_start) or str(cfg.data.name) == "arith":
+    """``model.sft_warm_start`` off for data without built-in SFT rows when a preset set it; UserError when the
+    user did."""
+    if not bool(cfg.model.sft_warm_start) or builtin_sft_task(cfg) is not None:
         return
+    tasks = names_where(lambda t: t.sft_rows is not None)
     if user_set(cfg, "model.sft_warm_start"):
-        raise UserError(f"model.sft_warm_start is built in for data.name=arith only (data.name={cfg.data.name!r}); "
+        raise UserError(f"model.sft_warm_start is built in for data.name={tasks} only (data.name={cfg.data.name!r}); "
                         "set model.sft_warm_start=false, or fine-tune first with `portrl sft --train-files "
                         "SFT.parquet --output sft` and train from it with model.path=sft")
-    note_once(cfg, f"model.sft_warm_start is built in for data.name=arith only: off for data.name={cfg.data.name} "
+    note_once(cfg, f"model.sft_warm_start is built in for data.name={tasks} only: off for data.name={cfg.data.name} "
               "(fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
     with read_write(cfg.model):
         cfg.model.sft_warm_start = False

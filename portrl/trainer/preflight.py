@@ -15,17 +15,19 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
   ``data.train_batch_size`` prompts within ``data.max_prompt_length``; a run that needs files has them;
 * the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
   truth as the response) without raising and returns a float or a dict with "score";
-* the warm start: ``model.sft_warm_start`` is built in for ``data.name=arith`` only;
+* the warm start: ``model.sft_warm_start`` needs a task with built-in SFT rows (portrl.tasks: arith);
 * fitted to the user's data (portrl.trainer.data_fit, each with a log line; a value the user set is refused
   instead): an empty ``data.val_files`` becomes the test split beside the training split (or validation is off),
   a preset's ``data.train_batch_size`` / ``actor.ppo_mini_batch_size`` larger than the usable training rows are
-  lowered, and a preset's SFT warm start is turned off for data other than arith;
+  lowered, and a preset's SFT warm start is turned off for data without built-in SFT rows;
 * checkpoints: ``trainer.resume=PATH`` and ``portrl eval --checkpoint`` name a verified checkpoint;
 * loggers: the packages of ``trainer.loggers`` (tensorboard, wandb, mlflow) are installed; ``train``
   into ``trainer.output_dir`` continues only its own run (``portrl.trainer.run_dir.check_run_dir``);
 * outputs: ``trainer.output_dir`` is not a file.
 
-The built-in tiny model (``model.path`` empty) is checked through its tokenizer, built in memory.
+The built-in tiny model (``model.path`` empty) is checked through its tokenizer, built in memory. What the preflight
+fits is written into the config it checks; the run's resources (model, generated data, number of workers) are
+resolved next, into the read-only config the trainer takes (:func:`portrl.trainer.resources.settle_config`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from portrl.algo import critic_enabled, implicit_prm_enabled
-from portrl.data.arith import make_arith_rows
 from portrl.data.schema import check_row
 from portrl.data.validate import count_fitting_prompts, read_verl_files
 from portrl.device.backend import module_available
@@ -48,9 +49,10 @@ from portrl.rewards.manager import RewardTimeoutError, _score_rows, describe_rew
 from portrl.rewards.registry import UnknownDataSource, reward_kind
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
 from portrl.rollout import engine_factory, offered_engines
+from portrl.tasks import generated_task, names_where
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
-from portrl.trainer.resources import no_train_files_message
+from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
 from portrl.workers.lora import check_target_modules
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
@@ -70,8 +72,8 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     tokenizer = _check_model(cfg, command)
     _check_output_dir(cfg)
     if command == SFT:
-        return  # its data are --train-files or generated arith rows: portrl.cli.sft checks them
-    if command == TRAIN and str(cfg.data.name) != "arith":
+        return  # its data are --train-files or a task's built-in SFT rows: portrl.cli.sft checks them
+    if command == TRAIN and generated_task(cfg) is None:
         if not cfg.data.train_files:
             raise UserError(no_train_files_message(cfg))
         fit_warm_start(cfg)  # a preset's warm start off with a note; the user's refused
@@ -163,7 +165,7 @@ def _check_model(cfg: Any, command: str):
 def _load_tokenizer(cfg: Any):
     m = cfg.model
     if not m.path and not m.tokenizer_path:
-        return build_tokenizer("arith")  # what the built-in tiny model is saved with
+        return build_tokenizer(TINY_VOCAB)  # what the built-in tiny model is saved with
     try:
         return load_tokenizer(str(m.tokenizer_path or m.path))
     except UserError:
@@ -194,22 +196,23 @@ def _check_output_dir(cfg: Any) -> None:
 # -------------------------------------------------------------------------------------------- data
 def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
     d = cfg.data
-    arith = str(d.name) == "arith"
+    generated = generated_task(cfg) is not None
     train_files = [str(f) for f in d.train_files or []]
     val_files = [str(f) for f in d.val_files or []]
-    if command == TRAIN and not train_files and not arith:
+    if command == TRAIN and not train_files and not generated:
         raise UserError(no_train_files_message(cfg))
-    if command == EVAL and not val_files and not arith:
-        raise UserError(f"no validation data: data.val_files is empty and only data.name=arith is generated "
-                        f"(data.name={d.name!r}); pass data.val_files=[TEST.parquet] (`portrl preprocess` writes "
-                        "test.parquet)")
+    if command == EVAL and not val_files and not generated:
+        raise UserError(f"no validation data: data.val_files is empty and only data.name="
+                        f"{names_where(lambda t: t.generated)} is generated (data.name={d.name!r}); pass "
+                        "data.val_files=[TEST.parquet] (`portrl preprocess` writes test.parquet)")
     train_rows, train_images = ([], None) if command == EVAL else read_verl_files(train_files, "data.train_files")
     val_rows, val_images = read_verl_files(val_files, "data.val_files")
     processor = _check_processor(cfg, train_images or val_images)
     _check_sources(cfg, train_files, train_rows, val_files, val_rows)
-    if command == TRAIN and not train_files and int(d.arith.num_train) < int(d.train_batch_size):
-        raise UserError(f"data.train_batch_size={d.train_batch_size} is more than the data.arith.num_train="
-                        f"{d.arith.num_train} generated problems; raise data.arith.num_train or lower the batch")
+    g = d[str(d.name)] if generated and not train_files else None  # the generator's options: data.<name>
+    if command == TRAIN and g is not None and int(g.num_train) < int(d.train_batch_size):
+        raise UserError(f"data.train_batch_size={d.train_batch_size} is more than the data.{d.name}.num_train="
+                        f"{g.num_train} generated problems; raise data.{d.name}.num_train or lower the batch")
     if command == TRAIN and train_rows:
         want, limit = int(d.train_batch_size), int(d.max_prompt_length)
         usable = min(len(train_rows), want)
@@ -253,11 +256,13 @@ def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> No
 
 
 def _first_generated_row(cfg: Any):
-    """The first generated arith row (the data of a run without files), checked like a file's rows."""
-    if str(cfg.data.name) != "arith":
+    """The first generated row of a generated task (the data of a run without files), checked like a file's
+    rows; None for other data."""
+    task = generated_task(cfg)
+    if task is None:
         return None
-    a = cfg.data.arith
-    return check_row(make_arith_rows(1, int(a.seed), int(a.difficulty), "train")[0], "<arith>", 0)
+    a = cfg.data[task.name]
+    return check_row(task.generate(1, int(a.seed), int(a.difficulty), "train")[0], f"<{task.name}>", 0)
 
 
 # ------------------------------------------------------------------------------------------ reward

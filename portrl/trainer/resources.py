@@ -1,10 +1,16 @@
-"""What a run needs on disk before workers start: the model directory and the train / validation parquet.
+"""What a run needs on disk before workers start, resolved into the run config before it freezes.
 
 * ``model.path`` empty -> the built-in tiny Qwen2 model (``model.tiny`` sizes), written once and
   reused from ``$PORTRL_CACHE`` (default ``~/.cache/portrl``) under a name derived from its sizes.
-* ``data.name == "arith"`` with no files -> generated arith rows (``data.arith``) written once to
-  the same cache. Other datasets need ``data.train_files``; validation uses ``data.val_files``, or when that is
-  empty the ``test.parquet`` written beside a ``train.parquet`` (portrl.trainer.data_fit), else none.
+* ``data.name`` a generated task (portrl.tasks; ``arith``) with no files -> its generated rows (options:
+  ``data.<name>``) written once to the same cache. Other datasets need ``data.train_files``; validation uses
+  ``data.val_files``, or when that is empty the ``test.parquet`` written beside a ``train.parquet``
+  (portrl.trainer.data_fit), else none.
+* ``trainer.num_workers=null`` (auto) -> every device of the node (portrl.workers.setup.resolve_num_workers).
+
+:func:`settle_config` is the step between the preflight and the trainer: it writes these resolved values into a
+copy of the config and makes that copy read-only; :class:`~portrl.trainer.rl_trainer.RLTrainer` takes only such a
+settled config, and a later write raises omegaconf's ReadonlyConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -12,28 +18,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from portrl.data.arith import GENERATOR_VERSION, make_arith_rows, make_arith_sft_rows
+from portrl.config.composition import copy_config
+from portrl.data.arith import GENERATOR_VERSION
 from portrl.data.preprocess import write_split
 from portrl.errors import UserError
 from portrl.models import write_tiny_model
 from portrl.models.loader import check_model_dir
+from portrl.tasks import Task, builtin_sft_task, data_task, generated_task, names_where
 from portrl.trainer.data_fit import fit_val_files
+from portrl.workers.setup import resolve_num_workers, worker_backend
 
-PREPROCESS_TASKS = ("gsm8k", "math", "dapo_math", "geo3k")  # raw formats `portrl preprocess` reads (portrl.data.preprocess)
+# id(config) -> weak reference to it, for every config settle_config returned
+_SETTLED: dict[int, weakref.ref] = {}
 
 
 def no_train_files_message(cfg: Any) -> str:
     """Why a run of ``data.name`` without ``data.train_files`` cannot start, and the command that makes them."""
     name = str(cfg.data.name)
-    task = name if name in PREPROCESS_TASKS else "qa"  # qa: any question-answer rows
-    return (f"data.train_files is empty and only data.name=arith is generated (data.name={name!r}); make verl parquet "
-            f"with `portrl preprocess {task} --input RAW_FILE --output-dir data/{task}`, then pass "
-            f"data.train_files=[data/{task}/train.parquet] (the test.parquet beside it is the validation split)")
+    task = data_task(cfg)
+    kind = name if task is not None and task.preset and task.converter else "qa"  # qa: any question-answer rows
+    return (f"data.train_files is empty and only data.name={names_where(lambda t: t.generated)} is generated "
+            f"(data.name={name!r}); make verl parquet with `portrl preprocess {kind} --input RAW_FILE --output-dir "
+            f"data/{kind}`, then pass data.train_files=[data/{kind}/train.parquet] (the test.parquet beside it is "
+            "the validation split)")
 
 
 def cache_dir() -> Path:
@@ -44,42 +57,94 @@ def _key(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
+#: the vocabulary of the built-in tiny model (portrl.models.tokenizer: one token per byte, ChatML specials)
+TINY_VOCAB = "arith"
+
+
+def tiny_model_dir(cfg: Any) -> Path:
+    """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`)."""
+    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key(t)}"
+
+
 def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
         return str(check_model_dir(str(cfg.model.path), "model.path"))
     t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
-    out = cache_dir() / "models" / f"tiny-arith-{_key(t)}"
+    out = tiny_model_dir(cfg)
     if not (out / "config.json").is_file():
-        write_tiny_model(out, vocab="arith", hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
+        write_tiny_model(out, vocab=TINY_VOCAB, hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
                          num_heads=int(t["num_heads"]), num_kv_heads=int(t["num_kv_heads"]),
                          intermediate_size=int(t["intermediate_size"]), seed=int(t["seed"]), overwrite=True)
     return str(out)
 
 
+def _generated_spec(cfg: Any, task: Task) -> dict:
+    a = cfg.data[task.name]
+    return {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty),
+            "seed": int(a.seed), "generator": GENERATOR_VERSION}
+
+
+def generated_files(cfg: Any) -> Optional[Tuple[Path, Path]]:
+    """(train, test) parquet paths of the generated task of ``data.name`` in the cache (None for other data);
+    nothing is written."""
+    task = generated_task(cfg)
+    if task is None:
+        return None
+    out = cache_dir() / "data" / f"{task.name}-{_key(_generated_spec(cfg, task))}"
+    return out / "train.parquet", out / "test.parquet"
+
+
 def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
-    """(train files, validation files); generated for the arith task when none are given. Validation files
-    missing from ``cfg`` are filled in it (:func:`portrl.trainer.data_fit.fit_val_files`)."""
+    """(train files, validation files); for a generated task without files, its rows written once to the cache.
+    Validation files missing from ``cfg`` are filled in it (:func:`portrl.trainer.data_fit.fit_val_files`)."""
     train = [str(f) for f in (cfg.data.train_files or [])]
     if train:
         fit_val_files(cfg)
         return train, [str(f) for f in (cfg.data.val_files or [])]
     val = [str(f) for f in (cfg.data.val_files or [])]
-    if str(cfg.data.name) != "arith":
+    files = generated_files(cfg)
+    if files is None:
         raise UserError(no_train_files_message(cfg))
-    a = cfg.data.arith
-    spec = {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty), "seed": int(a.seed),
-            "generator": GENERATOR_VERSION}
-    out = cache_dir() / "data" / f"arith-{_key(spec)}"
-    tr, te = out / "train.parquet", out / "test.parquet"
-    if not tr.is_file():
-        write_split(make_arith_rows(spec["n_train"], spec["seed"], spec["difficulty"], "train"), tr)
-    if not te.is_file():
-        write_split(make_arith_rows(spec["n_test"], spec["seed"], spec["difficulty"], "test"), te)
-    return [str(tr)], (val or [str(te)])
+    task, spec = generated_task(cfg), _generated_spec(cfg, generated_task(cfg))
+    for path, split, n in zip(files, ("train", "test"), (spec["n_train"], spec["n_test"])):
+        if not path.is_file():
+            write_split(task.generate(n, spec["seed"], spec["difficulty"], split), path)
+    return [str(files[0])], (val or [str(files[1])])
 
 
-def arith_sft_rows(cfg: Any, n: int) -> list:
-    """Rows (prompt messages + response) of the arith train split for the SFT warm start."""
-    a = cfg.data.arith
-    return make_arith_sft_rows(n, int(a.seed), int(a.difficulty), "train")
+def builtin_sft_rows(cfg: Any, at_least: int = 0) -> Optional[list]:
+    """Rows (prompt messages + response) of the train split of ``data.name``'s built-in SFT data (the SFT warm
+    start's, ``portrl sft`` without files): ``data.<name>.num_train`` of them, or ``at_least``; None when the
+    task has none."""
+    task = builtin_sft_task(cfg)
+    if task is None:
+        return None
+    a = cfg.data[task.name]
+    return task.generate_sft(max(int(a.num_train), at_least), int(a.seed), int(a.difficulty), "train")
+
+
+def settle_config(cfg: Any) -> Any:
+    """A read-only copy of ``cfg`` (composed, checked by the preflight) with the run's resources resolved into
+    it: ``trainer.num_workers``, ``model.path``, ``data.train_files`` and ``data.val_files`` (module docstring).
+    ``cfg`` itself is left as it is; a config this returned is returned unchanged. UserError when the data
+    cannot be resolved (no training files for a task that is not generated)."""
+    if is_settled(cfg):
+        return cfg
+    out = copy_config(cfg)  # keeps what the user set (portrl.config.composition.explicit_keys)
+    OmegaConf.set_readonly(out, False)
+    out.trainer.num_workers = resolve_num_workers(out, worker_backend(out))  # null (auto): every device
+    out.model.path = resolve_model_path(out)
+    train, val = resolve_data_files(out)
+    out.data.train_files, out.data.val_files = train, val
+    OmegaConf.set_readonly(out, True)
+    key = id(out)
+    _SETTLED[key] = weakref.ref(out, lambda _ref: _SETTLED.pop(key, None))
+    return out
+
+
+def is_settled(cfg: Any) -> bool:
+    """Whether ``cfg`` is a config :func:`settle_config` returned."""
+    ref = _SETTLED.get(id(cfg))
+    return ref is not None and ref() is cfg

@@ -37,40 +37,37 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from omegaconf import OmegaConf
-
-from portrl.algo import algorithm_spec, critic_enabled, get_kl_controller, reference_enabled
+from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
-from portrl.config.composition import copy_config
 from portrl.data import RLDataset
 from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
-from portrl.rewards import per_source_metrics
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
-from portrl.trainer.group_filter import group_filter_enabled, keep_groups
+from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.plot import plot_run
 from portrl.trainer.prime_phase import build_prime_phase
 from portrl.trainer.reference_update import refresh_reference
-from portrl.trainer.resources import arith_sft_rows, resolve_data_files, resolve_model_path
+from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
 from portrl.trainer.run_dir import prepare_run_dir
 from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
+from portrl.trainer.validation import validate, validation_prompts
 from portrl.trainer.value_pretrain import pretrain_critic
 from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
-from portrl.workers.batch import Batch, concat_rollouts
+from portrl.workers.batch import Batch
 from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.rollout_worker import separated_rollout
-from portrl.workers.setup import resolve_num_workers, setup_process, worker_backend
+from portrl.workers.setup import setup_process, worker_backend
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +79,28 @@ def _seed_all(seed: int) -> None:
 
 
 class RLTrainer:
-    """Builds workers, data, reward, tracker and checkpoints from ``cfg``; :meth:`fit` runs the loop."""
+    """Builds workers, data, reward, tracker and checkpoints from ``cfg``; :meth:`fit` runs the loop.
+
+    ``cfg`` is a settled config (:func:`portrl.trainer.resources.settle_config`: read-only, with
+    ``trainer.num_workers``, ``model.path`` and the data files resolved); the trainer writes nothing into it."""
 
     def __init__(self, cfg: Any):
-        cfg = copy_config(cfg)  # the caller's config stays as it is; what the user set is still known
-        OmegaConf.set_readonly(cfg, False)
+        if not is_settled(cfg):
+            raise TypeError("RLTrainer takes a settled config: portrl.trainer.resources.settle_config(cfg) after "
+                            "the preflight (run_training settles the config it is given)")
+        self.cfg = cfg
         self.backend = worker_backend(cfg)
         setup_process(cfg, self.backend)
-        cfg.trainer.num_workers = resolve_num_workers(cfg, self.backend)  # null (auto): every device of the node
         _seed_all(int(cfg.trainer.seed))
-        cfg.model.path = resolve_model_path(cfg)
-        self.cfg = cfg
         self.out_dir = Path(str(cfg.trainer.output_dir))  # created by fit(): validate() alone (eval) writes nothing
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.processor = load_processor(cfg.model.path)  # a vision-language model's; None for a text model
-        train_files, val_files = resolve_data_files(cfg)
         d = cfg.data
-        self.train_ds = RLDataset(train_files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
+        self.train_ds = RLDataset([str(f) for f in d.train_files], self.tokenizer,
+                                  max_prompt_length=int(d.max_prompt_length),
                                   filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
                                   shuffle=bool(d.shuffle), seed=int(d.seed), processor=self.processor)
-        self.val_prompts = self._val_prompts(val_files)
+        self.val_prompts = validation_prompts(cfg, [str(f) for f in d.val_files], self.tokenizer, self.processor)
         self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
         if str(cfg.rollout.placement) == "separated":
@@ -112,6 +111,8 @@ class RLTrainer:
             self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.reward = RewardScorer(cfg, self.tokenizer)
+        self.generation = StepGeneration(cfg, self.gen, self.reward, self.tokenizer, self._next_prompts,
+                                         records_forward=self.gen is self.actor)
         self.use_ref = reference_enabled(cfg)
         self.kl_ctrl = None
         if cfg.algorithm.use_kl_in_reward:
@@ -123,82 +124,14 @@ class RLTrainer:
         self.history: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------------------------- data
-    def _val_prompts(self, files: List[str]) -> Optional[Batch]:
-        if not files or int(self.cfg.trainer.test_freq) <= 0 and not self.cfg.trainer.val_before_train:
-            return None
-        d = self.cfg.data
-        ds = RLDataset(files, self.tokenizer, max_prompt_length=int(d.max_prompt_length),
-                       filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
-                       shuffle=False, seed=0, processor=self.processor)
-        n = ds.num_rows if d.max_val_samples is None else min(ds.num_rows, int(d.max_val_samples))
-        return _prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
-
     def _next_prompts(self) -> Batch:
         if self._train_iter is None:
             self._train_iter = self.train_ds.batches(int(self.cfg.data.train_batch_size))
-        return _prompt_batch(next(self._train_iter))
+        return prompt_batch(next(self._train_iter))
 
-    def _sampling(self, seed: int, greedy: bool = False) -> Dict[str, Any]:
-        r = self.cfg.rollout
-        if greedy:
-            v = r.val_kwargs
-            return {"n": int(v.n), "temperature": float(v.temperature), "top_p": float(v.top_p), "top_k": int(v.top_k),
-                    "max_new_tokens": int(self.cfg.data.max_response_length), "seed": seed}
-        return {"n": int(r.n), "temperature": float(r.temperature), "top_p": float(r.top_p), "top_k": int(r.top_k),
-                "max_new_tokens": int(self.cfg.data.max_response_length), "seed": seed}
-
-    def _gen_seed(self, step: int, k: int) -> int:
-        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
-
-    # ------------------------------------------------------------------------------------ phases
     def _rollout(self, step: int, timer: Timer, for_update: bool = True) -> tuple:
-        """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups.
-        ``for_update``: the actor will train on this batch (it may record the rollout's forward for that)."""
-        cfg = self.cfg
-        fg = cfg.algorithm.filter_groups
-        want = int(cfg.data.train_batch_size)
-        kept: List[Batch] = []
-        n_prompts, gen_batches, metrics = 0, 0, {}
-        first_batch = None
-        while True:
-            prompts = self._next_prompts()
-            with timer("gen"):
-                sampling = self._sampling(self._gen_seed(step, gen_batches))
-                extra = {"for_update": for_update} if self.gen is self.actor else {}
-                batch = self.gen.concat("generate_from", prompts, sampling, **extra)
-            gen_batches += 1
-            with timer("reward"):
-                batch.union(self.reward.compute_reward(batch))
-                if algorithm_spec(cfg.algorithm).needs_greedy_baseline:
-                    batch["reward_baselines"] = self._greedy_baselines(prompts, step, gen_batches)
-            if first_batch is None:
-                first_batch = batch
-            if not group_filter_enabled(cfg):
-                return batch, metrics
-            keep = keep_groups(cfg, batch)  # DAPO's dynamic sampling, verl's accuracy / truncation filters
-            if bool(keep.any()):
-                kept.append(batch.select(keep))
-                n_prompts += len(set(kept[-1].meta["uid"]))
-            if n_prompts >= want:
-                break
-            if int(fg.max_num_gen_batches) > 0 and gen_batches >= int(fg.max_num_gen_batches):
-                log.warning("dynamic sampling: %d informative groups after %d generation batches (max_num_gen_batches);"
-                            " training on those", n_prompts, gen_batches)
-                break
-        metrics["train/num_gen_batches"] = float(gen_batches)
-        metrics["train/num_kept_groups"] = float(min(n_prompts, want))
-        if not kept:
-            return None, metrics
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batch = concat_rollouts(kept, pad)
-        return batch.slice(0, min(len(batch), want * int(cfg.rollout.n))), metrics
-
-    def _greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
-        """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
-        greedy = dict(self._sampling(self._gen_seed(step, 500 + k)), n=1, temperature=0.0)
-        g = self.gen.concat("generate_from", prompts, greedy)
-        scores = self.reward.compute_reward(g).tensors["seq_scores"]
-        return scores.repeat_interleave(int(self.cfg.rollout.n))
+        """A step's generated and scored batch (portrl.trainer.generation.StepGeneration.rollout)."""
+        return self.generation.rollout(step, timer, for_update)
 
     def train_step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
@@ -240,7 +173,7 @@ class RLTrainer:
                     pf = cfg.algorithm.pf_ppo
                     batch = batch.select(pf_ppo_resample_indices(batch.tensors["token_level_scores"].sum(-1),
                                                                  str(pf.reweight_method), float(pf.weight_pow),
-                                                                 seed=self._gen_seed(step, 700)))
+                                                                 seed=generation_seed(cfg, step, 700)))
             if self.critic is not None:
                 with timer("update_critic"):
                     m.update(self.critic.metrics("update_critic", batch))
@@ -259,27 +192,8 @@ class RLTrainer:
         return m
 
     def validate(self, step: int) -> Dict[str, float]:
-        """Accuracy and score per data source on the validation prompts (mean over val_kwargs.n samples)."""
-        if self.val_prompts is None:
-            return {}
-        t0 = time.perf_counter()
-        size = self.cfg.data.val_batch_size or len(self.val_prompts)
-        sources: List[str] = []
-        acc, score, lens = [], [], []
-        for i, chunk in enumerate(self.val_prompts.split(int(size))):
-            b = self.gen.concat("generate_from", chunk, self._sampling(self._gen_seed(10**6 + step, i), greedy=True))
-            r = self.reward.compute_reward(b)
-            sources += [str(s) for s in b.meta["data_source"]]
-            acc.append(r.tensors["acc"].float())
-            score.append(r.tensors["seq_scores"].float())
-            lens.append(b.tensors["response_mask"].sum(-1).float())
-        a, s = torch.cat(acc), torch.cat(score)
-        out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
-        out["val/acc/mean"] = float(a.mean())
-        out["val/score/mean"] = float(s.mean())
-        out["val/response_length/mean"] = float(torch.cat(lens).mean())
-        out["timing_s/val"] = time.perf_counter() - t0
-        return out
+        """Accuracy and score per data source on the validation prompts (portrl.trainer.validation)."""
+        return validate(self.cfg, self.gen, self.reward, self.val_prompts, step)
 
     def sync_weights(self) -> None:
         """The policy to the engines: colocated ones (``sync_weights`` on the actors) or the separated
@@ -326,9 +240,10 @@ class RLTrainer:
             self.load_checkpoint(resume)
             summary["resumed_from"] = str(resume)
         elif cfg.model.sft_warm_start:
-            rows = arith_sft_rows(cfg, max(int(cfg.data.arith.num_train), 2000)) if str(cfg.data.name) == "arith" else None
+            rows = builtin_sft_rows(cfg, at_least=2000)
             if rows is None:
-                raise ValueError("model.sft_warm_start is built in for data.name=arith only; run `portrl sft` first")
+                raise ValueError(f"model.sft_warm_start needs a task with built-in SFT rows (data.name="
+                                 f"{cfg.data.name}); run `portrl sft` first")
             if t.val_before_train and self.val_prompts is not None:
                 summary["val_before"] = self.validate(-1).get("val/acc/mean")  # the untrained model
             sft = self.actor.metrics("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),
@@ -457,19 +372,12 @@ class RLTrainer:
         return summary
 
 
-def _prompt_batch(pb: Any) -> Batch:
-    """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes); ``multi_modal`` only when
-    some prompt has images (portrl/data/rl_dataset.py)."""
-    images = {"multi_modal": pb.multi_modal} if any(m is not None for m in pb.multi_modal or ()) else {}
-    return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
-                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info, **images})
-
-
 def run_training(cfg: Any) -> Dict[str, Any]:
-    """Run RL training as configured; returns ``{"run_dir", "steps", "val_before" (before any training,
-    SFT included), "val_before_rl", "val_after", "time_s", "tokens_per_s", "export_dir", "plots",
-    "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}`` (validation accuracies are val/acc/mean, None
-    without validation; critic/pretrain_* from portrl.trainer.value_pretrain)."""
+    """Run RL training as configured (``cfg`` is settled here when it is not yet: resources.settle_config);
+    returns ``{"run_dir", "steps", "val_before" (before any training, SFT included), "val_before_rl", "val_after",
+    "time_s", "tokens_per_s", "export_dir", "plots", "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}``
+    (validation accuracies are val/acc/mean, None without validation; critic/pretrain_* from
+    portrl.trainer.value_pretrain)."""
     trainer: Optional[RLTrainer] = None
 
     def stopped_while_starting(name: str) -> str:  # the line of a signal before step 1 (interrupts)
@@ -480,6 +388,6 @@ def run_training(cfg: Any) -> Dict[str, Any]:
 
     with stop_signals() as stop:  # until the loop starts, a signal stops at once: there is nothing to finish
         stop.at_once, stop.abort_message, stop.on_abort = True, stopped_while_starting, [terminate_local_ray]
-        trainer = RLTrainer(cfg)
+        trainer = RLTrainer(settle_config(cfg))  # resources resolved into a read-only copy (resources.py)
         stop.install()  # again: ray.init replaced the SIGTERM handler
         return trainer.fit()

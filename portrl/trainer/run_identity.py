@@ -10,7 +10,8 @@ Identity keys (what the trained weights and the data order depend on):
 
 * model: ``model.path`` (the built-in tiny model is recorded as ``<tiny>`` plus ``model.tiny``, not by its
   cache path), ``model.tokenizer_path``, ``actor.lora_rank`` (the layout of the trained state);
-* data: ``data.name``, ``data.train_files``, ``data.arith.{num_train, difficulty, seed}``, ``data.shuffle``,
+* data: ``data.name``, ``data.train_files`` (a generated task's cached files are recorded as none, as before they
+  are resolved: portrl.trainer.resources), ``data.arith.{num_train, difficulty, seed}``, ``data.shuffle``,
   ``data.seed``, ``data.max_prompt_length``, ``data.max_response_length``, ``data.filter_overlong_prompts``,
   ``data.truncation``;
 * algorithm: the whole ``algorithm`` section (estimator, KL, filtering, objective), ``actor.use_kl_loss``,
@@ -44,7 +45,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from portrl import __version__
-from portrl.trainer.resources import _key, cache_dir
+from portrl.trainer.resources import generated_files, tiny_model_dir
 
 RUN_FILE = "run.json"
 TINY = "<tiny>"
@@ -87,8 +88,7 @@ def _is_tiny_path(cfg: Any, path: Optional[str]) -> bool:
     """True when ``path`` is the cached built-in tiny model for ``model.tiny`` (see portrl.trainer.resources)."""
     if not path:
         return True
-    tiny = _plain(cfg.model.tiny)
-    return Path(str(path)) == cache_dir() / "models" / f"tiny-arith-{_key(dict(tiny))}"
+    return Path(str(path)) == tiny_model_dir(cfg)
 
 
 def run_identity(cfg: Any) -> Dict[str, Any]:
@@ -101,6 +101,9 @@ def run_identity(cfg: Any) -> Dict[str, Any]:
         ident.update(_flat(_get(cfg, "model.tiny"), "model.tiny"))
     else:
         ident["model.path"] = os.path.abspath(os.path.expanduser(str(ident["model.path"])))
+    generated = generated_files(cfg)
+    if generated is not None and ident.get("data.train_files") == [str(generated[0])]:
+        ident["data.train_files"] = []  # resolved by settle_config; the identity is the one the preflight saw
     if ident.get("data.train_files"):
         ident["data.train_files"] = [os.path.abspath(os.path.expanduser(str(f))) for f in ident["data.train_files"]]
     return json.loads(json.dumps(ident, sort_keys=True, default=str))  # plain, comparable values

@@ -1,0 +1,97 @@
+"""Generation of a step's batch in the trainer's process: the sampling settings, the generation seeds, DAPO's
+dynamic sampling (keep generating until ``data.train_batch_size`` informative groups) and ReMax's greedy
+baselines. Generation seeds derive from (``trainer.seed``, step, batch), so a resumed run samples what an
+uninterrupted run samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from portrl.algo import algorithm_spec
+from portrl.trainer.group_filter import group_filter_enabled, keep_groups
+from portrl.trainer.metrics import Timer
+from portrl.workers.batch import Batch, concat_rollouts
+
+log = logging.getLogger(__name__)
+
+
+def sampling_params(cfg: Any, seed: int, greedy: bool = False) -> Dict[str, Any]:
+    """The sampling settings of a training batch (``rollout``), or with ``greedy`` of validation
+    (``rollout.val_kwargs``); ``seed`` seeds the engine's sampling."""
+    r = cfg.rollout.val_kwargs if greedy else cfg.rollout
+    return {"n": int(r.n), "temperature": float(r.temperature), "top_p": float(r.top_p), "top_k": int(r.top_k),
+            "max_new_tokens": int(cfg.data.max_response_length), "seed": seed}
+
+
+def generation_seed(cfg: Any, step: int, k: int) -> int:
+    """The seed of generation batch ``k`` of ``step`` (validation: step 10**6 + step; baselines: k 500+)."""
+    return (int(cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
+
+
+def prompt_batch(pb: Any) -> Batch:
+    """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes); ``multi_modal`` only when
+    some prompt has images (portrl/data/rl_dataset.py)."""
+    images = {"multi_modal": pb.multi_modal} if any(m is not None for m in pb.multi_modal or ()) else {}
+    return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
+                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info, **images})
+
+
+class StepGeneration:
+    """Generates and scores a step's batch on ``gen`` (the actor group, or separated rollout workers:
+    ``records_forward`` False) with prompts from ``next_prompts`` and rewards from ``reward``."""
+
+    def __init__(self, cfg: Any, gen: Any, reward: Any, tokenizer: Any, next_prompts: Callable[[], Batch],
+                 records_forward: bool):
+        self.cfg, self.gen, self.reward, self.tokenizer = cfg, gen, reward, tokenizer
+        self.next_prompts, self.records_forward = next_prompts, records_forward
+
+    def rollout(self, step: int, timer: Timer, for_update: bool = True) -> Tuple[Optional[Batch], Dict[str, float]]:
+        """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups.
+        ``for_update``: the actor will train on this batch (it may record the rollout's forward for that).
+        (None, metrics) when dynamic sampling kept no group."""
+        cfg = self.cfg
+        fg = cfg.algorithm.filter_groups
+        want = int(cfg.data.train_batch_size)
+        kept: List[Batch] = []
+        n_prompts, gen_batches, metrics = 0, 0, {}
+        while True:
+            prompts = self.next_prompts()
+            with timer("gen"):
+                sampling = sampling_params(cfg, generation_seed(cfg, step, gen_batches))
+                extra = {"for_update": for_update} if self.records_forward else {}
+                batch = self.gen.concat("generate_from", prompts, sampling, **extra)
+            gen_batches += 1
+            with timer("reward"):
+                batch.union(self.reward.compute_reward(batch))
+                if algorithm_spec(cfg.algorithm).needs_greedy_baseline:
+                    batch["reward_baselines"] = self.greedy_baselines(prompts, step, gen_batches)
+            if not group_filter_enabled(cfg):
+                return batch, metrics
+            keep = keep_groups(cfg, batch)  # DAPO's dynamic sampling, verl's accuracy / truncation filters
+            if bool(keep.any()):
+                kept.append(batch.select(keep))
+                n_prompts += len(set(kept[-1].meta["uid"]))
+            if n_prompts >= want:
+                break
+            if int(fg.max_num_gen_batches) > 0 and gen_batches >= int(fg.max_num_gen_batches):
+                log.warning("dynamic sampling: %d informative groups after %d generation batches (max_num_gen_batches);"
+                            " training on those", n_prompts, gen_batches)
+                break
+        metrics["train/num_gen_batches"] = float(gen_batches)
+        metrics["train/num_kept_groups"] = float(min(n_prompts, want))
+        if not kept:
+            return None, metrics
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batch = concat_rollouts(kept, pad)
+        return batch.slice(0, min(len(batch), want * int(cfg.rollout.n))), metrics
+
+    def greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
+        """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
+        greedy = dict(sampling_params(self.cfg, generation_seed(self.cfg, step, 500 + k)), n=1, temperature=0.0)
+        g = self.gen.concat("generate_from", prompts, greedy)
+        scores = self.reward.compute_reward(g).tensors["seq_scores"]
+        return scores.repeat_interleave(int(self.cfg.rollout.n))

@@ -1,0 +1,52 @@
+"""Validation: the prompts of ``data.val_files`` and their accuracy and score per data source, generated with
+``rollout.val_kwargs`` (greedy by default; mean@k over ``val_kwargs.n`` samples otherwise)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from portrl.data import RLDataset
+from portrl.rewards import per_source_metrics
+from portrl.trainer.generation import generation_seed, prompt_batch, sampling_params
+from portrl.workers.batch import Batch
+
+
+def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: Any) -> Optional[Batch]:
+    """The validation prompts of ``files`` (at most ``data.max_val_samples``, in file order); None without files
+    or when no validation runs (``trainer.test_freq`` <= 0 and no ``trainer.val_before_train``)."""
+    if not files or int(cfg.trainer.test_freq) <= 0 and not cfg.trainer.val_before_train:
+        return None
+    d = cfg.data
+    ds = RLDataset(files, tokenizer, max_prompt_length=int(d.max_prompt_length),
+                   filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
+                   shuffle=False, seed=0, processor=processor)
+    n = ds.num_rows if d.max_val_samples is None else min(ds.num_rows, int(d.max_val_samples))
+    return prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
+
+
+def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: int) -> Dict[str, float]:
+    """``val/*`` metrics of ``prompts`` generated on ``gen`` and scored by ``reward`` in chunks of
+    ``data.val_batch_size``; {} without prompts."""
+    if prompts is None:
+        return {}
+    t0 = time.perf_counter()
+    size = cfg.data.val_batch_size or len(prompts)
+    sources: List[str] = []
+    acc, score, lens = [], [], []
+    for i, chunk in enumerate(prompts.split(int(size))):
+        b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i), greedy=True))
+        r = reward.compute_reward(b)
+        sources += [str(s) for s in b.meta["data_source"]]
+        acc.append(r.tensors["acc"].float())
+        score.append(r.tensors["seq_scores"].float())
+        lens.append(b.tensors["response_mask"].sum(-1).float())
+    a, s = torch.cat(acc), torch.cat(score)
+    out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
+    out["val/acc/mean"] = float(a.mean())
+    out["val/score/mean"] = float(s.mean())
+    out["val/response_length/mean"] = float(torch.cat(lens).mean())
+    out["timing_s/val"] = time.perf_counter() - t0
+    return out
