@@ -21,7 +21,7 @@ Log-probs are taken at temperature 1 (verl's PRM reads the raw logits), through
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 import torch
 
@@ -67,17 +67,19 @@ class ImplicitPRMWorker(TrainedModelWorker):
                           into_ref: bool = True) -> None:
         """Load the policy's weights (its model state, keyed as the causal LM's) into the PRM (``into_model``) and
         its reference (``into_ref``): the SFT warm start's result, where PRIME's PRM starts when no path is given."""
-        for target, wanted in ((self.module, into_model), (self.ref_module, into_ref)):
-            if not wanted:
-                continue
-            missing, unexpected = target.load_state_dict(dict(weights), strict=False)
-            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-                raise ValueError(f"the policy's weights do not fit the implicit PRM (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}); set reward_model.model.path and ref_path to model "
-                                 f"directories")
-        if into_model:
-            self.master.load_state_dict(self.module.state_dict())
+        if into_model:  # under FSDP2 each rank keeps its rows of the full tensors (TrainedModel.load_weights)
+            self._check_fit(*self.trained.load_weights(weights))
+        if into_ref:
+            keys = self.ref_module.load_state_dict(dict(weights), strict=False)
+            self._check_fit(keys.missing_keys, keys.unexpected_keys)
         self.ref_from_policy = self.ref_from_policy or into_ref
+
+    @staticmethod
+    def _check_fit(missing: List[str], unexpected: List[str]) -> None:
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"the policy's weights do not fit the implicit PRM (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}); set reward_model.model.path and ref_path to model "
+                             f"directories")
 
     # ------------------------------------------------------------------------------ forward
     def _logp(self, module, micro: Batch, grad: bool = False) -> torch.Tensor:
