@@ -71,13 +71,13 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     ``steps`` stays the schedule's length and the cap. Where a given step count gets this SFT moves with
     floating-point details; a stop on the model's own answers follows the model instead.
 
-    ``master``: the :class:`~portrl.workers.master_weights.MasterWeights` that own ``model``'s float32 weights
-    (a worker's, so the SFT updates the masters its RL optimizer steps from); None = made here.
+    ``master``: the MasterWeights that own ``model``'s float32 weights (a worker's, so the SFT updates the masters
+    its RL optimizer steps from); None = made here.
 
-    ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=,
-    chunk_size=) -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A
-    data-parallel worker passes its wrapped model (portrl.workers.parallel.ForwardModule under DDP /
-    FSDP2), so the wrapper's gradient all-reduce runs. Each rank draws its own examples (seeded by rank).
+    ``forward``: the log-prob forward, ``forward(input_ids, attention_mask, response_length=, packed=, chunk_size=)
+    -> (logp, entropy)``; None = :func:`portrl.models.compute_logprobs` on ``model``. A data-parallel worker passes
+    its wrapped model (ForwardModule under DDP / FSDP2), so the wrapper's gradient all-reduce runs. Each rank draws
+    its own examples (seeded by rank).
 
     Returns ``{"sft/loss_first", "sft/loss_last" (mean of the last 10 steps), "sft/steps" (steps done),
     "sft/tokens_per_s", "sft/time_s"}``, and ``"sft/answer_p"`` (the P(answer) it stopped at) when the
@@ -92,12 +92,8 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     data = encode_sft_rows(tokenizer, rows)
     device = device or next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = bool(cfg.model.use_packing) if cfg is not None else True
-    chunk = cfg.model.logprob_chunk_size if cfg is not None else None
-    if target_answer_p is None and cfg is not None:
-        target_answer_p = getattr(cfg.model, "sft_target_answer_p", None)
-    probe = None if target_answer_p is None else _probe(forward, data, pad, device, packed, chunk, world_size,
-                                                        check_every)
+    packed, chunk, target_answer_p = _model_options(cfg, target_answer_p)
+    probe = _probe(target_answer_p, forward, data, pad, device, packed, chunk, world_size, check_every)
     state = sft_trainable(model, master, lr, schedule, device)
     settings = LoopSettings(epochs=1, mini_rows=batch_size, micro_rows=batch_size, max_tokens=None,
                             grad_clip=grad_clip, loss_scale_factor=1, world_size=world_size)
@@ -113,21 +109,34 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
                        pad, device)
     losses: List[float] = []
     tokens, done, answer_p, was_training, t0 = 0, 0, None, model.training, time.perf_counter()
-    for done, batch in enumerate(batches, start=1):
-        losses.append(run_update(state, batch, settings, nll, prefix="sft")["sft/loss"])  # leaves the model in eval
+    model.train()
+    for done, batch in zip(range(1, steps + 1), batches):
+        losses.append(run_update(state, batch, settings, nll, prefix="sft", set_mode=False)["sft/loss"])
         tokens += int(batch.tensors["attention_mask"].sum())
         if log_every and done % log_every == 0:
             print(f"sft step {done}/{steps} loss {sum(losses[-log_every:]) / log_every:.4f}", flush=True)
         if probe is not None and done % check_every == 0 and done < steps:
+            model.eval()
             answer_p = probe()
+            model.train()
             if answer_p >= target_answer_p:
                 break
-        model.train()
-        if (stop is not None and stop(done)) or done == steps:
-            break
+        if stop is not None:
+            if stop(done):
+                break
+            model.train()
     model.train(was_training)
     return _summary(losses, done, tokens, time.perf_counter() - t0,
                     answer_p if answer_p is not None and answer_p >= target_answer_p else None)
+
+
+def _model_options(cfg: Any, target_answer_p: Optional[float]) -> tuple:
+    """``(packed, chunk_size, target_answer_p)`` from ``cfg.model`` (None: packed, no chunks, the given target)."""
+    if cfg is None:
+        return True, None, target_answer_p
+    m = cfg.model
+    return bool(m.use_packing), m.logprob_chunk_size, (
+        getattr(m, "sft_target_answer_p", None) if target_answer_p is None else target_answer_p)
 
 
 def sft_trainable(model: torch.nn.Module, master: Optional[MasterWeights], lr: float, schedule: int,
@@ -156,9 +165,12 @@ def _batches(data: List[tuple], batch_size: int, rng: random.Random, pad: int, d
         yield build_rollout_batch([data[i][0] for i in pick], [data[i][1] for i in pick], pad_token_id=pad).to(device)
 
 
-def _probe(forward: Any, data: List[tuple], pad: int, device: torch.device, packed: bool, chunk: Optional[int],
-           world_size: int, check_every: int) -> Callable[[], float]:
-    """The target_answer_p check: P(answer) on the first PROBE_ROWS examples (:func:`_answer_p`)."""
+def _probe(target_answer_p: Optional[float], forward: Any, data: List[tuple], pad: int, device: torch.device,
+           packed: bool, chunk: Optional[int], world_size: int, check_every: int) -> Optional[Callable[[], float]]:
+    """The target_answer_p check: P(answer) on the first PROBE_ROWS examples (:func:`_answer_p`); None without a
+    target."""
+    if target_answer_p is None:
+        return None
     if check_every < 1:
         raise ValueError(f"run_sft: check_every must be positive (got {check_every})")
     pb = build_rollout_batch([p for p, _ in data[:PROBE_ROWS]], [r for _, r in data[:PROBE_ROWS]],
