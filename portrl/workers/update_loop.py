@@ -1,4 +1,4 @@
-"""The training loop the actor and the critic share: one RL step of updates on a batch of rollouts.
+"""The training loop every trained model shares (actor, critic, implicit PRM, SFT): one update on a batch of rows.
 
 For each of ``epochs`` passes (rows shuffled per epoch when ``shuffle_seed`` is set), the batch is cut into
 mini-batches of ``mini_rows`` rows (one optimizer step each); every mini-batch into micro-batches of at most
