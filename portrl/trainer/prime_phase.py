@@ -30,7 +30,7 @@ normalisation), ``reward_model/raw_reward`` (mean summed log-ratio), ``reward_mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Optional
 
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
@@ -38,6 +38,7 @@ from portrl.trainer.metrics import Timer
 from portrl.workers.batch import Batch
 from portrl.workers.group import WorkerGroup
 from portrl.workers.implicit_prm import ImplicitPRMWorker
+from portrl.workers.prm_modes import prm_mode
 
 
 class PrimePhase:
@@ -59,22 +60,16 @@ class PrimePhase:
             weights = trainer.actor.rank0("state_dict")["model"]
             self.group.run("start_from_policy", weights, self.into_model, self.into_ref)
             self.pending_policy = False
-        update = str(rm.model["update"])  # a key named like the mapping method: item access
+        mode = prm_mode(rm.model)  # the update and loss records (portrl/workers/prm_modes.py)
         m: Dict[str, float] = {}
-        dpo = str(rm.model.loss_type) == "dpo" and update != "none"
         with timer("reward_model"):
-            q = None
-            if update == "after" or dpo:  # the dpo loss compares each row with its group as scored before the update
-                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
-            if dpo:
-                batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
-            if update == "before":
+            q = self._score(batch) if mode.scores_before_update else None
+            if mode.update.trains:
+                if mode.loss.needs_prior_scores:  # the dpo loss: each row against its group as scored before
+                    batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
                 m.update(self.group.metrics("update_rm", batch))
-                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
-            elif update == "after":
-                m.update(self.group.metrics("update_rm", batch))
-            elif q is None:
-                q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+            if mode.update.score_last:
+                q = self._score(batch)
         rewards = q * float(rm.model.beta_train)
         if str(rm.prime_norm) == "batch_norm":
             rewards = prime_batch_norm(rewards)
@@ -86,13 +81,13 @@ class PrimePhase:
         m["reward_model/dpo_acc_abs"] = prm_dpo_abs_accuracy(rewards, acc, mask)
         return m
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The PRM workers' state (rank 0's: full tensors, never a metrics reduction)."""
-        return self.group.rank0("state_dict")
+    def _score(self, batch: Batch) -> Any:
+        """``log π_rm − log π_ref`` ``(B,T)`` of the PRM as it is now, over all its workers."""
+        return self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load a checkpoint's PRM state; the PRM then does not take the policy's weights at the next step."""
-        self.group.run("load_state_dict", state)
+    def loaded_from_checkpoint(self) -> None:
+        """The PRM workers were loaded from a checkpoint (``prm``, written and read like the actor's by
+        portrl/trainer/run_checkpoints.py): they do not take the policy's weights at the next step."""
         self.pending_policy = False
 
 

@@ -9,7 +9,8 @@ One checkpoint (``<output_dir>/checkpoints/global_step_<step>/``, written atomic
   directory must then be on a filesystem every worker sees), which loads back into any number of ranks;
 * ``critic``: the same for the critic, when the run has one;
 * ``prm``: PRIME's implicit process reward model (model, optimizer, LR schedule; its reference when it holds the
-  warm-started policy), when the run has one (``portrl/trainer/prime_phase.py``);
+  warm-started policy), when the run has one (``portrl/trainer/prime_phase.py``); sharded like the actor's under
+  FSDP2 over several ranks (``prm/rank_<r>.*``, each with the reference whole when there is one);
 * ``trainer``: the step, the data position, the driver's RNG and the adaptive KL coefficient.
 
 The frozen reference policy is not copied into every checkpoint: it is written once per run to
@@ -72,12 +73,11 @@ def save_run_checkpoint(trainer: Any) -> Path:
     """A checkpoint of ``trainer`` (an :class:`portrl.trainer.rl_trainer.RLTrainer`) at its current step."""
     ident = run_identity(trainer.cfg)
     meta: Dict[str, Any] = {"step": trainer.global_step, "identity": ident, "fingerprint": fingerprint(ident)}
-    groups = [(name, group) for name, group in (("actor", trainer.actor), ("critic", trainer.critic))
-              if group is not None]
+    groups = [(name, group) for name, group in (("actor", trainer.actor), ("critic", trainer.critic),
+                                                ("prm", _prm_group(trainer))) if group is not None]
     # FSDP2 over several ranks: every rank writes its own shard in write(); otherwise rank 0's gathered state
     states = {name: None if group.rank0("sharded_checkpoint") else group.rank0("state_dict") for name, group in groups}
     actor = states["actor"]
-    prm = trainer.prm.state_dict() if getattr(trainer, "prm", None) is not None else None
     ref = trainer.actor.rank0("reference_state") if actor is None else actor.pop("ref", None)
     own_ref = ref is not None and int(trainer.cfg.trainer.ref_update_freq) > 0  # SPIN: the reference moves
     if own_ref:
@@ -93,8 +93,6 @@ def save_run_checkpoint(trainer: Any) -> Path:
                 group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
             else:
                 save_state(path, name, states[name])
-        if prm is not None:
-            save_state(path, "prm", prm)
         save_state(path, "trainer", state)
         if own_ref:
             save_state(path, "ref", ref)
@@ -102,16 +100,25 @@ def save_run_checkpoint(trainer: Any) -> Path:
     return trainer.ckpt.save(trainer.global_step, write, meta)
 
 
+def _prm_group(trainer: Any) -> Any:
+    """The workers of PRIME's implicit PRM (portrl/trainer/prime_phase.py), None when the run has none."""
+    prm = getattr(trainer, "prm", None)
+    return None if prm is None else prm.group
+
+
 def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bool]:
     """``(state, by_rank)`` of worker state ``name`` in checkpoint ``path`` for ``group``: the whole state (one
     file pair, or shards joined for a group that does not shard), or, for a sharded group and shards
     (``by_rank``), its JSON part alone: every rank then reads its own rows (``load_shard``), from a checkpoint
-    of any number of ranks. Raises StateFormatError."""
+    of any number of ranks (a reference the shards hold included, so the JSON part leaves it out). Raises
+    StateFormatError."""
     if not is_sharded(path, name):
         return load_state(path, name), False
     shards = ShardedState(path, name)  # checks that the shards are one complete set
     if group.rank0("sharded_checkpoint"):
-        return shards.load(tensors=False), True
+        state = shards.load(tensors=False)
+        state.pop("ref", None)
+        return state, True
     return shards.load(), False
 
 
@@ -154,7 +161,8 @@ def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> 
         actor, actor_by_rank = _worker_state(path, "actor", trainer.actor)
         critic, critic_by_rank = _worker_state(path, "critic", trainer.critic) \
             if trainer.critic is not None and not policy_only else (None, False)
-        prm = load_state(path, "prm") if getattr(trainer, "prm", None) is not None and not policy_only else None
+        prm, prm_by_rank = _worker_state(path, "prm", _prm_group(trainer)) \
+            if _prm_group(trainer) is not None and not policy_only else (None, False)
         state = None if policy_only else load_state(path, "trainer")
         if use_ref and ref_meta is not None:  # the run's reference, written once (save_run_checkpoint)
             actor["ref"] = load_state(path.parent / ref_meta["dir"], "ref")
@@ -174,7 +182,8 @@ def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> 
         if note and not policy_only:
             log.warning("%s", note)
     for name, group, worker_state, by_rank in (("actor", trainer.actor, actor, actor_by_rank),
-                                               ("critic", trainer.critic, critic, critic_by_rank)):
+                                               ("critic", trainer.critic, critic, critic_by_rank),
+                                               ("prm", _prm_group(trainer), prm, prm_by_rank)):
         if worker_state is None:
             continue
         if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
@@ -186,7 +195,7 @@ def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> 
         else:
             group.run("load_state_dict", worker_state)
     if prm is not None:
-        trainer.prm.load_state_dict(prm)
+        trainer.prm.loaded_from_checkpoint()
     trainer.global_step = int(manifest["step"])
     if state is None:
         return

@@ -32,19 +32,15 @@ from portrl.models.export import export_pretrained
 from portrl.models.multimodal import batch_image_inputs, freeze_vision_tower
 from portrl.rollout import choose_engine, engine_capabilities, make_engine
 from portrl.rollout.weights import load_named_tensors
-from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
-from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
+from portrl.workers.master_weights import load_dtype
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.tape_budget import tape_budget
 from portrl.workers.training import (
     all_reduce_sum,
-    build_lr_scheduler,
-    build_optimizer,
     inference_micro_batches,
     rng_state,
     rollout_gap_metrics,
@@ -52,10 +48,11 @@ from portrl.workers.training import (
     shares_prompts,
 )
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
+from portrl.workers.trained_model import TrainedModel, TrainedModelWorker, model_strategy
+from portrl.workers.update_loop import LoopSettings, Position
 
 
-class ActorRolloutWorker:
+class ActorRolloutWorker(TrainedModelWorker):
     """Policy + rollout engine (+ reference). ``model_path`` overrides ``cfg.model.path`` (the resolved tiny model)."""
 
     config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm")  # what it reads
@@ -69,32 +66,27 @@ class ActorRolloutWorker:
         self.model_path = str(path)
         self.dtype = resolve_dtype(cfg, self.backend)  # the compute dtype (engine copy, reference, export)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or self.model_path)
-        self.strategy = "none"
-        if world_size > 1:
-            self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+        self.strategy = model_strategy(cfg, self.backend, world_size)
         self.checkpointing = use_gradient_checkpointing(cfg, self.model_path)
-        self.module = load_causal_lm(self.model_path, dtype=load_dtype(self.dtype),
-                                     backend=self.backend, attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
-                                     gradient_checkpointing=self.checkpointing)
-        self.module.to(self.device).eval()
+        module = load_causal_lm(self.model_path, dtype=load_dtype(self.dtype),
+                                backend=self.backend, attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
+                                gradient_checkpointing=self.checkpointing)
+        module.to(self.device).eval()
         if bool(cfg.actor.freeze_vision_tower):  # a vision-language model's image encoder stays as loaded
-            freeze_vision_tower(self.module)
+            freeze_vision_tower(module)
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
-            self.module = apply_lora(self.module, cfg)
+            module = apply_lora(module, cfg)
         self.separated = str(cfg.rollout.placement) == "separated"
         # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
         # sharding, refreshed by sync_weights); otherwise the hf engine shares the trainer's module.
-        engine_model = self._plain_copy() if self.strategy == "fsdp" and not self.separated else None
-        # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
-        # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.
-        if self.strategy != "fsdp":
-            self.master = MasterWeights(self.module, self.dtype)
-        self.train_module = self._wrap(self.module)
-        if self.strategy == "fsdp":
-            self.master = MasterWeights(self.module)
-        self.optimizer = build_optimizer(self.master.masters, cfg.actor.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, int(cfg.trainer.total_steps))
+        engine_model = self._plain_copy(module) if self.strategy == "fsdp" and not self.separated else None
+        # masters, the wrap every policy log-prob pass runs through (with data parallelism ForwardModule(module,
+        # compute_logprobs) under DDP / FSDP2: the decoder, then the LM head's weight in the fused log-prob op, run
+        # inside the wrapper's root forward, so DDP all-reduces the gradients and FSDP2 gathers the parameters)
+        self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
+                                    strategy=self.strategy, optim=cfg.actor.optim, rank=rank, world_size=world_size,
+                                    forward=compute_logprobs)
         self.ref_module: Optional[torch.nn.Module] = None
         self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
         self.update_count = 0
@@ -102,25 +94,16 @@ class ActorRolloutWorker:
         self._param_bytes: Optional[int] = None  # the policy's parameter bytes (the tape budget's first bound)
 
     # ---------------------------------------------------------------------------------- building
-    def _wrap(self, module):
-        """The module every policy log-prob pass runs through. With data parallelism it is
-        ``ForwardModule(module, compute_logprobs)`` under DDP / FSDP2: the whole computation (decoder, then
-        the LM head's weight in the fused log-prob op) runs inside the wrapper's root forward, so DDP
-        all-reduces the gradients and FSDP2 gathers the parameters."""
-        if self.world_size <= 1:
-            return module
-        return wrap_model(ForwardModule(module, compute_logprobs), self.strategy, self.backend, device=self.device,
-                          compute_dtype=self.dtype)
-
-    def _plain_copy(self) -> torch.nn.Module:
-        """A frozen, unwrapped, unsharded copy of the policy with any LoRA deltas merged in (a collective
-        under FSDP2: every rank must call it)."""
+    def _plain_copy(self, module: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+        """A frozen, unwrapped, unsharded copy of the policy (``module``, default the trained one) with any LoRA
+        deltas merged in (a collective under FSDP2: every rank must call it)."""
+        module = self.module if module is None else module
         if not self.lora and self.strategy != "fsdp":
-            copy_ = copy.deepcopy(self.module)
+            copy_ = copy.deepcopy(module)
         else:
             copy_ = load_causal_lm(self.model_path, dtype=self.dtype, backend=self.backend,
                                    attn_impl=self.cfg.device.attn_impl or self.cfg.model.attn_impl).to(self.device)
-            load_named_tensors(copy_, merged_weights(self.module))
+            load_named_tensors(copy_, merged_weights(module))
         for p in copy_.parameters():
             p.requires_grad_(False)
         return copy_.eval()
@@ -256,13 +239,7 @@ class ActorRolloutWorker:
         ``actor.shuffle`` the rows of epoch e are permuted with seed ``trainer.seed*7919 + update_count*31 + e``."""
         a = self.cfg.actor
         seed = int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 if a.shuffle else None
-        return LoopSettings(epochs=int(a.ppo_epochs),
-                            mini_rows=mini_batch_rows(a.ppo_mini_batch_size, self.cfg.rollout.n, self.world_size),
-                            micro_rows=int(a.ppo_micro_batch_size_per_device),
-                            max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
-                            grad_clip=float(a.optim.grad_clip), loss_scale_factor=int(self.cfg.data.max_response_length),
-                            world_size=self.world_size, shuffle_seed=seed,
-                            shared_prompts=shares_prompts(self.cfg.model))
+        return self.trained.loop_settings(int(a.ppo_epochs), a.ppo_mini_batch_size, shuffle_seed=seed)
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
@@ -289,16 +266,15 @@ class ActorRolloutWorker:
                 return {}
             return {"num_pairs": all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]}
 
-        state = Trainable(self.train_module, self.master, self.optimizer, self.scheduler, self.device)
-        out = run_update(state, batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
-                         extra_counts=preference_pairs)
+        out = self.trained.update(batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
+                                  extra_counts=preference_pairs)
         self.update_count += 1
         out.update(rollout_gap_metrics(gaps, self.world_size))
         return out
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
-        wrapped = self.train_module is not self.module
+        wrapped = self.trained.wrapped
         return run_sft_steps(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
                              batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
                              forward=self.train_module if wrapped else None, master=self.master,
@@ -320,50 +296,19 @@ class ActorRolloutWorker:
         return True
 
     # ----------------------------------------------------------------------------- state / io
-    def weights_finite(self) -> bool:
-        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
-        checkpoint is written (portrl.trainer.divergence)."""
-        return self.master.finite()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """model, optimizer, scheduler, RNG (and the reference when one exists). Under FSDP2 the model and
-        optimizer states are gathered to full tensors keyed by parameter name, so a checkpoint loads into any
-        number of workers (a collective under FSDP2: every rank calls it; each gets it all)."""
-        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
-        state = {"model": model_sd, "optimizer": optim_sd,
-                 "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "update_count": self.update_count}
-        ref = self.reference_state()
+    # weights_finite, state_dict, load_state_dict, sharded_checkpoint, save_shard, load_shard: TrainedModelWorker
+    def extra_state(self, sharded: bool) -> Dict[str, Any]:
+        """The actor's entries of its state after model, optimizer, scheduler: the process RNG, the update count, and
+        (not in a shard: the trainer writes it once per run) the reference when one exists."""
+        state: Dict[str, Any] = {"rng": rng_state(), "update_count": self.update_count}
+        ref = None if sharded else self.reference_state()
         if ref is not None:
             state["ref"] = ref
         return state
 
-    def reference_state(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The frozen reference's weights (a full copy on every rank; None while there is none)."""
-        return None if self.ref_module is None else self.ref_module.state_dict()
-
-    def sharded_checkpoint(self) -> bool:
-        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks:
-        :meth:`save_shard`) instead of rank 0 writing the gathered :meth:`state_dict`."""
-        return self.strategy == "fsdp" and self.world_size > 1
-
-    def save_shard(self, directory: str, name: str) -> None:
-        """This rank's part of :meth:`state_dict` (the reference aside) written by this rank, nothing gathered:
-        ``<directory>/<name>/rank_<rank>.*`` (portrl.state_files.save_shard). Every rank calls it."""
-        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master, sharded=True)
-        save_shard(directory, name, {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                                     "rng": rng_state(), "update_count": self.update_count}, self.rank, self.world_size)
-
-    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> None:
-        """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
-        that replace the saved ones (a rescaled learning-rate schedule, the reference). Every rank calls it."""
-        state = ShardedState(directory, name).load(self.rank, self.world_size, wrap=shard_wrap(self.module))
-        self.load_state_dict(merge_state(state, extra or {}), sharded=True)
-
-    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> None:
-        """The inverse of :meth:`state_dict` (every rank gets the same full state); ``sharded``: of
-        :meth:`load_shard` (this rank's DTensor shards)."""
-        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"], sharded)
-        self.scheduler.load_state_dict(state["scheduler"])
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """RNG, update count and reference of :meth:`extra_state` (a ``ref`` entry the driver adds to a shard's
+        state included), then the weights to the engine."""
         set_rng_state(state["rng"])
         self.update_count = int(state.get("update_count", 0))
         if "ref" in state:
@@ -371,6 +316,10 @@ class ActorRolloutWorker:
                 self.init_reference()
             self.ref_module.load_state_dict(state["ref"])
         self.sync_weights()
+
+    def reference_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The frozen reference's weights (a full copy on every rank; None while there is none)."""
+        return None if self.ref_module is None else self.ref_module.state_dict()
 
     def export_hf(self, out_dir: str) -> str:
         """Write the policy as the user's model with new weights (portrl.models.export): a plain model of the

@@ -12,20 +12,19 @@ micro-batch: the clipped value loss ``½·agg(max((V−R)², (clip(V, V_old±c)�
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from portrl.algo import compute_value_loss, masked_mean
 from portrl.models import load_causal_lm
 from portrl.models.logprobs import response_hidden_states
-from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.batch import Batch
-from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.parallel import resolve_strategy, shard_wrap, wrap_model
+from portrl.workers.master_weights import load_dtype
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches, shares_prompts
-from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
+from portrl.workers.trained_model import TrainedModel, TrainedModelWorker, model_strategy
+from portrl.workers.training import inference_micro_batches, shares_prompts
+from portrl.workers.update_loop import LoopSettings, Position
 
 
 class ValueModel(torch.nn.Module):
@@ -56,7 +55,7 @@ class ValueModel(torch.nn.Module):
         return torch.zeros(resp_valid.shape, dtype=values.dtype, device=values.device).index_put((resp_valid,), values)
 
 
-class CriticWorker:
+class CriticWorker(TrainedModelWorker):
     """Value model + optimizer. Built from ``critic.model_path`` or, when unset, the actor's model."""
 
     config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "critic")  # what it reads
@@ -70,29 +69,15 @@ class CriticWorker:
         with torch.random.fork_rng(devices=[]):  # building the critic must not shift the run's RNG stream
             torch.manual_seed(int(cfg.trainer.seed) + 1)
             self.dtype = resolve_dtype(cfg, self.backend)
-            self.strategy = "none"
-            if world_size > 1:
-                self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend)
+            self.strategy = model_strategy(cfg, self.backend, world_size)
             lm = load_causal_lm(str(path), dtype=load_dtype(self.dtype), backend=self.backend,
                                 attn_impl=cfg.device.attn_impl or cfg.model.attn_impl,
                                 gradient_checkpointing=use_gradient_checkpointing(cfg, str(path)))
-            self.module = ValueModel(lm).to(self.device).eval()
-        # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
-        # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.
-        if self.strategy != "fsdp":
-            self.master = MasterWeights(self.module, self.dtype)
-        self.train_module = self._wrap(self.module)
-        if self.strategy == "fsdp":
-            self.master = MasterWeights(self.module)
-        self.optimizer = build_optimizer(self.master.masters, cfg.critic.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.critic.optim, int(cfg.trainer.total_steps))
-
-    def _wrap(self, module):
-        """DDP / FSDP2 over the ValueModel itself: its forward is the whole value computation, so the
-        wrapper's root forward sees it (no ForwardModule needed)."""
-        if self.world_size <= 1:
-            return module
-        return wrap_model(module, self.strategy, self.backend, device=self.device, compute_dtype=self.dtype)
+            module = ValueModel(lm).to(self.device).eval()
+        # DDP / FSDP2 over the ValueModel itself: its forward is the whole value computation, so the wrapper's root
+        # forward sees it (no ForwardModule needed)
+        self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
+                                    strategy=self.strategy, optim=cfg.critic.optim, rank=rank, world_size=world_size)
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
@@ -109,13 +94,7 @@ class CriticWorker:
         """The shared update loop's settings: ``critic.ppo_epochs`` (else the actor's), the actor's mini- and
         micro-batch sizes, ``critic.optim.grad_clip``; rows keep their order."""
         c, a = self.cfg.critic, self.cfg.actor
-        return LoopSettings(epochs=int(c.ppo_epochs or a.ppo_epochs),
-                            mini_rows=mini_batch_rows(a.ppo_mini_batch_size, self.cfg.rollout.n, self.world_size),
-                            micro_rows=int(a.ppo_micro_batch_size_per_device),
-                            max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
-                            grad_clip=float(c.optim.grad_clip),
-                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size,
-                            shared_prompts=shares_prompts(self.cfg.model))
+        return self.trained.loop_settings(int(c.ppo_epochs or a.ppo_epochs), a.ppo_mini_batch_size)
 
     def update_critic(self, batch: Batch, advance_schedule: bool = True) -> Dict[str, float]:
         """One RL step of value regression on ``returns`` (needs values, returns, response_mask) through the shared
@@ -133,39 +112,8 @@ class CriticWorker:
             return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": float(clipfrac),
                           "critic/vpred_mean": float(masked_mean(vpreds.detach(), mask))}
 
-        state = Trainable(self.train_module, self.master, self.optimizer, self.scheduler, self.device)
-        return run_update(state, batch, self.loop_settings(), value_loss, prefix="critic",
-                          additive=frozenset({"critic/vf_loss"}), advance_schedule=advance_schedule)
+        return self.trained.update(batch, self.loop_settings(), value_loss, prefix="critic",
+                                   additive=frozenset({"critic/vf_loss"}), advance_schedule=advance_schedule)
 
-    def weights_finite(self) -> bool:
-        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
-        checkpoint is written (portrl.trainer.divergence)."""
-        return self.master.finite()
-
-    def state_dict(self) -> Dict[str, Any]:
-        """model, optimizer, scheduler (the process RNG is the actor worker's to save); full tensors keyed by
-        parameter name, whatever the number of workers (a collective under FSDP2: every rank calls it)."""
-        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> None:
-        """The inverse of :meth:`state_dict`; ``sharded``: of :meth:`load_shard` (this rank's DTensor shards)."""
-        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"], sharded)
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def sharded_checkpoint(self) -> bool:
-        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks)."""
-        return self.strategy == "fsdp" and self.world_size > 1
-
-    def save_shard(self, directory: str, name: str) -> None:
-        """This rank's part of :meth:`state_dict`, written by this rank with nothing gathered:
-        ``<directory>/<name>/rank_<rank>.*`` (portrl.state_files.save_shard). Every rank calls it."""
-        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master, sharded=True)
-        state = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
-        save_shard(directory, name, state, self.rank, self.world_size)
-
-    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> None:
-        """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
-        that replace the saved ones (a rescaled learning-rate schedule). Every rank calls it."""
-        state = ShardedState(directory, name).load(self.rank, self.world_size, wrap=shard_wrap(self.module))
-        self.load_state_dict(merge_state(state, extra or {}), sharded=True)
+    # weights_finite, state_dict (model, optimizer, scheduler; the process RNG is the actor worker's to save),
+    # load_state_dict, sharded_checkpoint, save_shard, load_shard: TrainedModelWorker

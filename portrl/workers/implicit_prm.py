@@ -12,7 +12,7 @@ policy after the SFT warm start, which the trainer hands over with :meth:`start_
   ``actor.ppo_mini_batch_size``) times ``rollout.n``, one optimizer step each, through the shared update loop
   (portrl.workers.update_loop): verl's ``ce`` loss, the binary cross-entropy of ``σ(β·Σ_t q_t)`` against each
   row's 0/1 ``acc``, or its ``dpo`` loss against the other side of the prompt group
-  (``portrl.algo.implicit_prm.prm_dpo_loss``), averaged over the mini-batch's rows (all ranks). AdamW and the schedule from
+  (``portrl.algo.implicit_prm.prm_dpo_loss``; the loss records: ``portrl/workers/prm_modes.py``), averaged over the mini-batch's rows (all ranks). AdamW and the schedule from
   ``reward_model.model.optim`` (verl: lr 1e-6, constant).
 
 Log-probs are taken at temperature 1 (verl's PRM reads the raw logits), through
@@ -21,21 +21,22 @@ Log-probs are taken at temperature 1 (verl's PRM reads the raw logits), through
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 import torch
 
-from portrl.algo.implicit_prm import implicit_token_rewards, prm_ce_loss, prm_dpo_loss
+from portrl.algo.implicit_prm import implicit_token_rewards
 from portrl.models import compute_logprobs, load_causal_lm
 from portrl.workers.batch import Batch
-from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
-from portrl.workers.parallel import ForwardModule, resolve_strategy, wrap_model
+from portrl.workers.master_weights import load_dtype
+from portrl.workers.prm_modes import prm_mode
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
-from portrl.workers.training import build_lr_scheduler, build_optimizer, inference_micro_batches, shares_prompts
-from portrl.workers.update_loop import LoopSettings, Position, Trainable, mini_batch_rows, run_update
+from portrl.workers.trained_model import TrainedModel, TrainedModelWorker, model_strategy
+from portrl.workers.training import inference_micro_batches, shares_prompts
+from portrl.workers.update_loop import LoopSettings, Position
 
 
-class ImplicitPRMWorker:
+class ImplicitPRMWorker(TrainedModelWorker):
     """Implicit PRM + frozen reference + optimizer, built as ``cls(cfg, rank, world_size)`` (a WorkerGroup member)."""
 
     config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "reward_model")  # what it reads
@@ -46,43 +47,39 @@ class ImplicitPRMWorker:
         rm = cfg.reward_model.model
         path, ref_path = str(rm.path or cfg.model.path), str(rm.ref_path or cfg.model.path)
         self.dtype = resolve_dtype(cfg, self.backend)
-        self.strategy = resolve_strategy(str(cfg.actor.strategy), self.backend) if world_size > 1 else "none"
+        self.strategy = model_strategy(cfg, self.backend, world_size)
         attn = cfg.device.attn_impl or cfg.model.attn_impl
         with torch.random.fork_rng(devices=[]):  # building the PRM must not shift the run's RNG stream
-            self.module = load_causal_lm(path, dtype=load_dtype(self.dtype), backend=self.backend, attn_impl=attn,
-                                         gradient_checkpointing=use_gradient_checkpointing(cfg, path))
-            self.module.to(self.device).eval()
+            module = load_causal_lm(path, dtype=load_dtype(self.dtype), backend=self.backend, attn_impl=attn,
+                                    gradient_checkpointing=use_gradient_checkpointing(cfg, path))
+            module.to(self.device).eval()
             self.ref_module = load_causal_lm(ref_path, dtype=self.dtype, backend=self.backend,
                                              attn_impl=attn).to(self.device).eval()
         for p in self.ref_module.parameters():
             p.requires_grad_(False)
         self.ref_from_policy = False  # the reference holds handed-over policy weights (saved with the state)
-        if self.strategy != "fsdp":  # float32 master weights, as the actor's (portrl.workers.actor)
-            self.master = MasterWeights(self.module, self.dtype)
-        self.train_module = self.module if world_size <= 1 else wrap_model(
-            ForwardModule(self.module, compute_logprobs), self.strategy, self.backend, device=self.device,
-            compute_dtype=self.dtype)
-        if self.strategy == "fsdp":
-            self.master = MasterWeights(self.module)
-        optim = cfg.reward_model.model.optim
-        self.optimizer = build_optimizer(self.master.masters, optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, optim, int(cfg.trainer.total_steps))
+        # masters, the wrap (ForwardModule(module, compute_logprobs) with several workers), optimizer, schedule
+        self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
+                                    strategy=self.strategy, optim=cfg.reward_model.model.optim, rank=rank,
+                                    world_size=world_size, forward=compute_logprobs)
 
     def start_from_policy(self, weights: Mapping[str, torch.Tensor], into_model: bool = True,
                           into_ref: bool = True) -> None:
         """Load the policy's weights (its model state, keyed as the causal LM's) into the PRM (``into_model``) and
         its reference (``into_ref``): the SFT warm start's result, where PRIME's PRM starts when no path is given."""
-        for target, wanted in ((self.module, into_model), (self.ref_module, into_ref)):
-            if not wanted:
-                continue
-            missing, unexpected = target.load_state_dict(dict(weights), strict=False)
-            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-                raise ValueError(f"the policy's weights do not fit the implicit PRM (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]}); set reward_model.model.path and ref_path to model "
-                                 f"directories")
-        if into_model:
-            self.master.load_state_dict(self.module.state_dict())
+        if into_model:  # under FSDP2 each rank keeps its rows of the full tensors (TrainedModel.load_weights)
+            self._check_fit(*self.trained.load_weights(weights))
+        if into_ref:
+            keys = self.ref_module.load_state_dict(dict(weights), strict=False)
+            self._check_fit(keys.missing_keys, keys.unexpected_keys)
         self.ref_from_policy = self.ref_from_policy or into_ref
+
+    @staticmethod
+    def _check_fit(missing: List[str], unexpected: List[str]) -> None:
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"the policy's weights do not fit the implicit PRM (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}); set reward_model.model.path and ref_path to model "
+                             f"directories")
 
     # ------------------------------------------------------------------------------ forward
     def _logp(self, module, micro: Batch, grad: bool = False) -> torch.Tensor:
@@ -112,55 +109,39 @@ class ImplicitPRMWorker:
         """One epoch, mini-batches of ``reward_model.mini_batch_size`` (else the actor's) prompts, the actor's
         micro-batch limits, ``reward_model.model.optim.grad_clip``; rows keep their order."""
         a, rm = self.cfg.actor, self.cfg.reward_model
-        mini = rm.mini_batch_size if rm.mini_batch_size is not None else a.ppo_mini_batch_size
-        return LoopSettings(epochs=1, mini_rows=mini_batch_rows(mini, self.cfg.rollout.n, self.world_size),
-                            micro_rows=int(a.ppo_micro_batch_size_per_device),
-                            max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
-                            grad_clip=float(rm.model.optim.grad_clip),
-                            loss_scale_factor=int(self.cfg.data.max_response_length), world_size=self.world_size,
-                            shared_prompts=shares_prompts(self.cfg.model))
+        return self.trained.loop_settings(1, rm.mini_batch_size if rm.mini_batch_size is not None
+                                          else a.ppo_mini_batch_size)
 
     def update_rm(self, batch: Batch) -> Dict[str, float]:
         """One online update on ``batch`` (input_ids, attention_mask, responses, response_mask, acc; for the dpo loss
-        also ``prm_dpo_others``) with ``reward_model.model.loss_type``; returns ``reward_model/*`` metrics
-        (``ce_loss`` or ``dpo_loss``: the mean over the rows of each mini-batch before its step)."""
+        also ``prm_dpo_others``) with the loss record of ``reward_model.model.loss_type``
+        (portrl.workers.prm_modes); returns ``reward_model/*`` metrics (``ce_loss`` or ``dpo_loss``: the mean over
+        the rows of each mini-batch before its step)."""
         beta = float(self.cfg.reward_model.model.beta_train)
-
-        dpo = str(self.cfg.reward_model.model.loss_type) == "dpo"
-        name = "reward_model/dpo_loss" if dpo else "reward_model/ce_loss"
+        record = prm_mode(self.cfg.reward_model.model).loss
+        name = record.metric
 
         def prm_loss(micro: Batch, counts: Dict[str, Any], pos: Position):
             q = self._q(self.train_module, micro, grad=True)
             acc, mask = micro.tensors["acc"].float(), micro.tensors["response_mask"]
-            per_row = prm_dpo_loss(q, acc, micro.tensors["prm_dpo_others"], mask, beta) if dpo else \
-                prm_ce_loss(q, acc, mask, beta)
+            per_row = record.row_loss(q, acc, micro.tensors, mask, beta)
             loss = per_row.sum() / counts["global_batch_size"] * counts["dp_size"]
             # summed over micro-batches and averaged over ranks (each scaled by dp_size): the mini-batch's mean
             return loss, {name: float(loss.detach())}
 
-        state = Trainable(self.train_module, self.master, self.optimizer, self.scheduler, self.device)
-        return run_update(state, batch, self.loop_settings(), prm_loss, prefix="reward_model",
-                          additive=frozenset({name}))
+        return self.trained.update(batch, self.loop_settings(), prm_loss, prefix="reward_model",
+                                   additive=frozenset({name}))
 
     # ----------------------------------------------------------------------------- state / io
-    def weights_finite(self) -> bool:
-        """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
-        checkpoint is written (portrl.trainer.divergence)."""
-        return self.master.finite()
+    # weights_finite, state_dict, load_state_dict, sharded_checkpoint, save_shard, load_shard: TrainedModelWorker
+    def extra_state(self, sharded: bool) -> Dict[str, Any]:
+        """The reference when it holds handed-over policy weights (a path's reference is loaded again from the
+        path): a full copy, in the gathered state and in every rank's shard alike (each rank holds it whole)."""
+        if not self.ref_from_policy:
+            return {}
+        return {"ref": {k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()}}
 
-    def state_dict(self) -> Dict[str, Any]:
-        """model, optimizer, scheduler, and the reference when it holds handed-over policy weights (a path's
-        reference is loaded again from the path); full tensors keyed by name (a collective under FSDP2)."""
-        model_sd, optim_sd = train_state(self.module, self.optimizer, self.master)
-        state: Dict[str, Any] = {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
-        if self.ref_from_policy:
-            state["ref"] = {k: v.detach().cpu() for k, v in self.ref_module.state_dict().items()}
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
         if "ref" in state:
             self.ref_module.load_state_dict(state["ref"])
             self.ref_from_policy = True
-

@@ -22,11 +22,11 @@ from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) 
 SCHEDULERS = ("constant", "cosine", "linear")
 
 
-def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
+def build_optimizer(params, optim_cfg: Mapping[str, Any], fused: bool = True) -> torch.optim.Optimizer:
     """AdamW with lr, betas, eps and weight_decay from ``optim_cfg`` (an OptimConfig).
 
     The fused implementation (one kernel per step instead of a dozen multi-tensor passes) where
-    torch offers it for the parameters' device and dtype, else the multi-tensor (foreach) one.
+    torch offers it for the parameters' device and dtype (and ``fused``), else the multi-tensor (foreach) one.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -37,9 +37,11 @@ def build_optimizer(params, optim_cfg: Mapping[str, Any]) -> torch.optim.Optimiz
     kwargs = dict(lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
                   weight_decay=float(optim_cfg["weight_decay"]))
     try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
+        if fused:
+            return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError):  # fused kernels not available for this device / dtype / tensor type
-        return torch.optim.AdamW(params, foreach=True, **kwargs)
+        pass
+    return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, master, clip: float, skip: bool = False) -> float:

@@ -1,4 +1,4 @@
-"""The training loop the actor and the critic share: one RL step of updates on a batch of rollouts.
+"""The training loop every trained model shares (actor, critic, implicit PRM, SFT): one update on a batch of rows.
 
 For each of ``epochs`` passes (rows shuffled per epoch when ``shuffle_seed`` is set), the batch is cut into
 mini-batches of ``mini_rows`` rows (one optimizer step each); every mini-batch into micro-batches of at most
@@ -102,16 +102,18 @@ def mini_batch_rows(mini_batch_size: int, n: int, world_size: int) -> int:
 
 def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: LossFn, *, prefix: str,
                additive: frozenset = frozenset(), extra_counts: Optional[Callable[[Batch], Dict[str, Any]]] = None,
-               advance_schedule: bool = True) -> Dict[str, float]:
+               advance_schedule: bool = True, set_mode: bool = True) -> Dict[str, float]:
     """One update of ``state`` on ``batch`` (see the module docstring). The module is in train mode during it and
     in eval mode after. Returns the mean over mini-batches of their metrics (a mini-batch's metrics: the keys in
     ``additive`` summed over its micro-batches -- partial sums of a loss aggregated with global counts --, the
     others averaged), ``<prefix>/grad_norm`` (mean over steps, before clipping; NaN when one was not finite),
     ``<prefix>/nonfinite_skipped`` (optimizer steps skipped for a non-finite loss or gradient norm, see the module
     docstring) and ``<prefix>/lr`` (after the schedule step). ``advance_schedule=False`` leaves the LR schedule
-    where it is."""
+    where it is; ``set_mode=False`` leaves the train / eval mode to the caller (the SFT's steps, each an update:
+    a transformers model's ``train()`` walks every submodule)."""
     s, world = settings, settings.world_size
-    state.module.train()
+    if set_mode:
+        state.module.train()
     rows: List[Dict[str, float]] = []
     norms: List[float] = []
     skipped = 0
@@ -147,7 +149,8 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
             if skipped == len(norms):  # torch warns of a schedule stepped before any optimizer step: wanted here
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             state.scheduler.step()
-    state.module.eval()
+    if set_mode:
+        state.module.eval()
     out = mean_metrics(rows)
     out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
     out[f"{prefix}/nonfinite_skipped"] = float(skipped)
