@@ -68,8 +68,8 @@ from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch, concat_rollouts
 from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
+from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
-from portrl.workers.rollout_worker import separated_rollout
 from portrl.workers.setup import resolve_num_workers, setup_process, worker_backend
 
 log = logging.getLogger(__name__)
@@ -103,9 +103,8 @@ class RLTrainer:
                                   shuffle=bool(d.shuffle), seed=int(d.seed), processor=self.processor)
         self.val_prompts = self._val_prompts(val_files)
         self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
-        self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
-        if str(cfg.rollout.placement) == "separated":
-            self.rollout, self.weight_link = separated_rollout(cfg, self.backend, self.actor)
+        # a placement whose actor holds no engine (separated): its own rollout workers and a weight link
+        self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
         if critic_enabled(cfg):

@@ -38,6 +38,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import MasterWeights, load_dtype, load_train_state, train_state
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
+from portrl.workers.placement import placement_of
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.tape_budget import tape_budget
@@ -82,10 +83,10 @@ class ActorRolloutWorker:
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
             self.module = apply_lora(self.module, cfg)
-        self.separated = str(cfg.rollout.placement) == "separated"
+        self.holds_engine = placement_of(cfg).actor_holds_engine  # else: the placement's own rollout workers
         # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
         # sharding, refreshed by sync_weights); otherwise the hf engine shares the trainer's module.
-        engine_model = self._plain_copy() if self.strategy == "fsdp" and not self.separated else None
+        engine_model = self._plain_copy() if self.strategy == "fsdp" and self.holds_engine else None
         # float32 master weights. bf16 / fp16 compute: the float32 module is cast before DDP buckets its
         # gradients; FSDP2 keeps float32 shards (its policy casts for compute), which are then the masters.
         if self.strategy != "fsdp":
@@ -96,7 +97,7 @@ class ActorRolloutWorker:
         self.optimizer = build_optimizer(self.master.masters, cfg.actor.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, int(cfg.trainer.total_steps))
         self.ref_module: Optional[torch.nn.Module] = None
-        self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
+        self.engine = self._make_engine(engine_model) if self.holds_engine else None
         self.update_count = 0
         self._tape = None  # the last recorded rollout forward (portrl.models.forward_tape), until the update
         self._param_bytes: Optional[int] = None  # the policy's parameter bytes (the tape budget's first bound)
@@ -181,8 +182,8 @@ class ActorRolloutWorker:
         :func:`portrl.workers.rollout_worker.generate_batch`). ``for_update``: the batch goes to the next
         :meth:`update_actor`, which may then replay this rollout's forward instead of recomputing it."""
         if self.engine is None:
-            raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
-                               "RolloutWorker group (portrl.workers.rollout_worker)")
+            raise RuntimeError(f"rollout.placement={self.cfg.rollout.placement}: this actor has no engine; generate "
+                               "with the placement's rollout group (portrl.workers.placement)")
         record = for_update and self._can_record_forward()
         if record:
             self.engine.start_recording(max_bytes=self._tape_budget())
