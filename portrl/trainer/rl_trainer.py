@@ -338,7 +338,7 @@ class RLTrainer:
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
             self.weight_link.sync()
         if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
-            summary.update(pretrain_critic(self))
+            summary.update(pretrain_critic(cfg, self.critic, self._rollout))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
         # a resumed run's summary covers the whole run: its earlier steps come back from metrics.jsonl
