@@ -47,3 +47,30 @@ def test_the_trainer_has_what_the_interfaces_name():
                   run_checkpoints.CheckpointedRun, run_end.EndingRun):
         named = set(proto.__annotations__) | {k for k, v in vars(proto).items() if callable(v) and not k.startswith("_")}
         assert named and named <= members, f"{proto.__name__}: RLTrainer lacks {sorted(named - members)}"
+
+
+def test_run_failure_needs_only_its_interface(tmp_path):
+    """run_failure works on any object with the four members of EndingRun: no trainer, no private method."""
+    from types import SimpleNamespace
+
+    from portrl.config import compose
+    from portrl.errors import RunStopped
+    from portrl.trainer.checkpoint import CheckpointManager
+    from portrl.trainer.run_end import run_failure
+
+    class Run:
+        cfg = compose(overrides=["trainer.total_steps=5", "trainer.resume=auto"])
+        global_step = 2
+        ckpt = CheckpointManager(tmp_path / "checkpoints")
+        stopped = False
+
+        def shutdown_workers(self) -> None:
+            self.stopped = True
+
+    run = Run()
+    stop = SimpleNamespace(requested=True, name="SIGTERM", exit_code=143)
+    err = run_failure(run, RuntimeError("a worker went away\nsecond line"), stop)
+    assert isinstance(err, RunStopped) and err.exit_code == 143 and run.stopped
+    assert str(err) == ("portrl: stopped by SIGTERM during step 3 of 5, which could not finish (a worker went away); "
+                        "no checkpoint was written: rerun the same command to start again")
+    assert run_failure(Run(), KeyError("internal"), None) is None  # an internal error stays itself
