@@ -134,6 +134,19 @@ def test_devices_lists_a_broken_algorithm_plugin(broken, capsys):
     assert "gae" in algo_registry.registered("adv_estimator")  # the built-ins still work
 
 
+def test_a_name_two_plugins_claim_is_broken_in_every_group(broken):
+    """The three groups share one loader: a name two installed distributions declare differently is unusable in
+    each, with the same message, and the other plugins of the group still load."""
+    write_plugin(broken, "portrl_second_plugins", {"portrl.rollout_engines": [("turbo", "portrl_test_wrong:Other")],
+                                                   "portrl.algorithms": [("fancy", "portrl_test_wrong")]}, {})
+    reset_plugins()
+    for found, kind in ((broken_engines(), "rollout engine"), (algo_registry.load_plugins(), "algorithm")):
+        name = "turbo" if kind == "rollout engine" else "fancy"
+        assert found[name].error.startswith(f"two plugins claim {kind} {name!r}: "), found[name]
+        assert found[name].message == f"plugin {found[name].value} failed to load: {found[name].error}"
+    assert choose_engine("auto", Offering()) == "hf"
+
+
 def test_asking_for_a_broken_plugin_exits_2_with_one_line(broken):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken), os.environ.get("PYTHONPATH", "")]),
            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
