@@ -14,6 +14,7 @@ from portrl.workers.placement import (
     Placement,
     get_placement,
     placement_names,
+    placement_needs_ray,
     placement_of,
     register_placement,
 )
@@ -29,6 +30,7 @@ def test_the_builtin_placements():
     assert placement_of(colocated) is COLOCATED and COLOCATED.actor_holds_engine and not COLOCATED.needs_ray
     assert COLOCATED.devices_taken(colocated) == (0, "")
     assert COLOCATED.rollout_side(colocated, None, None) == (None, None)  # the actor's own engine
+    assert placement_needs_ray(cfg) and not placement_needs_ray(colocated)
 
 
 def test_an_unknown_placement_is_one_line():

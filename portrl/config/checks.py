@@ -37,7 +37,7 @@ from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
 from portrl.rollout.registry import engine_names
-from portrl.workers.placement import find_placement, placement_names
+from portrl.workers.placement import placement_names, placement_needs_ray
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -223,8 +223,7 @@ def check_ranges(cfg) -> list[str]:
     need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
          "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
     # null (auto) depends on the node's devices: the preflight checks Ray for the number it resolves to
-    placement = find_placement(str(cfg.rollout.placement))  # an unknown name is a problem of its own (CHOICES)
-    if (t.num_workers or 1) > 1 or t.nnodes > 1 or (placement is not None and placement.needs_ray):
+    if (t.num_workers or 1) > 1 or t.nnodes > 1 or placement_needs_ray(cfg):
         if not module_available("ray"):
             problems.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
                             f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "

@@ -72,9 +72,11 @@ def placement_names() -> Tuple[str, ...]:
     return tuple(_PLACEMENTS)
 
 
-def find_placement(name: str) -> Optional[Placement]:
-    """The placement registered as ``name``, or None (the config checks report an unknown name themselves)."""
-    return _PLACEMENTS.get(name)
+def placement_needs_ray(cfg: Any) -> bool:
+    """Whether ``cfg.rollout.placement`` runs Ray actors even with one trainer worker; False for a name that is
+    not registered (the config checks report that name on their own)."""
+    placement = _PLACEMENTS.get(str(cfg.rollout.placement))
+    return placement is not None and placement.needs_ray
 
 
 def get_placement(name: str) -> Placement:
