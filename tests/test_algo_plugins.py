@@ -53,15 +53,17 @@ def plugin(tmp_path, monkeypatch):
     for m in ("portrl_test_td0", "portrl_test_broken_algo"):
         monkeypatch.delitem(sys.modules, m, raising=False)
     monkeypatch.setattr(ADV_ESTIMATORS, "_fns", dict(ADV_ESTIMATORS._fns))  # the plugin's entry goes away after
-    monkeypatch.setattr(algo_registry, "_plugins_loaded", False)
-    monkeypatch.setattr(algo_registry, "_broken_plugins", {})
-    return tmp_path
+    algo_registry.PLUGINS.reset()
+    yield tmp_path
+    algo_registry.PLUGINS.reset()
 
 
 def test_a_plugin_estimator_is_found_by_name(plugin):
     assert "td0_plugin" in registered("adv_estimator")
-    assert algo_registry.load_plugins() == {
-        "broken": "plugin portrl_test_broken_algo failed to load: ImportError: no module named fancy_math"}
+    broken = algo_registry.load_plugins()
+    assert broken == {"broken": ("portrl_test_broken_algo", "ImportError: no module named fancy_math")}
+    assert broken["broken"].message == ("plugin portrl_test_broken_algo failed to load: ImportError: no module named "
+                                        "fancy_math")
     cfg = compose(overrides=["algorithm=ppo", "algorithm.adv_estimator=td0_plugin"])  # the checks accept it
     assert algorithm_spec(cfg.algorithm).needs_critic
     r = torch.tensor([[0.0, 1.0]])

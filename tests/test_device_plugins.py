@@ -1,5 +1,6 @@
-"""Entry-point plugins load one at a time: a broken third-party backend or rollout engine (an import error, a
-wrong class) is recorded with its error, ``portrl devices`` lists it (``--json`` too), the others still work,
+"""Entry-point plugins load one at a time: a broken third-party backend, rollout engine or algorithm plugin (an
+import error, a wrong class) is recorded with its error, ``portrl devices`` lists it (``--json`` too), the others
+still work,
 and asking for it by name is one line naming the plugin and its error, exit code 2. The plugins are real
 installed distributions (a dist-info directory with entry_points.txt) on sys.path."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import portrl.algo.registry as algo_registry
 import portrl.rollout.registry as engine_registry
 from portrl.cli import main
 from portrl.device import Backend, BackendError, backend_names, broken_backends, clear_cache, get_backend
@@ -39,8 +41,16 @@ PLUGINS = {
     "portrl.backends": [("xpu", "portrl_test_xpu_broken:XPUBackend"), ("wrong", "portrl_test_wrong:Nothing")],
     "portrl.rollout_engines": [("turbo", "portrl_test_turbo_broken:TurboEngine"),
                                ("odd", "portrl_test_wrong:Nothing")],
+    "portrl.algorithms": [("fancy", "portrl_test_fancy_algo")],
 }
-MODULES = {"portrl_test_xpu_broken": RAISES, "portrl_test_turbo_broken": RAISES, "portrl_test_wrong": NOT_A_CLASS}
+MODULES = {"portrl_test_xpu_broken": RAISES, "portrl_test_turbo_broken": RAISES, "portrl_test_wrong": NOT_A_CLASS,
+           "portrl_test_fancy_algo": "raise ModuleNotFoundError(\"No module named 'fancy_math'\")\n"}
+
+
+def reset_plugins() -> None:
+    clear_cache()
+    engine_registry.PLUGINS.reset()
+    algo_registry.PLUGINS.reset()
 
 
 @pytest.fixture
@@ -51,10 +61,9 @@ def broken(tmp_path, monkeypatch):
         monkeypatch.delitem(sys.modules, m, raising=False)
     monkeypatch.delenv("PORTRL_DEVICE", raising=False)
     monkeypatch.setattr(engine_registry, "_registered", dict(engine_registry._registered))
-    monkeypatch.setattr(engine_registry, "_broken", {})
-    clear_cache()
+    reset_plugins()
     yield tmp_path
-    clear_cache()
+    reset_plugins()
 
 
 def test_broken_backends_are_recorded_and_the_others_work(broken):
@@ -86,8 +95,8 @@ def test_broken_engines_are_recorded_and_the_others_work(broken):
     assert str(err.value) == ("rollout engine 'turbo': plugin portrl_test_turbo_broken:TurboEngine failed to load: "
                               "ImportError: libfoo.so: cannot open shared object file")
     assert isinstance(err.value, UserError)
-    with pytest.raises(RolloutEngineError, match=r"rollout engine 'odd': plugin portrl_test_wrong:Nothing is not a "
-                                                  r"portrl RolloutEngine"):
+    with pytest.raises(RolloutEngineError, match=r"rollout engine 'odd': plugin portrl_test_wrong:Nothing failed to "
+                                                  r"load: TypeError: .* is not a portrl RolloutEngine"):
         choose_engine("odd", Offering())
     assert set(broken_engines()) == {"turbo", "odd"}
 
@@ -101,6 +110,7 @@ def test_devices_lists_broken_plugins(broken, capsys):
     assert backends["xpu"]["error"] == "ImportError: libfoo.so: cannot open shared object file"
     assert backends["xpu"]["plugin"] == "portrl_test_xpu_broken:XPUBackend"
     assert set(engines) == {"turbo", "odd"} and "ImportError: libfoo.so" in engines["turbo"]["error"]
+    assert engines["turbo"]["plugin"] == "portrl_test_turbo_broken:TurboEngine"
     assert main(["devices"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith("npu")  # the backend table comes first, unchanged
@@ -108,6 +118,33 @@ def test_devices_lists_broken_plugins(broken, capsys):
     assert ("  backend xpu: plugin portrl_test_xpu_broken:XPUBackend failed to load: ImportError: libfoo.so: cannot "
             "open shared object file") in out
     assert "  rollout engine turbo: plugin portrl_test_turbo_broken:TurboEngine failed to load: ImportError" in out
+
+
+def test_devices_lists_a_broken_algorithm_plugin(broken, capsys):
+    """The algorithm group is isolated as the others: its broken plugin is a row of its own, in the same format."""
+    assert main(["devices", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["kind"] == "algorithm"]
+    assert rows == [{"kind": "algorithm", "name": "fancy", "usable": False, "plugin": "portrl_test_fancy_algo",
+                     "error": "ModuleNotFoundError: No module named 'fancy_math'",
+                     "reason": "plugin portrl_test_fancy_algo failed to load: ModuleNotFoundError: No module named "
+                               "'fancy_math'"}]
+    assert main(["devices"]) == 0
+    assert ("  algorithm plugin fancy: plugin portrl_test_fancy_algo failed to load: ModuleNotFoundError: No module "
+            "named 'fancy_math'") in capsys.readouterr().out.splitlines()
+    assert "gae" in algo_registry.registered("adv_estimator")  # the built-ins still work
+
+
+def test_a_name_two_plugins_claim_is_broken_in_every_group(broken):
+    """The three groups share one loader: a name two installed distributions declare differently is unusable in
+    each, with the same message, and the other plugins of the group still load."""
+    write_plugin(broken, "portrl_second_plugins", {"portrl.rollout_engines": [("turbo", "portrl_test_wrong:Other")],
+                                                   "portrl.algorithms": [("fancy", "portrl_test_wrong")]}, {})
+    reset_plugins()
+    for found, kind in ((broken_engines(), "rollout engine"), (algo_registry.load_plugins(), "algorithm")):
+        name = "turbo" if kind == "rollout engine" else "fancy"
+        assert found[name].error.startswith(f"two plugins claim {kind} {name!r}: "), found[name]
+        assert found[name].message == f"plugin {found[name].value} failed to load: {found[name].error}"
+    assert choose_engine("auto", Offering()) == "hf"
 
 
 def test_asking_for_a_broken_plugin_exits_2_with_one_line(broken):

@@ -61,7 +61,9 @@ def tiny(tmp_path_factory):
 def clean_registry(monkeypatch):
     """Registrations and broken plugins of one test stay in that test."""
     monkeypatch.setattr(registry, "_registered", dict(registry._registered))
-    monkeypatch.setattr(registry, "_broken", {})
+    registry.PLUGINS.reset()
+    yield
+    registry.PLUGINS.reset()
 
 
 # --- the one rule --------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_value_pretraining_trains_the_critic_alone(tiny_model, tmp_path):
     actor0 = {k: v.clone() for k, v in trainer.actor.rank0("state_dict")["model"].items()}
     critic0 = trainer.critic.rank0("state_dict")
     heads0 = {k: v.clone() for k, v in critic0["model"].items()}
-    out = pretrain_critic(trainer)
+    out = pretrain_critic(trainer.cfg, trainer.critic, trainer._rollout)
     assert out["critic/pretrain_steps"] == 3 and math.isfinite(out["critic/pretrain_ev"])
     actor1 = trainer.actor.rank0("state_dict")["model"]
     assert all(torch.equal(actor0[k], actor1[k]) for k in actor0)

@@ -16,36 +16,38 @@ Where entries come from: the built-ins register themselves in the modules that d
 ``aggregation.py``, ``kl.py`` and ``trl_aliases.py`` for the others), all imported by ``portrl/algo/__init__.py``;
 other packages register theirs through the entry-point group ``portrl.algorithms`` (:func:`load_plugins`: each
 entry point names a module, or a function, that calls ``register_estimator`` / ``register_objective`` /
-``POLICY_LOSSES.register`` when loaded), or by calling those functions in the same process.
+``POLICY_LOSSES.register`` when loaded; they load through :class:`portrl.plugins.PluginGroup`, isolated as backends
+and rollout engines are), or by calling those functions in the same process.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import types
 from typing import Any, Dict, List, Optional
 
+from portrl.plugins import BrokenPlugin, PluginGroup
+
 PLUGIN_GROUP = "portrl.algorithms"
-_plugins_loaded = False
-_broken_plugins: Dict[str, str] = {}  # entry-point name -> "plugin <value> failed to load: <error>"
 
 
-def load_plugins() -> Dict[str, str]:
-    """Load the entry points of ``portrl.algorithms`` once, one at a time (a module is imported, a function is
-    called; either registers its entries). A plugin that fails is recorded with its error and the others still
-    load; returns the broken ones. Registries call this before they call a name unknown, so a plugin's names work
-    in every process (Ray workers included) without an import in the user's code."""
-    global _plugins_loaded
-    if not _plugins_loaded:
-        _plugins_loaded = True
-        for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
-            try:
-                loaded = ep.load()
-                if callable(loaded) and not isinstance(loaded, types.ModuleType):
-                    loaded()
-            except Exception as exc:  # a third-party plugin may fail in any way; it must not stop the others
-                _broken_plugins[ep.name] = f"plugin {ep.value} failed to load: {type(exc).__name__}: {exc}"
-    return dict(_broken_plugins)
+def _run(name: str, loaded: Any) -> Any:
+    """An algorithm plugin is a module (imported: it registered its entries) or a function, called now."""
+    if callable(loaded) and not isinstance(loaded, types.ModuleType):
+        loaded()
+    return loaded
+
+
+PLUGINS = PluginGroup(PLUGIN_GROUP, "algorithm", _run)
+
+
+def load_plugins() -> Dict[str, BrokenPlugin]:
+    """Load the entry points of ``portrl.algorithms``, each once and on its own (a module is imported, a function
+    is called; either registers its entries) through :class:`portrl.plugins.PluginGroup`: a plugin that fails is
+    recorded with its error and the others still load; returns the broken ones. Registries call this before they
+    call a name unknown, so a plugin's names work in every process (Ray workers included) without an import in the
+    user's code."""
+    PLUGINS.load_all()
+    return PLUGINS.broken()
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -105,7 +107,7 @@ class Registry:
                 return name
             if name in self._aliases:
                 return self._aliases[name]
-            if attempt == 0 and not _plugins_loaded:
+            if attempt == 0:
                 load_plugins()
         raise self._unknown(name)
 
@@ -124,8 +126,9 @@ class Registry:
 
     def _unknown(self, name: object) -> UnknownNameError:
         extra = f"; aliases: {', '.join(sorted(self._aliases))}" if self._aliases else ""
-        if _broken_plugins:
-            extra += "; broken algorithm plugins: " + "; ".join(f"{n}: {e}" for n, e in sorted(_broken_plugins.items()))
+        broken = PLUGINS.broken()
+        if broken:
+            extra += "; broken algorithm plugins: " + "; ".join(f"{n}: {b.message}" for n, b in sorted(broken.items()))
         return UnknownNameError(
             f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._fns))}{extra}"
         )

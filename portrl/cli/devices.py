@@ -19,15 +19,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+#: the words the table uses for each kind of plugin
+_KIND_WORDS = {"backend": "backend", "rollout_engine": "rollout engine", "algorithm": "algorithm plugin"}
+
+
 def _broken_rows() -> list[dict]:
-    # lazy: the rollout package imports torch, which only this part of the command needs
+    # lazy: the rollout and algorithm packages import torch, which only this part of the command needs
+    from portrl.algo.registry import load_plugins
     from portrl.rollout import broken_engines
 
-    rows = [{"kind": "backend", "name": name, "usable": False, "plugin": value, "error": error,
-             "reason": f"plugin {value} failed to load: {error}"} for name, (value, error) in broken_backends().items()]
-    rows += [{"kind": "rollout_engine", "name": name, "usable": False, "error": error, "reason": error}
-             for name, error in broken_engines().items()]
-    return rows
+    groups = {"backend": broken_backends(), "rollout_engine": broken_engines(), "algorithm": load_plugins()}
+    return [{"kind": kind, "name": name, "usable": False, "plugin": b.value, "error": b.error, "reason": b.message}
+            for kind, broken in groups.items() for name, b in broken.items()]
 
 
 def run(args) -> int:
@@ -54,6 +57,5 @@ def run(args) -> int:
     if broken:
         print("plugins that failed to load:")
         for row in broken:
-            kind = "backend" if row["kind"] == "backend" else "rollout engine"
-            print(f"  {kind} {row['name']}: {row['reason']}")
+            print(f"  {_KIND_WORDS[row['kind']]} {row['name']}: {row['reason']}")
     return 0

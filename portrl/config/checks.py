@@ -37,6 +37,7 @@ from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
 from portrl.rollout.registry import engine_names
+from portrl.workers.placement import placement_names, placement_needs_ray
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -46,7 +47,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "actor.optim.scheduler": ("constant", "cosine", "linear"),
     "critic.optim.scheduler": ("constant", "cosine", "linear"),
     "actor.strategy": ("auto", "fsdp", "ddp"),
-    "rollout.placement": ("colocated", "separated"),
+    "rollout.placement": placement_names(),
     "reward.on_timeout": ("error", "zero"),
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
@@ -249,7 +250,7 @@ def _run_ranges(cfg, p: _Problems) -> None:
     p.need(code.sandbox_fusion_url is None or str(code.sandbox_fusion_url).startswith(("http://", "https://")),
            "reward.code.sandbox_fusion_url", "must be an http(s) URL of a SandboxFusion service, or null (local sandbox)")
     # null (auto) depends on the node's devices: the preflight checks Ray for the number it resolves to
-    if (t.num_workers or 1) > 1 or t.nnodes > 1 or str(cfg.rollout.placement) == "separated":
+    if (t.num_workers or 1) > 1 or t.nnodes > 1 or placement_needs_ray(cfg):
         if not module_available("ray"):
             p.append(f"trainer.num_workers={t.num_workers} (nnodes={t.nnodes}, rollout.placement="
                      f"{cfg.rollout.placement}) starts Ray workers, but ray is not installed; "

@@ -6,10 +6,10 @@ are declared in pyproject.toml exactly as a third-party plugin would be::
     [project.entry-points."portrl.backends"]
     xpu = "my_pkg.xpu:XPUBackend"
 
-Entry points load one at a time: a plugin that fails to import, is not a Backend subclass, declares another name,
-or claims a name another plugin claims is recorded with its error (:func:`broken_backends`, listed by
-``portrl devices``) instead of stopping discovery; asking for it by name is a one-line :class:`BackendError`, and
-the other backends still work.
+Entry points load through :class:`portrl.plugins.PluginGroup`, one at a time, isolated as every plugin group is: a
+plugin that fails to import, is not a Backend subclass, declares another name, or claims a name another plugin
+claims is recorded with its error (:func:`broken_backends`, listed by ``portrl devices``) instead of stopping
+discovery; asking for it by name is a one-line :class:`BackendError`, and the other backends still work.
 
 Resolution order: an explicit name (``--device``, then ``PORTRL_DEVICE``, then config
 ``device.name``, unless ``compose`` recorded that ``device.name`` itself came from ``--device``);
@@ -21,14 +21,13 @@ list of vendors.
 from __future__ import annotations
 
 import difflib
-import importlib.metadata
 import logging
 import os
-from dataclasses import dataclass, field
 from functools import lru_cache
 
 from portrl.device.backend import Backend
 from portrl.errors import UserError
+from portrl.plugins import BrokenPlugin, PluginGroup
 
 ENTRY_POINT_GROUP = "portrl.backends"
 ENV_VAR = "PORTRL_DEVICE"
@@ -41,77 +40,51 @@ class BackendError(UserError, RuntimeError):
     """A backend name is unknown, broken or not usable here (a user error: exit code 2, one line)."""
 
 
-@dataclass
-class Discovery:
-    """The outcome of loading every entry point: backend classes by name, and broken plugins by name with
-    ``(entry point value, error)``."""
-
-    classes: dict[str, type[Backend]] = field(default_factory=dict)
-    broken: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-
-def _load(ep: importlib.metadata.EntryPoint) -> type[Backend]:
-    """One entry point's Backend class; any failure is an exception whose text says what is wrong."""
-    cls = ep.load()
+def _check(name: str, cls: object) -> type[Backend]:
+    """An entry point's Backend class: a Backend subclass whose declared name (if any) is the entry point's."""
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise TypeError(f"{cls!r} is not a portrl Backend subclass")
-    if (cls.name or ep.name) != ep.name:
+    if (cls.name or name) != name:
         raise ValueError(f"the class declares name {cls.name!r}; the entry point and the class must agree")
     return cls
 
 
-@lru_cache(maxsize=1)
-def _discover() -> Discovery:
-    """Load every entry point of the group once, each on its own (see the module docstring)."""
-    found = Discovery()
-    origin: dict[str, str] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found.broken:
-            continue
-        try:
-            cls = _load(ep)
-        except Exception as exc:  # a third-party plugin may fail in any way on import; it must not stop the others
-            found.classes.pop(ep.name, None)
-            found.broken[ep.name] = (ep.value, f"{type(exc).__name__}: {exc}")
-            log.debug("backend plugin %s (%s) failed to load: %s: %s", ep.name, ep.value, type(exc).__name__, exc)
-            continue
-        if ep.name in found.classes and ep.value != origin[ep.name]:
-            del found.classes[ep.name]
-            claim = f"two plugins claim backend {ep.name!r}: {origin[ep.name]} and {ep.value}"
-            found.broken[ep.name] = (ep.value, claim)
-            continue
-        found.classes[ep.name] = cls
-        origin[ep.name] = ep.value
-    return found
+PLUGINS = PluginGroup(ENTRY_POINT_GROUP, "backend", _check)
 
 
-def broken_backends() -> dict[str, tuple[str, str]]:
+def _classes() -> dict[str, type[Backend]]:
+    """Every backend class that loads, by name (the group loads once; see the module docstring)."""
+    return PLUGINS.load_all()
+
+
+def broken_backends() -> dict[str, BrokenPlugin]:
     """Backend plugins that could not be used: name -> (entry point value, error)."""
-    return dict(_discover().broken)
+    PLUGINS.load_all()
+    return PLUGINS.broken()
 
 
 def clear_cache() -> None:
     """Forget discovered backends (tests that add plugins call this)."""
-    _discover.cache_clear()
+    PLUGINS.reset()
     _instance.cache_clear()
 
 
 def backend_names() -> list[str]:
     """Registered names, in detection order (highest ``detect_priority`` first)."""
-    classes = _discover().classes
+    classes = _classes()
     return sorted(classes, key=lambda n: (-classes[n].detect_priority, n))
 
 
 def get_backend(name: str, source: str | None = None) -> Backend:
     """The backend registered under ``name`` (not probed). Unknown names list the valid ones; ``source``
     (``--device``, ``$PORTRL_DEVICE``, a preset, a file) says where the name came from."""
-    found = _discover()
+    classes = _classes()
     where = f" (from {source})" if source else ""
-    if name in found.broken:
-        value, error = found.broken[name]
+    broken = PLUGINS.broken()
+    if name in broken:
+        value, error = broken[name]
         raise BackendError(f"device {name!r}{where}: its plugin {value} is broken: {error}; working backends: "
                            f"{', '.join(backend_names()) or 'none'} (see `portrl devices`)")
-    classes = found.classes
     if name not in classes:
         close = difflib.get_close_matches(name, classes, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -122,7 +95,7 @@ def get_backend(name: str, source: str | None = None) -> Backend:
 
 @lru_cache(maxsize=None)
 def _instance(name: str) -> Backend:
-    return _discover().classes[name]()
+    return _classes()[name]()
 
 
 

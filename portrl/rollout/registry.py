@@ -9,17 +9,16 @@ Where engines come from (nothing else registers one):
   ``backends/`` there, exactly as a third-party engine would;
 * :func:`register_engine` calls (a program or test registering a factory at run time).
 
-Entry points load one at a time, on first use: a plugin that fails to import or is not a RolloutEngine is
-recorded with its error (:func:`broken_engines`, listed by ``portrl devices``); asking for it by name is a
-one-line :class:`RolloutEngineError`, and the other engines still work. A name must also be offered on the
-backend (:func:`offered_engines`: the backend's ``rollout_engines()``, which reflects what is installed, and any
-engine whose class says it runs there); otherwise the error lists the engines that are available. The choice
-is logged.
+Entry points load through :class:`portrl.plugins.PluginGroup`, one at a time, on first use, isolated as every
+plugin group is: a plugin that fails to import or is not a RolloutEngine is recorded with its error
+(:func:`broken_engines`, listed by ``portrl devices``); asking for it by name is a one-line
+:class:`RolloutEngineError`, and the other engines still work. A name must also be offered on the backend
+(:func:`offered_engines`: the backend's ``rollout_engines()``, which reflects what is installed, and any engine
+whose class says it runs there); otherwise the error lists the engines that are available. The choice is logged.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from typing import Any, Callable, Union
 
@@ -27,6 +26,7 @@ import torch
 
 from portrl.device import get_backend, resolve_backend
 from portrl.errors import UserError
+from portrl.plugins import BrokenPlugin, PluginGroup, PluginLoadError
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine
 from portrl.rollout.settings import RolloutSettings
 
@@ -38,8 +38,7 @@ SMALL_MODEL_PARAMS = 50_000_000
 
 log = logging.getLogger(__name__)
 
-_registered: dict[str, Callable[..., RolloutEngine]] = {}  # loaded entry points and register_engine calls
-_broken: dict[str, str] = {}  # name -> "plugin <value> failed to load: <error>"
+_registered: dict[str, Callable[..., RolloutEngine]] = {}  # register_engine calls (they win over entry points)
 _BUILTIN = {"hf": "portrl.rollout.hf_engine:HFEngine"}
 
 NumParams = Union[int, Callable[[], int], None]
@@ -49,56 +48,48 @@ class RolloutEngineError(UserError, RuntimeError):
     """An engine name is unknown, broken or not available on this backend (a user error: exit code 2, one line)."""
 
 
+def _check(name: str, factory: Any) -> Callable[..., RolloutEngine]:
+    """An entry point's engine: a RolloutEngine subclass, or a callable that builds one."""
+    if not callable(factory) or (isinstance(factory, type) and not issubclass(factory, RolloutEngine)):
+        raise TypeError(f"{factory!r} is not a portrl RolloutEngine subclass or factory")
+    return factory
+
+
+PLUGINS = PluginGroup(ENTRY_POINT_GROUP, "rollout engine", _check, builtin=_BUILTIN)
+
+
 def register_engine(name: str, factory: Callable[..., RolloutEngine]) -> None:
     """Register ``factory`` (an engine class or a callable taking the make_engine keywords) under ``name``."""
     _registered[name] = factory
-    _broken.pop(name, None)
-
-
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    found = {name: importlib.metadata.EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in _BUILTIN.items()}
-    found.update({ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
-    return found
 
 
 def engine_names() -> list[str]:
     """Every engine name known here (registered or declared, broken ones included), installed or not."""
-    return sorted(set(_registered) | set(_entry_points()))
-
-
-def _load(name: str, ep: importlib.metadata.EntryPoint) -> None:
-    """Load one entry point into ``_registered``, or record why it cannot be used in ``_broken``."""
-    try:
-        factory = ep.load()
-    except Exception as exc:  # a third-party plugin may fail in any way on import; it must not stop the others
-        _broken[name] = f"plugin {ep.value} failed to load: {type(exc).__name__}: {exc}"
-        return
-    if not callable(factory) or (isinstance(factory, type) and not issubclass(factory, RolloutEngine)):
-        _broken[name] = f"plugin {ep.value} is not a portrl RolloutEngine subclass or factory"
-        return
-    _registered[name] = factory
+    return sorted(set(_registered) | set(PLUGINS.names()))
 
 
 def engine_factory(name: str) -> Callable[..., RolloutEngine]:
     """The factory registered for ``name`` (loading its entry point); unknown or broken names raise
     :class:`RolloutEngineError`."""
-    if name not in _registered and name not in _broken:
-        eps = _entry_points()
-        if name not in eps:
-            raise RolloutEngineError(f"unknown rollout engine {name!r}; known engines: "
-                                     f"{', '.join(engine_names()) or 'none'}")
-        _load(name, eps[name])
-    if name in _broken:
-        raise RolloutEngineError(f"rollout engine {name!r}: {_broken[name]}")
-    return _registered[name]
+    if name in _registered:
+        return _registered[name]
+    if name not in PLUGINS.declared():
+        raise RolloutEngineError(f"unknown rollout engine {name!r}; known engines: "
+                                 f"{', '.join(engine_names()) or 'none'}")
+    try:
+        return PLUGINS.load(name)
+    except PluginLoadError as exc:
+        raise RolloutEngineError(f"rollout engine {name!r}: {exc}") from None
 
 
-def broken_engines() -> dict[str, str]:
+def broken_engines() -> dict[str, BrokenPlugin]:
     """Declared engines whose plugin cannot be used, with the reason (loads every declared engine once)."""
-    for name, ep in _entry_points().items():
-        if name not in _registered and name not in _broken:
-            _load(name, ep)
-    return dict(_broken)
+    PLUGINS.load_all()
+    return {name: b for name, b in PLUGINS.broken().items() if name not in _registered}
+
+
+def _listed(broken: dict[str, BrokenPlugin]) -> str:
+    return ", ".join(f"{n}: {b.message}" for n, b in broken.items()) or "none"
 
 
 def engine_capabilities(name: str) -> EngineCapabilities:
@@ -159,7 +150,7 @@ def choose_engine(requested: str | None, backend: Any = None, *, num_params: Num
         if not available:
             raise RolloutEngineError(f"backend {backend.name!r} offers no usable rollout engine (offers: "
                                      f"{', '.join(offered_engines(backend)) or 'none'}; broken: "
-                                     f"{', '.join(f'{n}: {e}' for n, e in broken_engines().items()) or 'none'})")
+                                     f"{_listed(broken_engines())})")
         if available[0] != "hf" and "hf" in available and backend.device_type == "cpu":
             count = num_params() if callable(num_params) else num_params
             if count is not None and count < SMALL_MODEL_PARAMS:

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Protocol
 
 from portrl.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: this module stays free of the worker group's imports
+    from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +140,19 @@ def set_aside(ckpt: Any, bad_from: int) -> List[str]:
     return moved
 
 
-def nonfinite_roles(trainer: Any) -> List[str]:
+class TrainedRoles(Protocol):
+    """What :func:`nonfinite_roles` reads of a run (an RLTrainer is one): its trained worker groups, None where the
+    run has no such role (``prm``: PRIME's phase, whose ``group`` is the implicit PRM's workers)."""
+
+    actor: WorkerGroup
+    critic: Optional[WorkerGroup]
+    prm: Optional[Any]
+
+
+def nonfinite_roles(trainer: TrainedRoles) -> List[str]:
     """The roles (actor, critic, reward_model) whose trained weights are not all finite on some worker: every worker
     checks its own (``weights_finite``: one fused check, portrl.workers.master_weights.MasterWeights.finite)."""
-    prm = getattr(trainer, "prm", None)
+    prm = trainer.prm
     groups = (("actor", trainer.actor), ("critic", trainer.critic),
               ("reward_model", prm.group if prm is not None else None))
     return [role for role, group in groups if group is not None and not all(group.gather("weights_finite"))]

@@ -30,7 +30,7 @@ normalisation), ``reward_model/raw_reward`` (mean summed log-ratio), ``reward_mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Protocol
 
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
@@ -39,6 +39,13 @@ from portrl.workers.batch import Batch
 from portrl.workers.group import WorkerGroup
 from portrl.workers.implicit_prm import ImplicitPRMWorker
 from portrl.workers.prm_modes import prm_mode
+
+
+class PolicyRun(Protocol):
+    """What :meth:`PrimePhase.run` reads of the run (an RLTrainer is one): the actor group, for its time limit and
+    the warm-started policy's weights."""
+
+    actor: WorkerGroup
 
 
 class PrimePhase:
@@ -52,7 +59,7 @@ class PrimePhase:
         self.into_model, self.into_ref = warm and rm.path is None, warm and rm.ref_path is None
         self.pending_policy = self.into_model or self.into_ref  # hand the warm-started policy over at step 1
 
-    def run(self, trainer: Any, batch: Batch, timer: Timer) -> Dict[str, float]:
+    def run(self, trainer: PolicyRun, batch: Batch, timer: Timer) -> Dict[str, float]:
         """Update (per ``reward_model.model.update``) and score: ``batch["implicit_rewards"]`` ``(B,T)``; metrics."""
         rm = self.cfg.reward_model
         self.group.timeout_s = trainer.actor.timeout_s  # the same time limit as the actor's calls

@@ -12,7 +12,18 @@ resumed run uses exactly the reference the uninterrupted run had at that step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only
+    from portrl.workers.group import WorkerGroup
+
+
+class ReferenceRun(Protocol):
+    """What :func:`refresh_reference` reads of a run (an :class:`portrl.trainer.rl_trainer.RLTrainer` is one)."""
+
+    cfg: Any
+    use_ref: bool  # the run has a reference policy
+    actor: WorkerGroup
 
 
 def reference_update_due(cfg: Any, step: int) -> bool:
@@ -21,8 +32,8 @@ def reference_update_due(cfg: Any, step: int) -> bool:
     return freq > 0 and step % freq == 0
 
 
-def refresh_reference(trainer: Any, step: int, timer: Any) -> None:
-    """Before step ``step`` of ``trainer`` (an :class:`portrl.trainer.rl_trainer.RLTrainer`): the reference becomes
+def refresh_reference(trainer: ReferenceRun, step: int, timer: Any) -> None:
+    """Before step ``step`` of ``trainer``: the reference becomes
     the current policy on every actor worker when the step is due and the run has a reference (timed as
     ``timing_s/ref_update``)."""
     if trainer.use_ref and reference_update_due(trainer.cfg, step):

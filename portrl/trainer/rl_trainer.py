@@ -65,8 +65,8 @@ from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch
 from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
+from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
-from portrl.workers.rollout_worker import separated_rollout
 from portrl.workers.setup import setup_process, worker_backend
 
 log = logging.getLogger(__name__)
@@ -102,9 +102,8 @@ class RLTrainer:
                                   shuffle=bool(d.shuffle), seed=int(d.seed), processor=self.processor)
         self.val_prompts = validation_prompts(cfg, [str(f) for f in d.val_files], self.tokenizer, self.processor)
         self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
-        self.rollout, self.weight_link = None, None  # rollout.placement=separated: own workers, weight broadcast
-        if str(cfg.rollout.placement) == "separated":
-            self.rollout, self.weight_link = separated_rollout(cfg, self.backend, self.actor)
+        # a placement whose actor holds no engine (separated): its own rollout workers and a weight link
+        self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
         if critic_enabled(cfg):
@@ -254,7 +253,7 @@ class RLTrainer:
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
             self.weight_link.sync()
         if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
-            summary.update(pretrain_critic(self))
+            summary.update(pretrain_critic(cfg, self.critic, self._rollout))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
         # a resumed run's summary covers the whole run: its earlier steps come back from metrics.jsonl

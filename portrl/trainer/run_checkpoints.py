@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
 from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointError, CheckpointManager, open_checkpoint, \
     reference_pin, sha256_file
@@ -38,6 +38,9 @@ from portrl.trainer.checkpoint_io import ShardedState, StateFormatError, is_shar
 from portrl.trainer.reference_repair import restore_reference
 from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, fingerprint, run_identity
 from portrl.workers.training import rng_state, set_rng_state
+
+if TYPE_CHECKING:  # annotations only
+    from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,30 @@ class ReferenceCopy:
         return meta
 
 
-def save_run_checkpoint(trainer: Any) -> Path:
-    """A checkpoint of ``trainer`` (an :class:`portrl.trainer.rl_trainer.RLTrainer`) at its current step."""
+class CheckpointedRun(Protocol):
+    """What a run's checkpoint is written from and read into (an :class:`portrl.trainer.rl_trainer.RLTrainer` is
+    one): the config, the step, the trained worker groups (None where the run has no such role; ``prm``: PRIME's
+    phase, with its worker ``group`` and ``loaded_from_checkpoint()``), whether it has a reference and its :class:`ReferenceCopy`,
+    the checkpoint manager (absent before ``fit``: a policy-only load reads it with getattr), the training data
+    (``state_dict`` / ``load_state_dict``) and ``restart_data()`` after it is restored, the adaptive KL controller
+    or None."""
+
+    cfg: Any
+    global_step: int
+    actor: WorkerGroup
+    critic: Optional[WorkerGroup]
+    prm: Optional[Any]
+    use_ref: bool
+    reference_copy: ReferenceCopy
+    ckpt: CheckpointManager
+    train_ds: Any
+    kl_ctrl: Optional[Any]
+
+    def restart_data(self) -> None: ...
+
+
+def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
+    """A checkpoint of ``trainer`` at its current step."""
     ident = run_identity(trainer.cfg)
     meta: Dict[str, Any] = {"step": trainer.global_step, "identity": ident, "fingerprint": fingerprint(ident)}
     groups = [(name, group) for name, group in (("actor", trainer.actor), ("critic", trainer.critic),
@@ -122,7 +147,7 @@ def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bo
     return shards.load(), False
 
 
-def _restore_reference(trainer: Any, path: Path, manifest: Dict[str, Any]) -> None:
+def _restore_reference(trainer: CheckpointedRun, path: Path, manifest: Dict[str, Any]) -> None:
     """The run's reference copy that checkpoint ``path`` pins, made intact before it loads: checked, or (damaged,
     missing) rebuilt as a fresh start of ``trainer`` freezes it, from the actor's starting policy (call it before
     the checkpoint loads into the actor), and checked against the pin. Raises CheckpointError."""
@@ -145,7 +170,7 @@ def _restore_reference(trainer: Any, path: Path, manifest: Dict[str, Any]) -> No
                       "model.path does not hold)" if sft else "")
 
 
-def load_run_checkpoint(trainer: Any, path: Path, policy_only: bool = False) -> None:
+def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool = False) -> None:
     """Load checkpoint ``path`` into ``trainer`` after verifying it (manifest sizes and sha256, format version,
     the model it was trained from; the run's reference when this run uses one, rebuilt when damaged or missing:
     :func:`_restore_reference`); nothing is unpickled. A learning rate changed since the checkpoint is applied

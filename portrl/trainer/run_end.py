@@ -16,23 +16,37 @@ is an internal error, re-raised as it is.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from portrl.errors import RunFailed, RunStopped
 from portrl.rollout.sampling import NonFiniteLogitsError
+from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import TrainingDiverged, logits_stop
+from portrl.trainer.interrupts import stopped_message
 from portrl.trainer.storage_faults import storage_error, storage_stopped_message
 from portrl.workers.group import WorkerDiedError
 
 
-def run_failure(trainer: Any, exc: BaseException, stop: Any) -> Optional[BaseException]:
-    """The error ``trainer`` (an RLTrainer) ends with when ``exc`` ended its loop (``stop``: its StopSignals, or
-    None); ``exc`` itself when it is already that error, None for an internal error (see the module docstring)."""
+class EndingRun(Protocol):
+    """What :func:`run_failure` reads of a run whose loop raised (an RLTrainer is one)."""
+
+    cfg: Any
+    global_step: int  # the last step that finished
+    ckpt: CheckpointManager
+
+    def shutdown_workers(self) -> None: ...
+
+
+def run_failure(trainer: EndingRun, exc: BaseException, stop: Any) -> Optional[BaseException]:
+    """The error ``trainer`` ends with when ``exc`` ended its loop (``stop``: its StopSignals, or None); ``exc``
+    itself when it is already that error, None for an internal error (see the module docstring)."""
+    t = trainer.cfg.trainer
     if stop is not None and stop.requested:  # the step could not finish after the signal: abandoned
         trainer.shutdown_workers()
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return RunStopped("portrl: " + trainer._stopped_message(stop.name, trainer.ckpt.latest_valid(), abandoned=why),
-                          stop.exit_code)
+        line = stopped_message(stop.name, trainer.global_step, int(t.total_steps), str(t.resume),
+                               trainer.ckpt.latest_valid(), abandoned=why)
+        return RunStopped("portrl: " + line, stop.exit_code)
     if isinstance(exc, NonFiniteLogitsError):  # the policy's weights diverged
         trainer.shutdown_workers()
         return logits_stop(trainer.ckpt, trainer.global_step, exc)
@@ -46,8 +60,7 @@ def run_failure(trainer: Any, exc: BaseException, stop: Any) -> Optional[BaseExc
     if fault is None:
         return None
     trainer.shutdown_workers()  # disk full, read-only folder: the earlier checkpoints are intact
-    return RunFailed("portrl: " + storage_stopped_message(fault, trainer.global_step,
-                                                         int(trainer.cfg.trainer.total_steps),
+    return RunFailed("portrl: " + storage_stopped_message(fault, trainer.global_step, int(t.total_steps),
                                                          trainer.ckpt.latest_valid()))
 
 

@@ -23,11 +23,15 @@ import logging
 import math
 import time
 from collections import deque
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 
 from portrl.algo import explained_variance
 from portrl.trainer.advantage_phase import compute_batch_advantages
 from portrl.trainer.metrics import Timer
+
+if TYPE_CHECKING:  # annotations only
+    from portrl.workers.batch import Batch
+    from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +39,35 @@ PRETRAIN_EV_WINDOW = 10
 LOG_EVERY = 100
 
 
-def pretrain_critic(trainer: Any) -> Dict[str, float]:
-    """Run value pretraining on ``trainer`` (an RLTrainer with a critic). Returns
-    ``critic/pretrain_steps``, ``critic/pretrain_ev`` (the window's mean explained variance at the end, NaN
-    when no batch had varying returns) and ``critic/pretrain_time_s``."""
-    cfg = trainer.cfg
+class Rollout(Protocol):
+    """The run's rollout of one step (RLTrainer's): ``(batch, metrics)``, batch None when dynamic sampling kept
+    no group; generation seeds follow ``step``."""
+
+    def __call__(self, step: int, timer: Timer, for_update: bool = True) -> Tuple[Optional[Batch], Any]: ...
+
+
+def pretrain_critic(cfg: Any, critic: WorkerGroup, rollout: Rollout) -> Dict[str, float]:
+    """Run value pretraining of ``critic`` (the run's critic group) on batches of ``rollout`` (the run's own,
+    pretraining step ``k`` as step ``-k``), as ``cfg`` says. Returns ``critic/pretrain_steps``,
+    ``critic/pretrain_ev`` (the window's mean explained variance at the end, NaN when no batch had varying
+    returns) and ``critic/pretrain_time_s``."""
     steps, target = int(cfg.critic.pretrain_steps), cfg.critic.pretrain_target_ev
     recent: deque = deque(maxlen=PRETRAIN_EV_WINDOW)
     started = time.perf_counter()
     done = 0
     for k in range(1, steps + 1):
         done = k
-        batch, _ = trainer._rollout(-k, Timer(), for_update=False)
+        batch, _ = rollout(-k, Timer(), for_update=False)
         if batch is None:  # dynamic sampling kept no group
             continue
-        batch.union(trainer.critic.concat("compute_values", batch))
+        batch.union(critic.concat("compute_values", batch))
         batch["token_level_rewards"] = batch.tensors["token_level_scores"]
         compute_batch_advantages(cfg, batch)
         t = batch.tensors
         ev = float(explained_variance(t["returns"], t["values"], t["response_mask"]))
         if math.isfinite(ev):
             recent.append(ev)
-        trainer.critic.metrics("update_critic", batch, advance_schedule=False)
+        critic.metrics("update_critic", batch, advance_schedule=False)
         mean = _mean(recent)
         if k % LOG_EVERY == 0:
             log.info("value pretraining: step %d/%d, explained variance %.3f (mean of the last %d batches)",

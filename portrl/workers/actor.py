@@ -36,6 +36,7 @@ from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import load_dtype
+from portrl.workers.placement import placement_of
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.tape_budget import tape_budget
@@ -77,10 +78,10 @@ class ActorRolloutWorker(TrainedModelWorker):
         self.lora = int(cfg.actor.lora_rank) > 0
         if self.lora:  # only the adapters train; the engine and exports get merged weights
             module = apply_lora(module, cfg)
-        self.separated = str(cfg.rollout.placement) == "separated"
+        self.holds_engine = placement_of(cfg).actor_holds_engine  # else: the placement's own rollout workers
         # FSDP2 shards the policy in place, so a colocated engine needs a full copy of its own (made before
         # sharding, refreshed by sync_weights); otherwise the hf engine shares the trainer's module.
-        engine_model = self._plain_copy(module) if self.strategy == "fsdp" and not self.separated else None
+        engine_model = self._plain_copy(module) if self.strategy == "fsdp" and self.holds_engine else None
         # masters, the wrap every policy log-prob pass runs through (with data parallelism ForwardModule(module,
         # compute_logprobs) under DDP / FSDP2: the decoder, then the LM head's weight in the fused log-prob op, run
         # inside the wrapper's root forward, so DDP all-reduces the gradients and FSDP2 gathers the parameters)
@@ -88,7 +89,7 @@ class ActorRolloutWorker(TrainedModelWorker):
                                     strategy=self.strategy, optim=cfg.actor.optim, rank=rank, world_size=world_size,
                                     forward=compute_logprobs)
         self.ref_module: Optional[torch.nn.Module] = None
-        self.engine = None if self.separated else self._make_engine(engine_model)  # separated: RolloutWorkers
+        self.engine = self._make_engine(engine_model) if self.holds_engine else None
         self.update_count = 0
         self._tape = None  # the last recorded rollout forward (portrl.models.forward_tape), until the update
         self._param_bytes: Optional[int] = None  # the policy's parameter bytes (the tape budget's first bound)
@@ -164,8 +165,8 @@ class ActorRolloutWorker(TrainedModelWorker):
         :func:`portrl.workers.rollout_worker.generate_batch`). ``for_update``: the batch goes to the next
         :meth:`update_actor`, which may then replay this rollout's forward instead of recomputing it."""
         if self.engine is None:
-            raise RuntimeError("rollout.placement=separated: this actor has no engine; generate with the "
-                               "RolloutWorker group (portrl.workers.rollout_worker)")
+            raise RuntimeError(f"rollout.placement={self.cfg.rollout.placement}: this actor has no engine; generate "
+                               "with the placement's rollout group (portrl.workers.placement)")
         record = for_update and self._can_record_forward()
         if record:
             self.engine.start_recording(max_bytes=self._tape_budget())

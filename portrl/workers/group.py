@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from portrl.errors import UserError
 from portrl.workers.batch import Batch, concat_rollouts
+from portrl.workers.placement import placement_of
 from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError  # noqa: F401  (the group's errors)
 from portrl.workers.ray_launcher import RayLauncher
 
@@ -51,14 +52,14 @@ def use_ray(cfg: Any, num_workers: int) -> bool:
     several workers, a named cluster (``trainer.ray_address``) or ``rollout.placement=separated`` (the weight
     broadcast joins Ray actors). ``trainer.use_ray=false`` where Ray is needed is a UserError."""
     t = cfg.trainer
-    separated = str(cfg.rollout.placement) == "separated"
-    if t.use_ray is not None and not t.use_ray and (num_workers > 1 or separated):
-        why = f"{num_workers} workers" if num_workers > 1 else "rollout.placement=separated"
+    placement = placement_of(cfg)
+    if t.use_ray is not None and not t.use_ray and (num_workers > 1 or placement.needs_ray):
+        why = f"{num_workers} workers" if num_workers > 1 else f"rollout.placement={placement.name}"
         raise UserError(f"trainer.use_ray=false, but {why} run as Ray actors; set trainer.use_ray=true or null, "
                         f"or use trainer.num_workers=1 with rollout.placement=colocated")
     if t.use_ray is not None:
         return bool(t.use_ray)
-    return num_workers > 1 or bool(t.ray_address) or separated
+    return num_workers > 1 or bool(t.ray_address) or placement.needs_ray
 
 
 def worker_config(worker_cls: Any, cfg: Any) -> Any:

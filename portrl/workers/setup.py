@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 from portrl.device import resolve_backend
 from portrl.models.loader import model_class
 from portrl.ops import registry
+from portrl.workers.placement import placement_of
 
 
 def worker_backend(cfg: Any):
@@ -39,10 +40,11 @@ def auto_num_workers(cfg: Any, backend: Any) -> tuple[int, str]:
     nodes = int(t.nnodes)
     why = f"{count} {backend.name} device(s) visible on this node" + (f" x trainer.nnodes={nodes}" if nodes > 1 else "")
     total = count * nodes
-    if str(cfg.rollout.placement) == "separated":
-        rollout = int(cfg.rollout.num_rollout_workers)
-        total -= rollout
-        why += f", less rollout.num_rollout_workers={rollout} (rollout.placement=separated)"
+    placement = placement_of(cfg)
+    taken, setting = placement.devices_taken(cfg)
+    if taken:
+        total -= taken
+        why += f", less {setting} (rollout.placement={placement.name})"
     return max(1, total), why
 
 
