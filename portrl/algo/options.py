@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from functools import lru_cache
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from portrl.algo.registry import POLICY_LOSSES
@@ -102,9 +103,13 @@ def section_of(cls: type) -> str:
 def fields_of(options: Any) -> Iterator[Tuple[str, dataclasses.Field, Any]]:
     """``(section, field, type)`` of every field of the options classes ``options``."""
     for cls in as_classes(options, "options"):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            yield section_of(cls), f, hints[f.name]
+        yield from _class_fields(cls)
+
+
+@lru_cache(maxsize=None)
+def _class_fields(cls: type) -> Tuple[Tuple[str, dataclasses.Field, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((section_of(cls), f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def option_values(options: Any, sections: Mapping[str, Any]) -> Dict[str, Any]:
