@@ -156,15 +156,22 @@ def policy_loss_options(name: str) -> Tuple[type, ...]:
 
 def declarations() -> List[Tuple[str, str, dataclasses.Field, Any]]:
     """``(owner, section, field, type)`` of every option every registered estimator, objective and policy loss
-    declares, plugins included (``owner`` e.g. ``"adv_estimator 'gae'"``), in a fixed order."""
-    from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES, registered  # noqa: PLC0415
+    declares, plugins included (``owner`` e.g. ``"adv_estimator 'gae'"``), in a fixed order; recomputed only
+    when what is registered changes."""
+    import portrl.algo  # noqa: F401,PLC0415  (importing the package registers the built-ins)
+    from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES, load_plugins  # noqa: PLC0415
 
-    out = []
-    for kind, reg in (("adv_estimator", ADV_ESTIMATORS), ("objective", OBJECTIVES)):
-        for name in registered(kind):
-            for section, f, tp in fields_of(getattr(reg.get(name), "options", None)):
-                out.append((f"{kind} {name!r}", section, f, tp))
-    for name in sorted(POLICY_LOSS_OPTIONS):
-        for section, f, tp in fields_of(POLICY_LOSS_OPTIONS[name]):
-            out.append((f"policy_loss {name!r}", section, f, tp))
-    return out
+    load_plugins()
+    key = (tuple(ADV_ESTIMATORS._fns.items()), tuple(OBJECTIVES._fns.items()), tuple(POLICY_LOSS_OPTIONS.items()))
+    if _LAST[0] != key:
+        out = []
+        for kind, entries in (("adv_estimator", key[0]), ("objective", key[1])):
+            for name, spec in sorted(entries):
+                out += [(f"{kind} {name!r}", section, f, tp) for section, f, tp in fields_of(spec.options)]
+        for name, classes in sorted(key[2]):
+            out += [(f"policy_loss {name!r}", section, f, tp) for section, f, tp in fields_of(classes)]
+        _LAST[:] = [key, out]
+    return list(_LAST[1])
+
+
+_LAST: List[Any] = [None, []]  # [what was registered, its declarations]
