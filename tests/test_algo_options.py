@@ -174,3 +174,35 @@ def test_a_bad_declaration_is_refused_at_registration(monkeypatch):
     with pytest.raises(TypeError, match="needs a default"):
         register_estimator(EstimatorSpec("nodefault", lambda token_level_rewards, response_mask: None,
                                          options=NoDefault))
+
+
+def test_a_policy_loss_option_reaches_the_loss(monkeypatch):
+    """``@policy_loss(name, options=...)``: the key lives at its SECTION and the loss finds it in ``config``."""
+    import torch
+
+    from portrl.algo import algorithm_spec, policy_loss
+    from portrl.algo.registry import POLICY_LOSSES
+
+    monkeypatch.setattr(POLICY_LOSSES, "_fns", dict(POLICY_LOSSES._fns))
+    monkeypatch.setattr(algo_options, "POLICY_LOSS_OPTIONS", dict(algo_options.POLICY_LOSS_OPTIONS))
+    seen = []
+
+    @dataclass
+    class MyLossOptions:
+        SECTION: ClassVar[str] = "actor.policy_loss"
+        my_coef: float = option(0.1, ge=0.0)
+
+    @policy_loss("my_loss", options=MyLossOptions)
+    def my_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None):
+        seen.append(config["my_coef"])
+        return (log_prob * advantages).mean(), {}
+
+    cfg = compose(overrides=["actor.policy_loss.loss_mode=my_loss", "actor.policy_loss.my_coef=0.25"])
+    x = torch.zeros(2, 3)
+    tensors = {"response_mask": torch.ones(2, 3), "advantages": torch.ones(2, 3)}
+    algorithm_spec(cfg.algorithm).loss(cfg.actor, cfg.algorithm, tensors, x, x, {})
+    assert seen == [0.25]
+    with pytest.raises(ConfigError, match=r"actor.policy_loss.my_coef=-1.0 must be >= 0 \(an option of policy_loss "
+                                          r"'my_loss'\)"):
+        compose(overrides=["actor.policy_loss.loss_mode=my_loss", "actor.policy_loss.my_coef=-1"])
