@@ -55,7 +55,8 @@ def rule(f: dataclasses.Field) -> Dict[str, Any]:
 def range_text(f: dataclasses.Field) -> str:
     """The valid values of ``f`` in words (``must be >= 0 and <= 1 (or null)``); empty when any value is valid."""
     r = rule(f)
-    parts = [f"{op} {r[k]:g}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if r.get(k) is not None]
+    bounds = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+    parts = [f"{op} {r[k]:g}" for k, op in bounds if r.get(k) is not None]
     text = ""
     if r.get("choices") is not None:
         text = "must be one of " + ", ".join(map(repr, r["choices"]))

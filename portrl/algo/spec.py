@@ -20,8 +20,9 @@ pairs?) and call its ``advantages`` and ``loss``; no other layer compares algori
 Another package adds an estimator with one call, ``register_estimator(EstimatorSpec("td0", fn,
 needs_critic=True, options=TD0Options))`` (or the :func:`estimator` decorator), before the config is checked;
 nothing else changes: its options (a dataclass, ``portrl/algo/options.py``) become the config keys
-``algorithm.<field>`` with their declared ranges, and reach ``fn`` as keywords. A ``needs_*`` field is a bool, or a function of the ``algorithm`` config section for a need that
-depends on an option (DPO needs a reference unless ``algorithm.dpo_reference_free``).
+``algorithm.<field>`` with their declared ranges, and reach ``fn`` as keywords. A ``needs_*`` field is a bool, or
+a function of the ``algorithm`` config section for a need that depends on an option (DPO needs a reference unless
+``algorithm.dpo_reference_free``).
 """
 
 from __future__ import annotations

@@ -97,21 +97,16 @@ def __getattr__(name: str) -> Any:
 
 
 @lru_cache(maxsize=8)
-def _build(key: Tuple[Tuple[str, str, str], ...]) -> Tuple[type, Dict[str, type]]:
+def _build(decls: Tuple[Declaration, ...]) -> Tuple[type, Dict[str, type]]:
     made: Dict[str, type] = {}
-    root = _extend(PortRLConfig, "", merged_options(_decls_by_key[key]), made)
+    root = _extend(PortRLConfig, "", merged_options(list(decls)), made)
     return root, made
 
 
-_decls_by_key: Dict[Tuple[Tuple[str, str, str], ...], List[Declaration]] = {}
-
-
 def run_schema() -> type:
-    """The PortRLConfig dataclass with every declared option merged in (cached per set of declarations)."""
-    decls = declared()
-    key = tuple((owner, section, f.name) for owner, section, f, _ in decls)
-    _decls_by_key.setdefault(key, decls)
-    root, made = _build(key)
+    """The PortRLConfig dataclass with every declared option merged in (built once per set of declarations: the
+    declared fields themselves are the cache key)."""
+    root, made = _build(tuple(declared()))
     _CLASSES.clear()
     _CLASSES.update(made)
     return root
