@@ -330,7 +330,8 @@ def test_pf_ppo_resampling_follows_the_weights_and_the_seed():
 
 # ---------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("over, message", [
-    (["algorithm.gdpo_reward_keys=[fmt]"], "only apply to the estimators that take reward components (gdpo)"),
+    (["algorithm.gdpo_reward_keys=[fmt]"], "algorithm.gdpo_reward_keys only applies to the estimators that take it "
+                                           "(gdpo), not 'grpo'"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,fmt]"], "must be a non-empty list of distinct"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_weights=[1.0]"], "gdpo_reward_keys is null"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],

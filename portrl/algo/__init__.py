@@ -3,7 +3,8 @@
 Pure tensor functions, any device and dtype, registered by name (verl's names) in five registries:
 ``adv_estimator`` and ``objective`` (records of what each algorithm needs: ``portrl/algo/spec.py``),
 ``policy_loss``, ``loss_agg_mode``, ``kl_penalty`` (see ``registered(kind)``). Importing registers the
-built-in entries; nothing else runs at import.
+built-in entries; nothing else runs at import. Each entry may declare its own options next to its function
+(``portrl/algo/options.py``); they become keys of the run config.
 """
 
 from portrl.algo.advantages import compute_advantage, get_adv_estimator
@@ -15,6 +16,7 @@ from portrl.algo.kl import (AdaptiveKLController, FixedKLController, apply_kl_pe
 from portrl.algo.masked import (clip_by_value, entropy_from_logits, get_response_mask, masked_mean, masked_sum,
                                 masked_var, masked_whiten)
 import portrl.algo.objectives  # noqa: F401  (registers the built-in objectives)
+from portrl.algo.options import option, policy_loss, register_policy_loss_options
 from portrl.algo.policy_loss_registry import get_policy_loss
 from portrl.algo.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from portrl.algo.policy_losses_bypass import compute_policy_loss_reinforce
@@ -31,7 +33,7 @@ register_trl_aliases()
 __all__ = [
     "AlgorithmSpec", "EstimatorSpec", "ObjectiveSpec", "algorithm_spec", "critic_enabled", "estimator",
     "estimator_spec", "implicit_prm_enabled", "objective_spec", "reference_enabled", "register_estimator",
-    "register_objective",
+    "register_objective", "option", "policy_loss", "register_policy_loss_options",
     "AdaptiveKLController", "FixedKLController", "TRL_LOSS_TYPE_TO_AGG_MODE", "UnknownNameError", "agg_loss",
     "apply_kl_penalty", "clip_by_value", "compute_advantage", "compute_decoupled_gae", "compute_entropy_loss",
     "compute_kl_loss", "compute_value_loss", "dpo_loss", "entropy_from_logits", "explained_variance",

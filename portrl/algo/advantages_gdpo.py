@@ -14,14 +14,26 @@ response is not empty (an empty response scores 0 in its group's statistics).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
 from portrl.algo.advantages_outcome import compute_grpo_outcome_advantage
 from portrl.algo.groups import check_rewards
 from portrl.algo.masked import compute_dtype, masked_whiten
+from portrl.algo.options import option
 from portrl.algo.spec import estimator
+
+
+@dataclass
+class GDPOOptions:
+    """``algorithm.gdpo_reward_keys``: the reward components, numeric keys of the dict a custom reward function
+    returns other than score and acc (null: the summed score is the only component); ``gdpo_reward_weights``: their
+    weights (null: 1 each). The policy-gradient objective turns the keys into ``reward_components``."""
+
+    gdpo_reward_keys: Optional[List[str]] = option(None)
+    gdpo_reward_weights: Optional[List[float]] = option(None)
 
 
 def _component_rewards(values, mask: torch.Tensor, name: str) -> torch.Tensor:
@@ -39,7 +51,7 @@ def _component_rewards(values, mask: torch.Tensor, name: str) -> torch.Tensor:
     return out
 
 
-@estimator("gdpo", needs_groups=True)
+@estimator("gdpo", options=GDPOOptions, needs_groups=True)
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
                                    norm_adv_by_std_in_grpo=True,

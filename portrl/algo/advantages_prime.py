@@ -20,13 +20,24 @@ and ``advantages`` the returns whitened over every response token of the batch (
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence, Tuple
 
 import torch
 
 from portrl.algo.groups import check_rewards, group_rows
 from portrl.algo.masked import masked_whiten
+from portrl.algo.options import option
 from portrl.algo.spec import estimator
+
+
+@dataclass
+class PrimeOptions:
+    """``algorithm.reward_dpo_coef`` / ``reward_gt_coef``: weights of the implicit process rewards and of the
+    outcome reward in the combined advantage (verl recipe/prime's names and values)."""
+
+    reward_dpo_coef: float = option(5.0, ge=0.0, doc="weight of the implicit PRM's token rewards")
+    reward_gt_coef: float = option(5.0, ge=0.0, doc="weight of the outcome (ground-truth) reward")
 
 
 def leave_one_out(rewards: torch.Tensor, mask: torch.Tensor, index: Sequence[Hashable], who: str) -> torch.Tensor:
@@ -47,7 +58,7 @@ def leave_one_out(rewards: torch.Tensor, mask: torch.Tensor, index: Sequence[Has
     return torch.where(mask, out, zero)
 
 
-@estimator("prime", needs_groups=True, needs_implicit_rewards=True)
+@estimator("prime", options=PrimeOptions, needs_groups=True, needs_implicit_rewards=True)
 def compute_prime_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                             index: Sequence[Hashable], implicit_rewards: Optional[torch.Tensor] = None,
                             reward_dpo_coef: float = 5.0,

@@ -16,15 +16,45 @@ float or a ``(B,)`` tensor (per sequence).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from portrl.algo.groups import check_rewards
 from portrl.algo.masked import compute_dtype, masked_whiten
+from portrl.algo.options import option
 from portrl.algo.spec import estimator
 
 Coef = Union[float, torch.Tensor]
+_LAM_ACTOR = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the policy advantages (null: algorithm.lam)")
+_LAM_CRITIC = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the value targets (null: 1.0)")
+_VAPO_ALPHA = dict(gt=0.0, doc="VAPO length-adaptive actor lambda 1 - 1/(alpha*len), clamped to [0, 1]")
+
+
+@dataclass
+class GAEOptions:
+    """``algorithm.lam_actor`` / ``lam_critic`` / ``vapo_alpha`` of ``gae`` (any set: the decoupled form)."""
+
+    lam_actor: Optional[float] = option(None, **_LAM_ACTOR)
+    lam_critic: Optional[float] = option(None, **_LAM_CRITIC)
+    vapo_alpha: Optional[float] = option(None, **_VAPO_ALPHA)
+
+
+@dataclass
+class VCPPOOptions:
+    """``algorithm.lam_actor`` / ``lam_critic`` of ``vcppo_gae``."""
+
+    lam_actor: Optional[float] = option(None, **_LAM_ACTOR)
+    lam_critic: Optional[float] = option(None, **_LAM_CRITIC)
+
+
+@dataclass
+class VAPOOptions:
+    """``algorithm.lam_critic`` / ``vapo_alpha`` of ``vapo_gae`` (vapo_alpha null: 0.05)."""
+
+    lam_critic: Optional[float] = option(None, **_LAM_CRITIC)
+    vapo_alpha: Optional[float] = option(None, **_VAPO_ALPHA)
 
 
 def _per_row(x: Coef, batch: int, dt, device, name: str) -> torch.Tensor:
@@ -63,7 +93,7 @@ def gae_advantage_return_raw(token_level_rewards, values, response_mask, gamma: 
     return torch.where(m, adv, zero), returns
 
 
-@estimator("gae", needs_critic=True, per_token_rewards=True)
+@estimator("gae", options=GAEOptions, needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                                  lam_actor: Optional[Coef] = None, lam_critic: Optional[Coef] = None,
@@ -107,7 +137,7 @@ def compute_decoupled_gae(token_level_rewards, values, response_mask, gamma: Coe
     return masked_whiten(adv, response_mask), returns
 
 
-@estimator("vcppo_gae", needs_critic=True, per_token_rewards=True)
+@estimator("vcppo_gae", options=VCPPOOptions, needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_vcppo_gae(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                       lam_actor: Optional[Coef] = None, lam_critic: Optional[Coef] = None):
@@ -116,7 +146,7 @@ def compute_vcppo_gae(token_level_rewards, values, response_mask, gamma: Coef = 
                                  lam_actor=lam_actor, lam_critic=lam_critic)
 
 
-@estimator("vapo_gae", needs_critic=True, per_token_rewards=True)
+@estimator("vapo_gae", options=VAPOOptions, needs_critic=True, per_token_rewards=True)
 @torch.no_grad()
 def compute_vapo_gae(token_level_rewards, values, response_mask, gamma: Coef = 1.0, lam: Coef = 1.0,
                      lam_critic: Optional[Coef] = None, vapo_alpha: Optional[float] = None):

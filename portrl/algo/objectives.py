@@ -18,18 +18,46 @@ and metrics out. Loss metrics are raw (tensors or floats; the actor names and re
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from portrl.algo.advantages import compute_advantage
 from portrl.algo.masked import masked_mean
+from portrl.algo.options import option, option_values, policy_loss_options
 from portrl.algo.policy_loss_registry import get_policy_loss
 from portrl.algo.preference import dpo_loss, online_dpo_preference, sppo_advantage, sppo_loss
 from portrl.algo.rollout_correction import rollout_is_weights
-from portrl.algo.spec import ObjectiveSpec, register_objective
+from portrl.algo.spec import ObjectiveSpec, estimator_spec, register_objective
 
 Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class SPPOOptions:
+    """``algorithm.sppo_eta``: the soft-mean temperature beta of SPPO's advantage (0 = arithmetic mean)."""
+
+    sppo_eta: float = option(1.0, ge=0.0, doc="soft-mean temperature of the advantage (0: arithmetic mean)")
+
+
+@dataclass
+class SPPOLossOptions:
+    """``actor.sppo_eta``: eta of SPPO's square loss (verl recipe/sppo's actor key)."""
+
+    SECTION: ClassVar[str] = "actor"
+    sppo_eta: float = option(1.0, doc="eta of the square loss (log-ratio - eta * advantage)^2")
+
+
+@dataclass
+class DPOOptions:
+    """Online DPO (pairs of sampled responses): ``algorithm.dpo_beta``, ``dpo_loss_type``, ``dpo_label_smoothing``,
+    ``dpo_reference_free`` (no reference policy: the log-ratios are the policy's own)."""
+
+    dpo_beta: float = option(0.1, gt=0.0, doc="beta of the DPO loss")
+    dpo_loss_type: str = option("sigmoid", choices=("sigmoid", "ipo"))
+    dpo_label_smoothing: float = option(0.0, ge=0.0, le=0.5, doc="conservative DPO: share of flipped labels")
+    dpo_reference_free: bool = option(False)
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -37,17 +65,17 @@ def estimator_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
                          group_size: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
     """``advantages`` and ``returns`` (float32) by the estimator ``algorithm.adv_estimator``."""
     a = algorithm
+    options = option_values(estimator_spec(str(a.adv_estimator)).options, {"algorithm": a})
+    weights = options.pop("gdpo_reward_weights", None)  # GDPO's: its keys become reward_components below
+    options.pop("gdpo_reward_keys", None)
     adv, ret = compute_advantage(
         str(a.adv_estimator), token_level_rewards=tensors["token_level_rewards"],
         response_mask=tensors["response_mask"], index=index, values=tensors.get("values"),
         reward_baselines=tensors.get("reward_baselines"), old_log_probs=tensors.get("old_log_probs"),
         ref_log_probs=tensors.get("ref_log_probs"), sum_pi_squared=tensors.get("sum_pi_squared"),
         gamma=float(a.gamma), lam=float(a.lam), norm_adv_by_std_in_grpo=bool(a.norm_adv_by_std_in_grpo),
-        lam_actor=a.lam_actor, lam_critic=a.lam_critic, vapo_alpha=a.vapo_alpha,
-        reward_components=reward_components(a, tensors),
-        reward_weights=None if a.get("gdpo_reward_weights") is None else list(a.gdpo_reward_weights),
-        implicit_rewards=tensors.get("implicit_rewards"), reward_dpo_coef=float(a.get("reward_dpo_coef", 5.0)),
-        reward_gt_coef=float(a.get("reward_gt_coef", 5.0)))
+        reward_components=reward_components(a, tensors), reward_weights=weights,
+        implicit_rewards=tensors.get("implicit_rewards"), **options)
     return {"advantages": adv.float(), "returns": ret.float()}, {}
 
 
@@ -93,19 +121,18 @@ def dpo_pairs(algorithm: Any, tensors: Tensors, index: Sequence,
 
 
 # ---------------------------------------------------------------------------------------- losses
-def policy_loss_config(actor: Any, info: Mapping[str, Any]) -> Dict[str, Any]:
-    """The mapping policy losses read (clip ratios, SAPO temperatures, clip-cov / kl-cov knobs, global counts)."""
-    pl = actor.policy_loss
+def policy_loss_config(actor: Any, info: Mapping[str, Any], algorithm: Any = None) -> Dict[str, Any]:
+    """The mapping policy losses read: the clip ratios, the global counts, and the options the loss
+    ``actor.policy_loss.loss_mode`` declares (``portrl.algo.options``: SAPO's temperatures, clip-cov / kl-cov
+    knobs, DRO's beta, a plugin's own), read from the sections where they live."""
     clip = float(actor.clip_ratio)
+    sections = {"algorithm": algorithm, "actor": actor, "actor.policy_loss": actor.policy_loss}
     return {
         "clip_ratio": clip,
         "clip_ratio_low": float(actor.clip_ratio_low) if actor.clip_ratio_low is not None else clip,
         "clip_ratio_high": float(actor.clip_ratio_high) if actor.clip_ratio_high is not None else clip,
         "clip_ratio_c": float(actor.clip_ratio_c),
-        "tau_pos": float(actor.tau_pos), "tau_neg": float(actor.tau_neg),
-        "clip_cov_ratio": float(pl.clip_cov_ratio), "clip_cov_lb": float(pl.clip_cov_lb),
-        "clip_cov_ub": float(pl.clip_cov_ub), "kl_cov_ratio": float(pl.kl_cov_ratio),
-        "ppo_kl_coef": float(pl.ppo_kl_coef), "dro_beta": pl.dro_beta,
+        **option_values(policy_loss_options(str(actor.policy_loss.loss_mode)), sections),
         "global_batch_info": dict(info),
     }
 
@@ -119,7 +146,7 @@ def policy_gradient_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: tor
     weights = tensors.get("rollout_is_weights")
     rc = algorithm.rollout_correction
     metrics: Dict[str, Any] = {}
-    config = policy_loss_config(actor, info)
+    config = policy_loss_config(actor, info, algorithm)
     if rc.get("bypass_mode", False):
         if "rollout_log_probs" not in tensors:
             raise ValueError("algorithm.rollout_correction.bypass_mode needs the rollout engine's log-probs, and "
@@ -181,10 +208,11 @@ def dpo_objective_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: torch
 
 
 def _dpo_needs_reference(algorithm: Any) -> bool:
-    return not algorithm.dpo_reference_free
+    return not algorithm.get("dpo_reference_free", False)
 
 
 register_objective(ObjectiveSpec("policy_gradient", estimator_advantages, policy_gradient_loss, uses_estimator=True))
-register_objective(ObjectiveSpec("sppo", sppo_advantages, sppo_objective_loss))
+register_objective(ObjectiveSpec("sppo", sppo_advantages, sppo_objective_loss,
+                                 options=(SPPOOptions, SPPOLossOptions)))
 register_objective(ObjectiveSpec("dpo", dpo_pairs, dpo_objective_loss, needs_reference=_dpo_needs_reference,
-                                 needs_pairs=True))
+                                 needs_pairs=True, options=DPOOptions))

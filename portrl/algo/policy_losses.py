@@ -8,8 +8,12 @@ IS weights (``rollout_is_weights``, detached) multiply the per-token loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
 import torch
 
+from portrl.algo.options import option, register_policy_loss_options
 from portrl.algo.policy_common import aggregate, cfg, clip_bounds, metrics, prepare
 from portrl.algo.registry import POLICY_LOSSES
 
@@ -78,6 +82,18 @@ def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, 
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
     loss = aggregate(_weighted(-gate * adv, w), m, "seq-mean-token-mean", config)
     return loss, metrics(m, delta)
+
+
+@dataclass
+class SAPOOptions:
+    """``actor.tau_pos`` / ``actor.tau_neg``: SAPO's gate temperatures (verl's actor keys)."""
+
+    SECTION: ClassVar[str] = "actor"
+    tau_pos: float = option(1.0, gt=0.0, doc="gate temperature where A > 0")
+    tau_neg: float = option(1.05, gt=0.0, doc="gate temperature where A <= 0")
+
+
+register_policy_loss_options("sapo", SAPOOptions)
 
 
 @POLICY_LOSSES.register("gpg")
@@ -155,3 +171,14 @@ def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, l
     loss_mat = -(logp * adv - 0.5 * float(beta) * delta.square())
     loss = aggregate(_weighted(loss_mat, w), m, loss_agg_mode, config)
     return loss, metrics(m, delta)
+
+
+@dataclass
+class DROOptions:
+    """``actor.policy_loss.dro_beta``: the weight of DRO's squared log-ratio penalty (required by ``dro``)."""
+
+    SECTION: ClassVar[str] = "actor.policy_loss"
+    dro_beta: Optional[float] = option(None, gt=0.0, doc="beta of the penalty 1/2 beta (logp - old)^2")
+
+
+register_policy_loss_options("dro", DROOptions)

@@ -5,10 +5,14 @@ Same signature and metrics as ``policy_losses``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from portrl.algo.aggregation import global_info
 from portrl.algo.masked import masked_mean
+from portrl.algo.options import option, register_policy_loss_options
 from portrl.algo.policy_common import aggregate, cfg, clip_bounds, metrics, prepare
 from portrl.algo.registry import POLICY_LOSSES
 
@@ -50,6 +54,19 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
     return loss, metrics(m, delta, clipfrac=corr == 0)
 
 
+@dataclass
+class ClipCovOptions:
+    """``actor.policy_loss.clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` (verl's keys and defaults)."""
+
+    SECTION: ClassVar[str] = "actor.policy_loss"
+    clip_cov_ratio: float = option(2e-4, ge=0.0, le=1.0, doc="share of the valid tokens whose gradient is cut")
+    clip_cov_lb: float = option(1.0, doc="lower covariance bound of the tokens eligible for the cut")
+    clip_cov_ub: float = option(5.0, doc="upper covariance bound of the tokens eligible for the cut")
+
+
+register_policy_loss_options("clip_cov", ClipCovOptions)
+
+
 @POLICY_LOSSES.register("kl_cov")
 def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                config=None, rollout_is_weights=None):
@@ -71,6 +88,18 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     loss_mat = loss_flat.reshape(logp.shape)
     loss = aggregate(loss_mat if w is None else loss_mat * w, m, loss_agg_mode, config)
     return loss, metrics(m, delta, ppo_kl=masked_mean(delta.abs(), m))
+
+
+@dataclass
+class KLCovOptions:
+    """``actor.policy_loss.kl_cov_ratio`` / ``ppo_kl_coef`` (verl's keys and defaults)."""
+
+    SECTION: ClassVar[str] = "actor.policy_loss"
+    kl_cov_ratio: float = option(2e-4, ge=0.0, le=1.0, doc="share of the valid tokens that get the |log-ratio| term")
+    ppo_kl_coef: float = option(0.1, ge=0.0, doc="weight of that |log-ratio| term")
+
+
+register_policy_loss_options("kl_cov", KLCovOptions)
 
 
 @POLICY_LOSSES.register("geo_mean")

@@ -18,9 +18,11 @@ pairs?) and call its ``advantages`` and ``loss``; no other layer compares algori
   dpo) are registered in ``portrl/algo/objectives.py``.
 
 Another package adds an estimator with one call, ``register_estimator(EstimatorSpec("td0", fn,
-needs_critic=True))`` (or the :func:`estimator` decorator), before the config is checked; nothing else
-changes. A ``needs_*`` field is a bool, or a function of the ``algorithm`` config section for a need that
-depends on an option (DPO needs a reference unless ``algorithm.dpo_reference_free``).
+needs_critic=True, options=TD0Options))`` (or the :func:`estimator` decorator), before the config is checked;
+nothing else changes: its options (a dataclass, ``portrl/algo/options.py``) become the config keys
+``algorithm.<field>`` with their declared ranges, and reach ``fn`` as keywords. A ``needs_*`` field is a bool, or
+a function of the ``algorithm`` config section for a need that depends on an option (DPO needs a reference unless
+``algorithm.dpo_reference_free``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 import torch
 
+from portrl.algo.options import as_classes, fields_of
 from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES
 
 Need = Union[bool, Callable[[Any], bool]]
@@ -81,10 +84,15 @@ class EstimatorSpec(Needs):
 
     name: str
     fn: Callable
+    options: Any = None  # its options classes (portrl.algo.options): keys of the config, passed to fn by name
 
     def takes(self, option: str) -> bool:
         """Whether ``fn`` takes the keyword ``option`` (e.g. ``lam_actor``)."""
         return option in inspect.signature(self.fn).parameters
+
+    def declares(self, option: str) -> bool:
+        """Whether ``option`` is a field of the options this estimator declares."""
+        return any(f.name == option for _, f, _ in fields_of(self.options))
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,8 @@ class ObjectiveSpec(Needs):
     ``advantages`` (:data:`AdvantageFn`) fills the batch tensors ``loss`` reads. ``uses_estimator``: those
     come from ``algorithm.adv_estimator`` (policy gradient), whose needs then add to the objective's;
     otherwise the estimator is not used. ``needs_pairs``: rows come as ``(2k, 2k+1)`` pairs of samples of
-    one prompt (``rollout.n`` even).
+    one prompt (``rollout.n`` even). ``options``: its options classes (``portrl.algo.options``), read by its
+    functions from the config sections they get.
     """
 
     name: str
@@ -102,6 +111,11 @@ class ObjectiveSpec(Needs):
     loss: LossFn
     uses_estimator: bool = False
     needs_pairs: Need = False
+    options: Any = None
+
+    def declares(self, option: str) -> bool:
+        """Whether ``option`` is a field of the options this objective declares."""
+        return any(f.name == option for _, f, _ in fields_of(self.options))
 
 
 @dataclass(frozen=True)
@@ -141,16 +155,17 @@ def register_estimator(spec: EstimatorSpec) -> EstimatorSpec:
     another under a taken name is a ValueError."""
     if not isinstance(spec, EstimatorSpec):
         raise TypeError(f"register_estimator takes an EstimatorSpec, got {type(spec).__name__}")
+    as_classes(spec.options, f"adv_estimator {spec.name!r}")
     ADV_ESTIMATORS.register(spec.name, spec)
     return spec
 
 
-def estimator(name: str, **needs: Need) -> Callable[[Callable], Callable]:
-    """Decorator: register the decorated function as estimator ``name`` with ``needs`` (EstimatorSpec fields);
-    returns the function unchanged."""
+def estimator(name: str, options: Any = None, **needs: Need) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated function as estimator ``name`` with its ``options`` classes and ``needs``
+    (EstimatorSpec fields); returns the function unchanged."""
 
     def add(fn: Callable) -> Callable:
-        register_estimator(EstimatorSpec(name, fn, **needs))
+        register_estimator(EstimatorSpec(name, fn, options=options, **needs))
         return fn
 
     return add
@@ -160,6 +175,7 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
     """Register ``spec`` under ``spec.name`` (registry ``objective``), as :func:`register_estimator`."""
     if not isinstance(spec, ObjectiveSpec):
         raise TypeError(f"register_objective takes an ObjectiveSpec, got {type(spec).__name__}")
+    as_classes(spec.options, f"objective {spec.name!r}")
     OBJECTIVES.register(spec.name, spec)
     return spec
 

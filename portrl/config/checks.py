@@ -42,7 +42,6 @@ from portrl.workers.placement import placement_names, placement_needs_ray
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.filter_groups.metric": ("acc", "seq_reward", "seq_final_reward"),
-    "algorithm.dpo_loss_type": ("sigmoid", "ipo"),
     "data.truncation": ("error", "left", "right"),
     "actor.optim.scheduler": ("constant", "cosine", "linear"),
     "critic.optim.scheduler": ("constant", "cosine", "linear"),

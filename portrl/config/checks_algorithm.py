@@ -3,20 +3,24 @@
 What the algorithm's record (``portrl.algo.spec.algorithm_spec``) needs of the rest of the config and which
 options apply to it: ``rollout.n > 1`` for group comparisons, an even ``rollout.n`` for pairs, the critic /
 reference it reads not switched off (``critic.enable`` / ``ref.enable``), ``trainer.ref_update_freq`` only with a
-reference, estimator options (``lam_actor``, ``lam_critic``, ``vapo_alpha``, GDPO's reward keys and weights) only
-for estimators that take them, rollout-correction bypass mode and PF-PPO against the algorithm, PRIME's implicit
+reference, the options the algorithms declare (``portrl/algo/options.py``) within their declared ranges and, for an
+``algorithm.`` option that is off by default (``lam_actor``, ``vapo_alpha``, GDPO's reward keys, ...), set only for an
+algorithm that declares it; rollout-correction bypass mode and PF-PPO against the algorithm, PRIME's implicit
 PRM (``reward_model``) and the accuracy filter (``data.accuracy_*_bound``). The checks that read the record are
 skipped for an unknown algorithm name (:func:`portrl.config.checks.check_registries` reports the name).
 """
 
 from __future__ import annotations
 
-from portrl.algo import algorithm_spec, estimator_spec, reference_enabled, registered
+from portrl.algo import algorithm_spec, reference_enabled, registered
+from portrl.algo.options import fields_of, policy_loss_options
+from portrl.config.options_schema import check_declared_ranges, declared
 
 
 def check_algorithm(cfg) -> list[str]:
     """Every problem of ``cfg`` against its algorithm, in a fixed order (one line each)."""
-    return _algorithm_needs(cfg) + _algorithm_options(cfg) + _implicit_prm(cfg)
+    return (_algorithm_needs(cfg) + _options_apply(cfg) + check_declared_ranges(cfg) + _algorithm_options(cfg)
+            + _implicit_prm(cfg))
 
 
 def known_algorithm(cfg) -> bool:
@@ -51,13 +55,27 @@ def _algorithm_needs(cfg) -> list[str]:
                         f"this run has none ({what} reads no ref_log_probs, no KL term does, and ref.enable="
                         f"{'null' if cfg.ref.enable is None else 'false'}): set "
                         "ref.enable=true, use an algorithm with a reference (algorithm=spin), or ref_update_freq=0")
-    est = estimator_spec(a.adv_estimator)
-    for option in ("lam_actor", "lam_critic", "vapo_alpha"):
-        if a[option] is not None and not est.takes(option):
-            takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes(option)]
-            problems.append(f"algorithm.{option} only applies to the estimators that take it "
-                            f"({', '.join(takers)}), not {a.adv_estimator!r}")
     return problems
+
+
+def _options_apply(cfg) -> list[str]:
+    """An ``algorithm.`` option that is off by default (null) is set only when the chosen estimator, objective or
+    policy loss declares it (``algorithm.lam_actor`` with grpo would be ignored)."""
+    loss_mode = cfg.actor.policy_loss.loss_mode
+    if not known_algorithm(cfg) or loss_mode not in registered("policy_loss"):
+        return []
+    a = cfg.algorithm
+    spec = algorithm_spec(a)
+    chosen = {"adv_estimator": a.adv_estimator, "objective": a.objective, "policy_loss": loss_mode}
+    used = (spec.objective.options, spec.estimator.options if spec.estimator else None, policy_loss_options(loss_mode))
+    ours = {f.name for options in used for _, f, _ in fields_of(options)}
+    takers: dict[str, list[str]] = {}  # "<kind> <key>" -> the names of that kind that declare the key
+    for owner, section, f, _ in declared():
+        if section == "algorithm" and f.default is None and f.name not in ours and a.get(f.name) is not None:
+            kind, name = owner.split(" ", 1)
+            takers.setdefault(f"{kind} {f.name}", []).append(name.strip("'"))
+    return [f"algorithm.{key} only applies to the {kind.replace('adv_', '')}s that take it ({', '.join(names)}), "
+            f"not {chosen[kind]!r}" for kind_key, names in takers.items() for kind, key in [kind_key.split(" ")]]
 
 
 def _algorithm_options(cfg) -> list[str]:
@@ -71,12 +89,7 @@ def _algorithm_options(cfg) -> list[str]:
         problems.append(f"algorithm.adv_estimator={a.adv_estimator!r} reads Σπ² of every token from the old-log-prob "
                         "pass, which algorithm.rollout_correction.bypass_mode=true skips: set bypass_mode=false or "
                         "use another estimator")
-    keys, weights = a.gdpo_reward_keys, a.gdpo_reward_weights
-    if keys is not None or weights is not None:
-        takers = [x for x in registered("adv_estimator") if estimator_spec(x).takes("reward_components")]
-        if spec.estimator is None or not spec.estimator.takes("reward_components"):
-            problems.append(f"algorithm.gdpo_reward_keys / gdpo_reward_weights only apply to the estimators that "
-                            f"take reward components ({', '.join(takers)}), not {a.adv_estimator!r}")
+    keys, weights = a.get("gdpo_reward_keys"), a.get("gdpo_reward_weights")
     if keys is not None:
         names = [str(k) for k in keys]
         if not names or any(not k.strip() for k in names) or len(set(names)) != len(names):

@@ -45,8 +45,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from portrl.config.checks import validate
 from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
+from portrl.config.options_schema import run_schema
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
-from portrl.config.schema import default_config
 from portrl.user_files import ordinary_permissions
 
 SHORTHANDS = ("algorithm", "data", "model", "device", "preset")
@@ -289,14 +289,15 @@ def _given(sources: list, dotted: str) -> bool:
     return False
 
 
-@lru_cache(maxsize=1)
-def _default_template():
-    return default_config()
+@lru_cache(maxsize=8)
+def _default_template(schema: type):
+    return OmegaConf.structured(schema)
 
 
 def _defaults():
-    """A fresh copy of the structured defaults (building them from the dataclasses costs ~0.1 s; a copy ~10x less)."""
-    return copy.deepcopy(_default_template())
+    """A fresh copy of the structured defaults of the run schema (the schema and the algorithms' declared options;
+    building them from the dataclasses costs ~0.1 s; a copy ~10x less)."""
+    return copy.deepcopy(_default_template(run_schema()))
 
 
 def _derive(cfg, explicit: set[str]) -> None:

@@ -1,6 +1,7 @@
 """The schema's dotted key paths and their types, for error messages and checks of user input.
 
-``schema_keys()`` maps every dotted path (``algorithm.kl_ctrl.kl_coef``) to its type. Fields typed
+``schema_keys()`` maps every dotted path (``algorithm.kl_ctrl.kl_coef``) to its type, the options the registered
+algorithms declare included (``portrl.config.options_schema.run_schema``). Fields typed
 ``Dict[str, X]`` are *open*: any sub-key below them is valid (``device.kernels.rms_norm``).
 """
 
@@ -12,17 +13,22 @@ import typing
 from functools import lru_cache
 from typing import Any, Mapping
 
+from portrl.config.options_schema import run_schema
 from portrl.config.presets import ConfigError
-from portrl.config.schema import PortRLConfig
 
 
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-@lru_cache(maxsize=1)
 def schema_keys() -> dict[str, Any]:
-    """Dotted path -> annotated type, for every field (groups and leaves) of PortRLConfig."""
+    """Dotted path -> annotated type, for every field (groups and leaves) of the run schema (PortRLConfig and the
+    declared options)."""
+    return _keys_of(run_schema())
+
+
+@lru_cache(maxsize=8)
+def _keys_of(root: type) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(cls: type, prefix: str) -> None:
@@ -34,11 +40,10 @@ def schema_keys() -> dict[str, Any]:
             if _is_dataclass_type(tp):
                 walk(tp, path + ".")
 
-    walk(PortRLConfig, "")
+    walk(root, "")
     return out
 
 
-@lru_cache(maxsize=1)
 def open_dict_prefixes() -> tuple[str, ...]:
     """Paths of ``Dict[str, X]`` fields: any sub-key below them is valid."""
     return tuple(k for k, tp in schema_keys().items() if typing.get_origin(tp) in (dict, typing.Dict))

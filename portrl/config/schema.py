@@ -60,37 +60,24 @@ class PFPPOConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The algorithm's shared keys. Each estimator's, objective's and policy loss's own options (``lam_actor``,
+    ``sppo_eta``, ``dpo_beta``, ``gdpo_reward_keys``, ``reward_dpo_coef``, a plugin's, ...) are declared next to its
+    function (portrl/algo/options.py) and merged in here by portrl.config.options_schema."""
+
     name: str = "grpo"  # the preset's name, for reports
     adv_estimator: str = "grpo"  # a name of portrl.algo's adv_estimator registry
     gamma: float = 1.0
     lam: float = 1.0
-    lam_actor: Optional[float] = None  # VC-PPO decoupled GAE: lambda for the policy advantages
-    lam_critic: Optional[float] = None  # VC-PPO decoupled GAE: lambda for the value targets
-    vapo_alpha: Optional[float] = None  # VAPO length-adaptive lambda 1 - 1/(alpha*len), clamped to [0, 1]
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # estimator used for KL in the reward
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    sppo_eta: float = 1.0  # SPPO soft-mean temperature beta of the advantage (0 = arithmetic mean)
-    # online DPO (pairs from sampled responses): objective = "dpo" switches the actor loss
-    objective: str = "policy_gradient"  # policy_gradient | sppo | dpo
-    dpo_beta: float = 0.1
-    dpo_loss_type: str = "sigmoid"  # sigmoid | ipo
-    dpo_label_smoothing: float = 0.0
-    dpo_reference_free: bool = False
+    objective: str = "policy_gradient"  # a name of portrl.algo's objective registry (policy_gradient | sppo | dpo)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    # GDPO (adv_estimator=gdpo): the reward components, numeric keys of the dict a custom reward function returns
-    # other than score and acc (null: the summed score is the only component), and their weights (null: 1 each)
-    gdpo_reward_keys: Optional[List[str]] = None
-    gdpo_reward_weights: Optional[List[float]] = None
     # PF-PPO: resample the step's batch with replacement by weights of each response's score, after the advantages
     use_pf_ppo: bool = False
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
-    # PRIME (adv_estimator=prime, portrl.algo.advantages_prime): weights of the implicit process rewards and of the
-    # outcome reward in the combined advantage (verl recipe/prime's names and values)
-    reward_dpo_coef: float = 5.0
-    reward_gt_coef: float = 5.0
 
 
 # -------------------------------------------------------------------------------------- data
@@ -185,13 +172,10 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
+    """The loss mode; a loss's own options (``clip_cov_ratio``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``) are
+    declared next to it (SECTION ``actor.policy_loss``) and merged in by portrl.config.options_schema."""
+
     loss_mode: str = "vanilla"  # a name of portrl.algo's policy_loss registry
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    ppo_kl_coef: float = 0.1
-    dro_beta: Optional[float] = None
 
 
 @dataclass
@@ -205,15 +189,13 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # None = clip_ratio
     clip_ratio_high: Optional[float] = None  # None = clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip bound (> 1)
-    tau_pos: float = 1.0  # SAPO gate temperatures
-    tau_neg: float = 1.05
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     positive_lm_coef: float = 0.0  # VAPO positive-example LM loss weight (0 = off)
-    sppo_eta: float = 1.0  # eta of the SPPO square loss
+    # SAPO's tau_pos / tau_neg and SPPO's sppo_eta are declared by their loss / objective (portrl.algo.options)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: str = "auto"  # auto | fsdp | ddp (auto: fsdp where it runs, ddp otherwise)
@@ -409,5 +391,8 @@ class PortRLConfig:
 
 
 def default_config() -> Any:
-    """The defaults as a structured (type-checked, closed) omegaconf object."""
-    return OmegaConf.structured(PortRLConfig)
+    """The defaults as a structured (type-checked, closed) omegaconf object, with every option the registered
+    estimators, objectives and policy losses declare (portrl.config.options_schema.run_schema)."""
+    from portrl.config.options_schema import run_schema  # noqa: PLC0415  (it builds on this module's classes)
+
+    return OmegaConf.structured(run_schema())
