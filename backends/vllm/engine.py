@@ -34,7 +34,7 @@ import torch
 from portrl.backends.vllm import translate
 from portrl.backends.vllm.options import vllm_options
 from portrl.backends.vllm.worker_ext import pack_tensor
-from portrl.device.backend import import_optional
+from portrl.device.backend import Backend, import_optional
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
@@ -96,7 +96,7 @@ class VLLMEngine(RolloutEngine):
         model: torch.nn.Module | None = None,
         model_path: str | None = None,
         tokenizer: Any = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         tokenizer_path: str | None = None,
         dtype: str = "auto",
         seed: int = 0,

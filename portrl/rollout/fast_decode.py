@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.ops import select
 from portrl.ops.layers import linear_prepacked
@@ -43,7 +44,7 @@ from portrl.rollout.sampling import sample_next
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
 
-def fast_decoder_for(model: torch.nn.Module, backend: Any = None) -> Optional["FastDecoder"]:
+def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = None) -> Optional["FastDecoder"]:
     """A :class:`FastDecoder` over ``model`` when its architecture is reproduced exactly, else None.
 
     ``backend`` (a Backend, a name, or None for the current one) chooses the ``linear_prepacked`` op."""
@@ -79,7 +80,7 @@ PREPACK_MIN_STEPS = 16
 class FastDecoder:
     """Prefill + one-token decode steps with a static KV cache. Use inside ``torch.inference_mode``."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any = None):
+    def __init__(self, model: torch.nn.Module, backend: Backend | str | None = None):
         cfg = model.config
         self.model = model
         self.inner = model.model

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from portrl.device.backend import Backend
 from portrl.errors import UserError
 from portrl.models import load_causal_lm
 from portrl.models.multimodal import batch_image_inputs, is_vision_language
@@ -57,7 +58,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _load_model(model_path: str, backend: Any, dtype: str) -> torch.nn.Module:
+def _load_model(model_path: str, backend: Backend | None, dtype: str) -> torch.nn.Module:
     """Load a local HF checkpoint (portrl.models.load_causal_lm: portrl's attention, nothing downloaded)."""
     return load_causal_lm(model_path, dtype=dtype, backend=backend)
 
@@ -99,7 +100,7 @@ class HFEngine(RolloutEngine):
         model: torch.nn.Module | None = None,
         model_path: str | None = None,
         tokenizer: Any = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         dtype: str = "float32",
         max_batch_rows: int | None = None,
         compact_fraction: float = 0.125,

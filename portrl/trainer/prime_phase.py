@@ -34,6 +34,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
+from portrl.device.backend import Backend
 from portrl.trainer.metrics import Timer
 from portrl.workers.batch import Batch
 from portrl.workers.group import WorkerGroup
@@ -43,7 +44,7 @@ from portrl.workers.implicit_prm import ImplicitPRMWorker
 class PrimePhase:
     """The implicit PRM's worker group and its step (:meth:`run`); its state goes into the run's checkpoints."""
 
-    def __init__(self, cfg: Any, backend: Any):
+    def __init__(self, cfg: Any, backend: Backend):
         self.cfg = cfg
         self.group = WorkerGroup(ImplicitPRMWorker, cfg, int(cfg.trainer.num_workers), backend)
         rm = cfg.reward_model.model
@@ -96,6 +97,6 @@ class PrimePhase:
         self.pending_policy = False
 
 
-def build_prime_phase(cfg: Any, backend: Any) -> Optional[PrimePhase]:
+def build_prime_phase(cfg: Any, backend: Backend) -> Optional[PrimePhase]:
     """The phase when the run has an implicit PRM (``reward_model.enable``, or the algorithm's record), else None."""
     return PrimePhase(cfg, backend) if implicit_prm_enabled(cfg) else None

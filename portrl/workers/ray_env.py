@@ -24,10 +24,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 from portrl import process_env
 from portrl.workers import ray_watchdog
+
+if TYPE_CHECKING:  # the Ray layer names the Backend type only in annotations
+    from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +184,7 @@ class ResourcePool:
 
     name: str
     num_workers: int
-    backend: Any
+    backend: Backend
     cpus_per_worker: float = 1.0
     devices_per_worker: float = 1.0
     strategy: str = "PACK"
