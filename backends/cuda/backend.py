@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from types import ModuleType
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 from portrl.backends.cuda import env as env_tables
 from portrl.device.backend import Backend, CompatRow, KernelRegistry, ProbeResult, module_available, package_version
@@ -43,8 +43,8 @@ class CUDABackend(Backend):
     detect_priority = 10
     declared_env = env_tables.DECLARED  # device.env: backends/cuda/env.py
     refused_env = env_tables.REFUSED_HERE
-    version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn")
-    compat_rows = (
+    version_packages: ClassVar[tuple[str, ...]] = ("torch", "transformers", "triton", "vllm", "flash-attn")
+    compat_rows: ClassVar[tuple[CompatRow, ...]] = (
         CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},
                   "vLLM 0.11.0 pins torch==2.8.0; flash-attn 2.8.3 publishes wheels up to torch 2.8"),
         CompatRow({"torch": "2.7.1", "vllm": "0.10.0", "flash-attn": "2.8.3"},

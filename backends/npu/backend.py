@@ -82,10 +82,7 @@ class NPUBackend(Backend):
         if reason:
             return ProbeResult(False, reason, versions=versions)
         try:
-            self._import_plugin()
-            import torch
-
-            count = int(torch.npu.device_count())
+            count = int(self._module().device_count())
         except Exception as exc:  # a broken CANN / driver surfaces here; report it verbatim
             return ProbeResult(False, f"import torch_npu failed: {type(exc).__name__}: {exc}", versions=versions)
         if count == 0:
@@ -123,7 +120,7 @@ class NPUBackend(Backend):
         self._import_plugin()
         import torch
 
-        return torch.npu
+        return torch.npu  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
 
     def device(self, index: int | None = None) -> torch.device:
         self._import_plugin()

@@ -42,7 +42,7 @@ def npu_fusion_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, softmax_sc
     """Varlen attention through ``npu_fusion_attention`` in TND layout."""
     scale, _ = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
     seq_ends = [int(x) for x in cu_seqlens[1:].tolist()]
-    kwargs = dict(pse=None, padding_mask=None, scale=scale, keep_prob=1.0,
+    kwargs: dict[str, object] = dict(pse=None, padding_mask=None, scale=scale, keep_prob=1.0,
                   actual_seq_qlen=seq_ends, actual_seq_kvlen=seq_ends)
     if causal:
         kwargs.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_CAUSAL)

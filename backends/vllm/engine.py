@@ -163,8 +163,9 @@ class VLLMEngine(RolloutEngine):
         # empties the workers' store but not the scheduler's record of it (the next image prompt then dies with
         # "Encoder cache miss"): reset both (vLLM versions without the method have no such cache to reset)
         llm_engine = getattr(self.llm, "llm_engine", None)
-        if hasattr(llm_engine, "reset_encoder_cache"):
-            llm_engine.reset_encoder_cache()
+        reset_encoder_cache = getattr(llm_engine, "reset_encoder_cache", None)
+        if reset_encoder_cache is not None:
+            reset_encoder_cache()
         log.debug("vllm engine update_weights: %d tensors", total)
 
     def sleep(self) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
+import torch
+
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
 from portrl.device.backend import Backend
@@ -64,10 +66,10 @@ class PrimePhase:
         m: Dict[str, float] = {}
         dpo = str(rm.model.loss_type) == "dpo" and update != "none"
         with timer("reward_model"):
-            q = None
+            q: Optional[torch.Tensor] = None
             if update == "after" or dpo:  # the dpo loss compares each row with its group as scored before the update
                 q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
-            if dpo:
+            if dpo and q is not None:  # q was computed above for the dpo loss
                 batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
             if update == "before":
                 m.update(self.group.metrics("update_rm", batch))
@@ -76,6 +78,7 @@ class PrimePhase:
                 m.update(self.group.metrics("update_rm", batch))
             elif q is None:
                 q = self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+        assert q is not None  # every update mode computed it above
         rewards = q * float(rm.model.beta_train)
         if str(rm.prime_norm) == "batch_norm":
             rewards = prime_batch_norm(rewards)

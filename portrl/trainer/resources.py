@@ -48,7 +48,7 @@ def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
         return str(check_model_dir(str(cfg.model.path), "model.path"))
-    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    t: Any = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
     out = cache_dir() / "models" / f"tiny-arith-{_key(t)}"
     if not (out / "config.json").is_file():
         write_tiny_model(out, vocab="arith", hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),

@@ -76,7 +76,7 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
         return
     address = _cfg_get(cfg, "trainer.ray_address")
     dashboard = bool(_cfg_get(cfg, "trainer.ray_dashboard", False))
-    common = dict(include_dashboard=dashboard, runtime_env={"env_vars": worker_env(cfg, backend)},
+    common: dict[str, Any] = dict(include_dashboard=dashboard, runtime_env={"env_vars": worker_env(cfg, backend)},
                   log_to_driver=True, configure_logging=False)
     if dashboard:
         common["dashboard_host"] = "127.0.0.1"
