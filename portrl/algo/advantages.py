@@ -50,7 +50,7 @@ def compute_advantage(
     vapo_alpha: Optional[float] = None,
     epsilon: float = 1e-6,
     rollout_is_weights: Optional[torch.Tensor] = None,
-    reward_components: Optional[Mapping[str, Sequence[float]]] = None,
+    reward_components: Optional[Mapping[str, torch.Tensor | Sequence[float]]] = None,
     reward_weights: Optional[Sequence[float]] = None,
     implicit_rewards: Optional[torch.Tensor] = None,
     reward_dpo_coef: float = 5.0,

@@ -16,7 +16,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -192,7 +192,7 @@ _CONVERTERS: dict[str, Callable[..., list[dict]]] = {
 
 
 def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
-    out = []
+    out: list[tuple[str, int, dict]] = []
     for p in paths:
         out.extend((str(p), i, r) for i, r in enumerate(read_records(p)))
     return out[:n] if n is not None else out
@@ -229,7 +229,7 @@ def preprocess(task: str, output_dir: str | Path, input_path: str | Path | None 
             raise DataError("arith generates its problems; it takes no --input")
         total = n or 2000  # difficulty 1 has about 2,850 distinct problems
         n_test = round(total * test_fraction)
-        kw = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
+        kw: dict[str, Any] = dict(seed=seed, difficulty=1 if difficulty is None else difficulty, test_fraction=test_fraction)
         splits = {"train": make_arith_rows(total - n_test, split="train", **kw),
                   "test": make_arith_rows(n_test, split="test", **kw)}
         if sft:

@@ -11,5 +11,6 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 
-#: an HF model, its inner decoder, or one of its layers, read by attribute names of the architecture
+#: an HF model, its inner decoder or config, one of its layers, or a peft layer: read by attribute names of the
+#: architecture
 HFModule: TypeAlias = Any

@@ -121,7 +121,8 @@ class HFEngine(RolloutEngine):
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0))
-        base: HFModule = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # peft wraps
+        wrapped: HFModule = self.model
+        base: HFModule = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped  # peft wraps
         params = inspect.signature(base.forward).parameters
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); use what this model takes

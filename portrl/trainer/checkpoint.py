@@ -183,7 +183,7 @@ def reference_damage(root: Path, pin: dict) -> Optional[tuple[Path, str]]:
     mpath = rdir / MANIFEST
     if mpath.is_file() and sha256_file(mpath) == pin["manifest_sha256"]:
         manifest, problem = _load_manifest(rdir)
-        bad = (MANIFEST, problem) if problem else _file_problem(rdir, manifest["files"])
+        bad = (MANIFEST, problem or "is unreadable") if problem or manifest is None else _file_problem(rdir, manifest["files"])
     else:
         bad = _file_problem(rdir, pin["manifest"]["files"]) if isinstance(pin.get("manifest"), dict) else None
         bad = bad or (MANIFEST, "is missing" if not mpath.is_file() else "differs from the one the checkpoints pin")
@@ -196,7 +196,7 @@ def verify(ckpt_dir: Path, with_reference: bool = False) -> Optional[str]:
     see :meth:`CheckpointManager.save_reference`), which loading it for training needs and evaluating does not."""
     ckpt_dir = Path(ckpt_dir)
     manifest, problem = _load_manifest(ckpt_dir)
-    if problem:
+    if problem or manifest is None:  # no manifest always comes with a problem
         return problem
     bad = _file_problem(ckpt_dir, manifest["files"])
     if bad is not None:
@@ -218,7 +218,8 @@ def resumable_problem(ckpt_dir: Path) -> Optional[str]:
     (portrl.trainer.run_checkpoints.load_run_checkpoint)."""
     problem = verify(ckpt_dir)
     if problem is None:
-        problem = reference_pin(_load_manifest(Path(ckpt_dir))[0])[1]
+        manifest, problem = _load_manifest(Path(ckpt_dir))
+        problem = problem if manifest is None else reference_pin(manifest)[1]
     return problem
 
 
@@ -271,7 +272,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not mpath.is_file():
         raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST})")
     manifest, problem = _load_manifest(Path(path))
-    if problem:
+    if problem or manifest is None:  # no manifest always comes with a problem
         raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
     return manifest
 
@@ -353,7 +354,7 @@ class CheckpointManager:
         log.info("checkpoint saved: %s", final)
         return final
 
-    def save_reference(self, write_fn: Callable[[Path], None]) -> Dict[str, Any]:
+    def save_reference(self, write_fn: Callable[[Path], object]) -> Dict[str, Any]:
         """Write the run's frozen reference policy once to ``<root>/reference`` (atomically, with its own manifest)
         and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256", "manifest"}`` (the
         manifest itself, so that a damaged copy can be rebuilt and checked file by file). Checkpoints then pin it

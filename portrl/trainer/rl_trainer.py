@@ -32,7 +32,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from omegaconf import OmegaConf
 from portrl.algo import algorithm_spec, critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
 from portrl.config.composition import copy_config
-from portrl.data import RLDataset
+from portrl.data import PromptBatch, RLDataset
 from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
@@ -118,7 +118,7 @@ class RLTrainer:
             k = cfg.algorithm.kl_ctrl
             self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
         self.global_step = 0
-        self._train_iter = None
+        self._train_iter: Optional[Iterator[PromptBatch]] = None
         self.reference_copy = ReferenceCopy()  # the run's reference policy, written once (run_checkpoints)
         self.history: List[Dict[str, float]] = []
 
@@ -158,7 +158,8 @@ class RLTrainer:
         fg = cfg.algorithm.filter_groups
         want = int(cfg.data.train_batch_size)
         kept: List[Batch] = []
-        n_prompts, gen_batches, metrics = 0, 0, {}
+        n_prompts, gen_batches = 0, 0
+        metrics: Dict[str, float] = {}
         first_batch = None
         while True:
             prompts = self._next_prompts()
@@ -474,7 +475,8 @@ def run_training(cfg: Any) -> Dict[str, Any]:
 
     def stopped_while_starting(name: str) -> str:  # the line of a signal before step 1 (interrupts)
         step = getattr(trainer, "global_step", 0)  # > 0 once a checkpoint is loaded
-        ckpt = trainer.ckpt.path_for(step) if step and getattr(trainer, "ckpt", None) is not None else None
+        manager = getattr(trainer, "ckpt", None)
+        ckpt = manager.path_for(step) if step and manager is not None else None
         return "portrl: " + stopped_message(name, step, int(cfg.trainer.total_steps), str(cfg.trainer.resume),
                                             ckpt if ckpt is not None and ckpt.is_dir() else None)
 

@@ -89,10 +89,11 @@ def save_run_checkpoint(trainer: Any) -> Path:
 
     def write(path: Path) -> None:
         for name, group in groups:
-            if states[name] is None:
+            group_state = states[name]
+            if group_state is None:
                 group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
             else:
-                save_state(path, name, states[name])
+                save_state(path, name, group_state)
         if prm is not None:
             save_state(path, "prm", prm)
         save_state(path, "trainer", state)

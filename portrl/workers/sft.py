@@ -33,7 +33,7 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
         raise ValueError("run_sft: the tokenizer has no eos_token; responses must end with it")
     out = []
     for i, row in enumerate(rows):
-        if hasattr(row, "prompt_ids"):
+        if not isinstance(row, Mapping):  # an SFTExample: prompt_ids / response_ids
             out.append((list(row.prompt_ids), list(row.response_ids)))
             continue
         if "prompt" not in row or "response" not in row:
@@ -138,7 +138,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
             model.eval()
             answer_p = probe()
             model.train()
-            if answer_p >= target_answer_p:
+            if target_answer_p is not None and answer_p >= target_answer_p:
                 break
         if stop is not None:
             if stop(done):
@@ -149,7 +149,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
     tail = losses[-10:]
     out = {"sft/loss_first": losses[0], "sft/loss_last": sum(tail) / len(tail), "sft/steps": float(done),
            "sft/tokens_per_s": tokens / max(elapsed, 1e-9), "sft/time_s": elapsed}
-    if answer_p is not None and answer_p >= target_answer_p:
+    if answer_p is not None and target_answer_p is not None and answer_p >= target_answer_p:
         out["sft/answer_p"] = answer_p
     return out
 
