@@ -76,9 +76,9 @@ class ForwardTape:
         self._storage: list[Optional[list[torch.Tensor]]] = (
             old if fits and old is not None else [[torch.empty(slots, w, dtype=dtype, device=device) for w in widths]
                                                   for _ in range(num_layers)])
-        #: per layer, the slots of this recording; empty once freed
-        self.buffers: list[list[torch.Tensor]] = [[b[:slots] for b in layer] if layer is not None else []
-                                                  for layer in self._storage]
+        #: per layer, the slots of this recording; None once freed
+        self.buffers: list[Optional[list[torch.Tensor]]] = [[b[:slots] for b in layer] if layer is not None else None
+                                                            for layer in self._storage]
         self._params = list(model.parameters())
         self._versions = [p._version for p in self._params]
         self._param_ids = {id(p) for p in self._params}
@@ -98,7 +98,7 @@ class ForwardTape:
         return slice(start, start + self.rows) if len(out_rows) == self.rows else start + out_rows
 
     def save(self, layer: int, which: int, out: torch.Tensor, slots) -> None:
-        buf = self.buffers[layer][which]
+        buf = self._layer_buffers(layer)[which]
         if isinstance(slots, slice):
             buf[slots].copy_(out.reshape(-1, buf.shape[1]))
         else:
@@ -138,7 +138,13 @@ class ForwardTape:
         return out.to(input_ids.device)
 
     def outputs(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.buffers[layer][which].index_select(0, slots)
+        return self._layer_buffers(layer)[which].index_select(0, slots)
+
+    def _layer_buffers(self, layer: int) -> list[torch.Tensor]:
+        buffers = self.buffers[layer]
+        if buffers is None:
+            raise RuntimeError(f"ForwardTape: layer {layer}'s buffers were freed by a final replay (free_after_replay)")
+        return buffers
 
     def start_replay(self, checkpointing: bool) -> None:
         """Begin a replay; a final one (:attr:`free_after_replay`) frees each layer at its last read: the second
@@ -150,7 +156,7 @@ class ForwardTape:
         """Count one read of all of ``layer``'s outputs by the replay; free its buffers at the last one."""
         self._reads[layer] += 1
         if self._reads[layer] == self._reads_to_free:
-            self.buffers[layer], self._storage[layer] = [], None
+            self.buffers[layer] = self._storage[layer] = None
 
 
 class _RecordedLinear(torch.autograd.Function):
