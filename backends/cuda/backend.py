@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from types import ModuleType
+from typing import ClassVar, Sequence
 
 from portrl.backends.cuda import env as env_tables
-from portrl.device.backend import Backend, CompatRow, ProbeResult, module_available, package_version
+from portrl.device.backend import Backend, CompatRow, KernelRegistry, ProbeResult, module_available, package_version
 
 # the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as the README spells it;
 # it ends the message, so that it can be copied as it stands (tests/test_cli_errors.py checks the pin)
@@ -41,8 +43,8 @@ class CUDABackend(Backend):
     detect_priority = 10
     declared_env = env_tables.DECLARED  # device.env: backends/cuda/env.py
     refused_env = env_tables.REFUSED_HERE
-    version_packages = ("torch", "transformers", "triton", "vllm", "flash-attn")
-    compat_rows = (
+    version_packages: ClassVar[tuple[str, ...]] = ("torch", "transformers", "triton", "vllm", "flash-attn")
+    compat_rows: ClassVar[tuple[CompatRow, ...]] = (
         CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},
                   "vLLM 0.11.0 pins torch==2.8.0; flash-attn 2.8.3 publishes wheels up to torch 2.8"),
         CompatRow({"torch": "2.7.1", "vllm": "0.10.0", "flash-attn": "2.8.3"},
@@ -66,14 +68,14 @@ class CUDABackend(Backend):
             return ProbeResult(False, self._no_device_reason(torch, caught), versions=versions)
         return ProbeResult(True, device_count=count, device_name=self._device_name_without_init(), versions=versions)
 
-    def _wrong_build_reason(self, torch) -> str:
+    def _wrong_build_reason(self, torch: ModuleType) -> str:
         if torch.version.hip:
             return f"torch {torch.__version__} is a ROCm (HIP {torch.version.hip}) build; use --device rocm"
         if not torch.version.cuda:
             return f"torch {torch.__version__} was built without CUDA; install a CUDA build {TORCH_CUDA_INSTALL}"
         return ""
 
-    def _no_device_reason(self, torch, caught) -> str:
+    def _no_device_reason(self, torch: ModuleType, caught: Sequence[warnings.WarningMessage]) -> str:
         env = os.environ.get(self.visible_devices_env)
         hint = f"{self.visible_devices_env}={env!r}" if env is not None else f"{self.visible_devices_env} unset"
         detail = "; ".join(str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip())
@@ -111,7 +113,7 @@ class CUDABackend(Backend):
         return fp8_dtype_for_capability(torch.cuda.get_device_capability())
 
     # --- kernels and engines --------------------------------------------------------------------
-    def register_kernels(self, registry) -> None:
+    def register_kernels(self, registry: KernelRegistry) -> None:
         from portrl.backends.cuda.kernels import register
 
         register(registry)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from portrl.backends.cpu.kernels import attention_varlen_sdpa
-from portrl.device.backend import import_optional, module_available
+from portrl.device.backend import KernelRegistry, import_optional, module_available
 from portrl.ops.attention import check_varlen_inputs
 
 FA2_INSTALL = 'pip install "flash-attn==2.8.3" --no-build-isolation (the row torch 2.8.0 + vLLM 0.11.0 + flash-attn 2.8.3)'
@@ -53,7 +53,7 @@ def needs(module: str, install: str):
     return lambda: True if module_available(module) else f"{module} is not installed ({install})"
 
 
-def register(registry) -> None:
+def register(registry: KernelRegistry) -> None:
     """Register the NVIDIA implementations (and the shared Triton kernels) into ``portrl.ops.registry``."""
     from portrl.backends import triton as triton_kernels
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from portrl.backends.npu import env as env_tables
 from portrl.backends.npu.versions import (
@@ -27,7 +29,12 @@ from portrl.backends.npu.versions import (
     cann_version,
     torch_pair_mismatch,
 )
-from portrl.device.backend import Backend, ProbeResult, module_available, package_version
+from portrl.device.backend import Backend, KernelRegistry, ProbeResult, module_available, package_version
+
+if TYPE_CHECKING:  # torch and checks.py are imported where they are used
+    import torch
+
+    from portrl.device.checks import Check
 
 # one compatibility row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0), as the README installs it (in the
 # portrl checkout); it ends the message, so that it can be copied as it stands
@@ -75,10 +82,7 @@ class NPUBackend(Backend):
         if reason:
             return ProbeResult(False, reason, versions=versions)
         try:
-            self._import_plugin()
-            import torch
-
-            count = int(torch.npu.device_count())
+            count = int(self._module().device_count())
         except Exception as exc:  # a broken CANN / driver surfaces here; report it verbatim
             return ProbeResult(False, f"import torch_npu failed: {type(exc).__name__}: {exc}", versions=versions)
         if count == 0:
@@ -106,19 +110,19 @@ class NPUBackend(Backend):
 
     # --- device and memory ----------------------------------------------------------------------
     @staticmethod
-    def _import_plugin():
+    def _import_plugin() -> ModuleType:
         """Import torch_npu, which registers the "npu" device type and ``torch.npu``."""
         import importlib
 
         return importlib.import_module("torch_npu")
 
-    def _module(self):
+    def _module(self) -> ModuleType:
         self._import_plugin()
         import torch
 
-        return torch.npu
+        return torch.npu  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
 
-    def device(self, index: int | None = None):
+    def device(self, index: int | None = None) -> torch.device:
         self._import_plugin()
         return super().device(index)
 
@@ -133,7 +137,7 @@ class NPUBackend(Backend):
         return None
 
     # --- kernels and engines --------------------------------------------------------------------
-    def register_kernels(self, registry) -> None:
+    def register_kernels(self, registry: KernelRegistry) -> None:
         from portrl.backends.npu.kernels import register
 
         register(registry)
@@ -162,7 +166,7 @@ class NPUBackend(Backend):
         return env
 
     # --- doctor ---------------------------------------------------------------------------------
-    def doctor_checks(self) -> list:
+    def doctor_checks(self) -> list[Check]:
         from portrl.device.checks import FAIL, OK, Check
 
         versions = self.installed_versions()
@@ -181,7 +185,7 @@ class NPUBackend(Backend):
                                 CANN_SET_ENV + "  (and nnal/atb/set_env.sh for ATB kernels)"))
         return checks
 
-    def host_checks(self) -> list:
+    def host_checks(self) -> list[Check]:
         """An installed torch_npu is imported by ``import torch``; without a device that import fails."""
         from portrl.device.checks import OK, WARN, Check
 

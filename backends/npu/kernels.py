@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from portrl.device.backend import import_optional, module_available
+from portrl.device.backend import KernelRegistry, import_optional, module_available
 from portrl.ops.attention import check_varlen_inputs
 
 NPU_INSTALL = 'pip install "torch-npu==2.10.0.post4" (the row torch 2.10.0 + CANN 9.1.0; see `portrl doctor`)'
@@ -42,7 +42,7 @@ def npu_fusion_attention_varlen(q, k, v, cu_seqlens, max_seqlen=None, softmax_sc
     """Varlen attention through ``npu_fusion_attention`` in TND layout."""
     scale, _ = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale)
     seq_ends = [int(x) for x in cu_seqlens[1:].tolist()]
-    kwargs = dict(pse=None, padding_mask=None, scale=scale, keep_prob=1.0,
+    kwargs: dict[str, object] = dict(pse=None, padding_mask=None, scale=scale, keep_prob=1.0,
                   actual_seq_qlen=seq_ends, actual_seq_kvlen=seq_ends)
     if causal:
         kwargs.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=SPARSE_CAUSAL)
@@ -80,7 +80,7 @@ def _available():
     return True if module_available("torch_npu") else f"torch_npu is not installed ({NPU_INSTALL})"
 
 
-def register(registry) -> None:
+def register(registry: KernelRegistry) -> None:
     """Register the Ascend implementations into ``portrl.ops.registry``."""
     registry.register("attention_varlen", "npu_fusion", npu_fusion_attention_varlen, _available)
     registry.register("rms_norm", "npu_rms_norm", npu_rms_norm, _available)

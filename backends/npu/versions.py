@@ -28,7 +28,7 @@ _TORCH_NPU_ROWS = (  # torch_npu, torch, CANN
     ("2.6.0", "2.6.0", "8.2.RC1"),
     ("2.5.1", "2.5.1", "8.1.RC1"),
 )
-_VLLM_ASCEND_ROWS = (  # vllm-ascend (= vllm tag), CANN, torch, torch_npu, extra pins
+_VLLM_ASCEND_ROWS: tuple[tuple[str, str, str, str, dict[str, str]], ...] = (  # vllm-ascend (= vllm tag), CANN, torch, torch_npu, extra pins
     ("0.23.0", "9.1.0", "2.10.0", "2.10.0.post4", {"triton-ascend": "3.2.2"}),
     ("0.13.0", "8.5.0", "2.8.0", "2.8.0", {}),
     ("0.11.0", "8.3.RC2", "2.7.1", "2.7.1.post1", {}),

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 from portrl.backends.cuda.backend import CUDABackend
 from portrl.backends.rocm import env as env_tables
-from portrl.device.backend import CompatRow, ProbeResult, module_available, package_version
+from portrl.device.backend import CompatRow, KernelRegistry, ProbeResult, module_available, package_version
+
+if TYPE_CHECKING:  # checks.py is imported where a check is made
+    from portrl.device.checks import Check
 
 # the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as the README spells it
 TORCH_ROCM_INSTALL = ('of one compatibility row (torch 2.9.0, ROCm 6.4): '
@@ -110,11 +114,11 @@ class ROCmBackend(CUDABackend):
                                       f"install a ROCm build {TORCH_ROCM_INSTALL}", versions=versions)
         count = int(torch.cuda.device_count())
         if count == 0:
-            return ProbeResult(False, self._no_device_reason(), versions=versions)
+            return ProbeResult(False, self._no_gpu_reason(), versions=versions)
         targets = kfd_gfx_targets()
         return ProbeResult(True, device_count=count, device_name=targets[0] if targets else "", versions=versions)
 
-    def _no_device_reason(self) -> str:
+    def _no_gpu_reason(self) -> str:
         hip, rocr = os.environ.get("HIP_VISIBLE_DEVICES"), os.environ.get("ROCR_VISIBLE_DEVICES")
         if hip is not None and rocr is not None:
             return (f"no AMD GPU visible: HIP_VISIBLE_DEVICES={hip!r} and ROCR_VISIBLE_DEVICES={rocr!r} are both set "
@@ -131,7 +135,7 @@ class ROCmBackend(CUDABackend):
         return fp8_dtype_for_arch(torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName)
 
     # --- kernels and engines --------------------------------------------------------------------
-    def register_kernels(self, registry) -> None:
+    def register_kernels(self, registry: KernelRegistry) -> None:
         from portrl.backends.rocm.kernels import register
 
         register(registry)
@@ -164,7 +168,7 @@ class ROCmBackend(CUDABackend):
         return env
 
     # --- doctor ---------------------------------------------------------------------------------
-    def doctor_checks(self) -> list:
+    def doctor_checks(self) -> list[Check]:
         from portrl.device.checks import FAIL, OK, WARN, Check, version_satisfies
 
         checks = super().doctor_checks()

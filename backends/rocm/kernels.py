@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from portrl.backends.cpu.kernels import attention_varlen_sdpa
 from portrl.backends.cuda.kernels import FA2_INSTALL, FLASH_DTYPES, flash_attn_varlen, needs, varlen_args
-from portrl.device.backend import import_optional
+from portrl.device.backend import KernelRegistry, import_optional
 from portrl.ops.attention import check_varlen_inputs
 
 AITER_INSTALL = "pip install git+https://github.com/ROCm/aiter (or use a rocm/vllm image, which ships it)"
@@ -29,7 +29,7 @@ def aiter_varlen(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causa
     return out[0] if isinstance(out, tuple) else out
 
 
-def register(registry) -> None:
+def register(registry: KernelRegistry) -> None:
     """Register the ROCm implementations (and the shared Triton kernels) into ``portrl.ops.registry``."""
     from portrl.backends import triton as triton_kernels
 

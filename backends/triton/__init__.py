@@ -31,6 +31,8 @@ def load_kernels(name: str, interpret: bool):
     path = Path(__file__).with_name(f"{name}.py")
     mode = "interpreted" if interpret else "compiled"
     spec = importlib.util.spec_from_file_location(f"{__name__}.{name}_{mode}", path)
+    if spec is None or spec.loader is None:  # a file path always gives a spec with a loader
+        raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -34,7 +34,7 @@ import torch
 from portrl.backends.vllm import translate
 from portrl.backends.vllm.options import vllm_options
 from portrl.backends.vllm.worker_ext import pack_tensor
-from portrl.device.backend import import_optional
+from portrl.device.backend import Backend, import_optional
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
@@ -96,7 +96,7 @@ class VLLMEngine(RolloutEngine):
         model: torch.nn.Module | None = None,
         model_path: str | None = None,
         tokenizer: Any = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         tokenizer_path: str | None = None,
         dtype: str = "auto",
         seed: int = 0,
@@ -163,8 +163,9 @@ class VLLMEngine(RolloutEngine):
         # empties the workers' store but not the scheduler's record of it (the next image prompt then dies with
         # "Encoder cache miss"): reset both (vLLM versions without the method have no such cache to reset)
         llm_engine = getattr(self.llm, "llm_engine", None)
-        if hasattr(llm_engine, "reset_encoder_cache"):
-            llm_engine.reset_encoder_cache()
+        reset_encoder_cache = getattr(llm_engine, "reset_encoder_cache", None)
+        if reset_encoder_cache is not None:
+            reset_encoder_cache()
         log.debug("vllm engine update_weights: %d tensors", total)
 
     def sleep(self) -> None:

@@ -48,7 +48,7 @@ def compute_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     rollout_is_weights: Optional[torch.Tensor] = None,
-    reward_components: Optional[Mapping[str, Sequence[float]]] = None,
+    reward_components: Optional[Mapping[str, torch.Tensor | Sequence[float]]] = None,
     reward_weights: Optional[Sequence[float]] = None,
     implicit_rewards: Optional[torch.Tensor] = None,
     **options: Any,

@@ -55,7 +55,7 @@ def _component_rewards(values, mask: torch.Tensor, name: str) -> torch.Tensor:
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
                                    norm_adv_by_std_in_grpo=True,
-                                   reward_components: Optional[Mapping[str, Sequence[float]]] = None,
+                                   reward_components: Optional[Mapping[str, torch.Tensor | Sequence[float]]] = None,
                                    reward_weights: Optional[Sequence[float]] = None):
     """``A = masked_whiten(Σ_k w_k · GRPO(component_k), m)·m`` (see the module docstring). ``reward_components``:
     name -> one score per row, in the order of ``reward_weights``; None: the summed reward only. Each GRPO keeps

@@ -128,6 +128,7 @@ def compute_decoupled_gae(token_level_rewards, values, response_mask, gamma: Coe
     if vapo_alpha is not None and lam_actor is not None:
         raise ValueError("gae: give either lam_actor or vapo_alpha (VAPO's length-adaptive actor λ), not both")
     critic_lam = 1.0 if lam_critic is None else lam_critic
+    actor_lam: Union[torch.Tensor, float]
     if vapo_alpha is not None:
         actor_lam = vapo_length_adaptive_lambda(response_mask, vapo_alpha).to(token_level_rewards.device)
     else:

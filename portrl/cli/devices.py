@@ -11,6 +11,7 @@ or ``"rollout_engine"`` with ``"usable": false`` and their ``"error"``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from portrl.device import all_backends, broken_backends
 
@@ -34,7 +35,7 @@ def _broken_rows() -> list[dict]:
 
 
 def run(args) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for backend in all_backends():
         r = backend.probe()
         rows.append({

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
+from portrl.cli.run_options import ExtraOption, add_run_arguments, compose_from, options_parser, parse_run_options
 from portrl.errors import UserError
 from portrl.outputs import ON_EXISTING, claim, publish
 from portrl.user_files import temp_name
 
 PROG = "portrl eval"
-EXTRA = [
+EXTRA: list[ExtraOption] = [
     (("--model",), {"default": None, "help": "a local transformers model directory (sets model.path)"}),
     (("--checkpoint",), {"default": None, "help": "a run checkpoint directory (global_step_N) to load"}),
     (("--report",), {"default": None, "help": "also write the metrics as JSON here (a new file)"}),

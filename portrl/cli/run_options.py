@@ -10,6 +10,7 @@ The config composition (omegaconf) is imported when a config is built, so that `
 from __future__ import annotations
 
 import argparse
+from typing import Any, Sequence
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="[--device D] [--preset P] [--config FILE] [key=value ...] (see --help of the command)")
 
 
-def options_parser(prog: str, description: str, extra: list[tuple[tuple, dict]] = ()) -> argparse.ArgumentParser:
+#: one extra option of a command: (the names, the keywords) of ``ArgumentParser.add_argument``
+ExtraOption = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def options_parser(prog: str, description: str, extra: Sequence[ExtraOption] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--device", default=None, help="backend name (portrl devices) or auto; a device preset name also works")
     p.add_argument("--preset", default=None, help="device preset (configs/device), see `portrl config list`")
@@ -33,7 +38,7 @@ def parse_run_options(parser: argparse.ArgumentParser, rest: list[str]) -> argpa
     return parser.parse_intermixed_args(rest)
 
 
-def compose_from(opts: argparse.Namespace, extra_overrides: list[str] = ()):
+def compose_from(opts: argparse.Namespace, extra_overrides: Sequence[str] = ()):
     """The composed, validated config of a command line (ConfigError on bad input)."""
     from portrl.config import compose
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from portrl.cli.run_options import add_run_arguments, compose_from, options_parser, parse_run_options
+from portrl.cli.run_options import ExtraOption, add_run_arguments, compose_from, options_parser, parse_run_options
 from portrl.errors import UserError
 from portrl.outputs import ON_EXISTING, claim
 
 PROG = "portrl sft"
-EXTRA = [
+EXTRA: list[ExtraOption] = [
     (("--train-files",), {"nargs": "+", "default": None, "help": "parquet files with prompt and response columns"}),
     (("--output",), {"default": None, "help": "output directory, new or empty (default: <trainer.output_dir>/sft)"}),
     (("--on-existing",), {"choices": ON_EXISTING, "default": "refuse",

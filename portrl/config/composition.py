@@ -192,9 +192,9 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
     for source, item in items:
         explicit.update(check_keys(item, source))
     chosen = {"algorithm": algorithm, "data": data, "model": model}
-    for group, name in DEFAULT_PRESETS.items():
+    for group, default in DEFAULT_PRESETS.items():
         if not chosen[group] and not any(_given([user] + [i for _, i in items], k) for k in _GROUP_ELSEWHERE[group]):
-            chosen[group] = name
+            chosen[group] = default
 
     cfg = _defaults()
     dev_preset, backend = _resolve_device(device, preset)

@@ -76,7 +76,9 @@ def arith_problems(n: int, seed: int, difficulty: int = 1, split: str = "train",
         raise DataError(f"test_fraction must be in [0, 1), got {test_fraction}")
     rng = random.Random(f"arith:{seed}:{difficulty}:{split}")
     want_test = split == "test"
-    out, seen, tries = [], set(), 0
+    out: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    tries = 0
     while len(out) < n:
         tries += 1
         if tries > 200 * n + 10000:

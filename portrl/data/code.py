@@ -29,7 +29,7 @@ def convert(records: list[tuple[str, int, dict]], split: str, data_source: str |
     """verl rows from (file, row index, raw record) triples; DataError naming the row when one is bad."""
     if data_source is not None and data_source not in CODE_SOURCES:
         raise DataError(f"--data-source {data_source!r} is not a code data source; valid: {', '.join(CODE_SOURCES)}")
-    rows = []
+    rows: list[dict] = []
     for where, i, rec in records:
         if not isinstance(rec, dict):
             raise DataError(f"{where}: row {i}: is a {type(rec).__name__}, expected a record")

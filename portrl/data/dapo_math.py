@@ -44,7 +44,8 @@ def _truth(rec: dict, where: str, i: int) -> str:
 
 def convert(records: list[tuple[str, int, dict]], split: str) -> list[dict]:
     """verl rows from (file, row index, raw record) triples, one per distinct prompt."""
-    rows, seen = [], set()
+    rows: list[dict] = []
+    seen: set[str] = set()
     for where, i, rec in records:
         if not isinstance(rec, dict):
             raise DataError(f"{where}: row {i}: is a {type(rec).__name__}, expected a record")
@@ -52,7 +53,8 @@ def convert(records: list[tuple[str, int, dict]], split: str) -> list[dict]:
         if text in seen:
             continue
         seen.add(text)
-        extra = rec.get("extra_info") if isinstance(rec.get("extra_info"), dict) else {}
+        extra = rec.get("extra_info")
+        extra = extra if isinstance(extra, dict) else {}
         rows.append(make_row(DATA_SOURCE, text, truth, split, len(rows), ability="MATH",
                              source_index=str(extra.get("index", i))))
     if len(seen) < len(records):

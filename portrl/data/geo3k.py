@@ -41,7 +41,7 @@ def _answer(rec: dict, where: str, i: int) -> str:
 
 def convert(records: list[tuple[str, int, dict]], split: str) -> list[dict]:
     """verl rows from (file, row index, raw record) triples; DataError (one line) naming a bad row."""
-    rows = []
+    rows: list[dict] = []
     for where, i, rec in records:
         problem = field(rec, "problem", where, i)
         answer = _answer(rec, where, i)

@@ -32,7 +32,7 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def _canvas(size: int) -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.ImageFont]:
+def _canvas(size: int) -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.ImageFont | ImageFont.FreeTypeFont]:
     image = Image.new("RGB", (size, size), "white")
     return image, ImageDraw.Draw(image), ImageFont.load_default()
 

@@ -22,7 +22,7 @@ def extract_ground_truth(answer: str) -> str | None:
 
 def convert(records: list[tuple[str, int, dict]], split: str) -> list[dict]:
     """verl rows from (file, row index, raw record) triples."""
-    rows = []
+    rows: list[dict] = []
     for where, i, rec in records:
         question = field(rec, "question", where, i)
         answer = field(rec, "answer", where, i)

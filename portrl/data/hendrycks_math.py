@@ -28,7 +28,8 @@ def convert(records: list[tuple[str, int, dict]], split: str, max_level: int | N
     """verl rows from (file, row index, raw record) triples."""
     if max_level is not None and not 1 <= max_level <= 5:
         raise DataError(f"MATH difficulty (highest level kept) must be 1..5, got {max_level}")
-    rows, no_box, too_hard = [], 0, 0
+    rows: list[dict] = []
+    no_box, too_hard = 0, 0
     for where, i, rec in records:
         problem = field(rec, "problem", where, i)
         solution = field(rec, "solution", where, i)

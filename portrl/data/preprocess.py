@@ -184,7 +184,7 @@ def split_records(records: list, test_fraction: float, seed: int) -> tuple[list,
 
 
 def _load(paths: Iterable[Path], n: int | None) -> list[tuple[str, int, dict]]:
-    out = []
+    out: list[tuple[str, int, dict]] = []
     for p in paths:
         out.extend((str(p), i, r) for i, r in enumerate(read_records(p)))
     return out[:n] if n is not None else out

@@ -125,7 +125,7 @@ def convert(records: list[tuple[str, int, dict]], split: str, *, question_key: s
     q_key = find_key(first, question_key, QUESTION_KEYS, "question", "--question-key", where0)
     a_key = find_key(first, answer_key, ANSWER_KEYS, "answer", "--answer-key", where0)
     ability = "math" if source == DEFAULT_DATA_SOURCE or affix != ("", "") else "qa"
-    rows = []
+    rows: list[dict] = []
     for where, i, rec in records:
         if not isinstance(rec, dict):
             raise DataError(f"{where}: row {i}: is a {type(rec).__name__}, expected a record")

@@ -29,7 +29,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
+
+if TYPE_CHECKING:  # torch is imported lazily (module docstring); checks.py imports this module
+    import torch
+
+    from portrl.device.checks import Check
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,18 @@ PROCESS_REFUSED_ENV: Mapping[str, str] = {
 }
 
 
+#: a rollout engine's constructor options in its own terms (option name -> value of the option's own type)
+EngineOptions = dict[str, object]
+
+
+class KernelRegistry(Protocol):
+    """What :meth:`Backend.register_kernels` receives: the ops registry (the module ``portrl.ops.registry``)."""
+
+    def register(self, op: str, impl: str, fn: Callable[..., object],
+                 available: Callable[[], bool | str] | None = None) -> None:
+        """Register ``fn`` as implementation ``impl`` of ``op`` (``available``: can it run here?)."""
+
+
 class Backend:
     """Base class of every device backend. Subclasses set the class attributes and override where the vendor differs."""
 
@@ -145,7 +163,7 @@ class Backend:
         return {p: v for p, v in found.items() if v is not None}
 
     # --- device and memory ------------------------------------------------------------------
-    def _module(self):
+    def _module(self) -> ModuleType:
         """torch's per-device module (``torch.get_device_module(device_type)``), resolved lazily.
 
         Backends whose device module only exists after importing a plugin package override this.
@@ -154,7 +172,7 @@ class Backend:
 
         return torch.get_device_module(self.device_type)
 
-    def device(self, index: int | None = None):
+    def device(self, index: int | None = None) -> torch.device:
         import torch
 
         if self.device_type == "cpu" or index is None:
@@ -221,7 +239,7 @@ class Backend:
         return "float8_e4m3fn"
 
     # --- kernels ------------------------------------------------------------------------------
-    def register_kernels(self, registry: Any) -> None:
+    def register_kernels(self, registry: KernelRegistry) -> None:
         """Register this backend's op implementations into ``registry`` (portrl.ops). Imports stay lazy."""
 
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
@@ -233,7 +251,7 @@ class Backend:
         """Rollout engine names this backend offers, best first ("hf" runs everywhere)."""
         return ("hf",)
 
-    def check_and_update_engine_options(self, engine: str, options: dict[str, Any]) -> dict[str, Any]:
+    def check_and_update_engine_options(self, engine: str, options: EngineOptions) -> EngineOptions:
         """Adjust the constructor options of rollout engine ``engine`` for this platform and return them.
 
         ``options`` are already in the engine's own terms (its translation of
@@ -266,11 +284,11 @@ class Backend:
         return frozenset(names - set(self.env_refusals()))
 
     # --- doctor -----------------------------------------------------------------------------
-    def doctor_checks(self) -> list:
+    def doctor_checks(self) -> list[Check]:
         """Known traps of this backend's stack, as ``portrl.device.checks.Check`` lines (chosen backend only)."""
         return []
 
-    def host_checks(self) -> list:
+    def host_checks(self) -> list[Check]:
         """Traps this backend's installed packages set for every backend on the host (run for all backends)."""
         return []
 
@@ -279,7 +297,7 @@ class Backend:
         return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r}>"
 
 
-def import_optional(module: str, install: str):
+def import_optional(module: str, install: str) -> ModuleType:
     """Import an optional package, or raise ImportError naming the package and its install command."""
     try:
         return importlib.import_module(module)

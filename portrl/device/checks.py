@@ -90,9 +90,9 @@ def declared_requirement_checks(dists: Iterable[str]) -> list[Check]:
             if req.marker is not None or not str(req.specifier):
                 continue
             target = next((d for d in dists if _normalise(d) == _normalise(req.name)), None)
-            if target is None or installed[target] is None:
+            have = installed[target] if target is not None else None
+            if have is None:
                 continue
-            have = installed[target]
             name = f"{dist} {installed[dist]} requires {req.name}{req.specifier}"
             if version_satisfies(have, str(req.specifier)):
                 checks.append(Check(name, OK, f"{req.name} {have}"))

@@ -43,6 +43,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from portrl.models.hf_types import HFModule
 from portrl.models.prefix_sharing import PLAN_KWARG
 from portrl.ops.layers import rotate_half
 
@@ -65,14 +66,19 @@ class ForwardTape:
         self.decode_base = len(self.prompts) * self.prompt_slots
         slots = self.decode_base + self.rows * self.steps
         old = reuse._storage if reuse is not None else None
-        fits = (old is not None and len(old) == num_layers and all(layer is not None for layer in old)
-                and [b.shape[1] for b in old[0]] == list(widths)
-                and old[0][0].shape[0] >= slots and old[0][0].dtype == dtype and old[0][0].device == torch.device(device))
-        if fits:
+        first = old[0] if old else None
+        fits = (old is not None and first is not None and len(old) == num_layers
+                and all(layer is not None for layer in old) and [b.shape[1] for b in first] == list(widths)
+                and first[0].shape[0] >= slots and first[0].dtype == dtype and first[0].device == torch.device(device))
+        if fits and reuse is not None:
             reuse.invalidate()
-        self._storage = old if fits else [[torch.empty(slots, w, dtype=dtype, device=device) for w in widths]
-                                          for _ in range(num_layers)]
-        self.buffers = [[b[:slots] for b in layer] for layer in self._storage]
+        #: per layer, the recorded outputs' full buffers; None once freed (:meth:`layer_read`)
+        self._storage: list[Optional[list[torch.Tensor]]] = (
+            old if fits and old is not None else [[torch.empty(slots, w, dtype=dtype, device=device) for w in widths]
+                                                  for _ in range(num_layers)])
+        #: per layer, the slots of this recording; None once freed
+        self.buffers: list[Optional[list[torch.Tensor]]] = [[b[:slots] for b in layer] if layer is not None else None
+                                                            for layer in self._storage]
         self._params = list(model.parameters())
         self._versions = [p._version for p in self._params]
         self._param_ids = {id(p) for p in self._params}
@@ -92,7 +98,7 @@ class ForwardTape:
         return slice(start, start + self.rows) if len(out_rows) == self.rows else start + out_rows
 
     def save(self, layer: int, which: int, out: torch.Tensor, slots) -> None:
-        buf = self.buffers[layer][which]
+        buf = self._layer_buffers(layer)[which]
         if isinstance(slots, slice):
             buf[slots].copy_(out.reshape(-1, buf.shape[1]))
         else:
@@ -132,7 +138,13 @@ class ForwardTape:
         return out.to(input_ids.device)
 
     def outputs(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.buffers[layer][which].index_select(0, slots)
+        return self._layer_buffers(layer)[which].index_select(0, slots)
+
+    def _layer_buffers(self, layer: int) -> list[torch.Tensor]:
+        buffers = self.buffers[layer]
+        if buffers is None:
+            raise RuntimeError(f"ForwardTape: layer {layer}'s buffers were freed by a final replay (free_after_replay)")
+        return buffers
 
     def start_replay(self, checkpointing: bool) -> None:
         """Begin a replay; a final one (:attr:`free_after_replay`) frees each layer at its last read: the second
@@ -176,7 +188,7 @@ def _recorded_linear(x: torch.Tensor, y: torch.Tensor, linears: List[torch.nn.Li
     return _RecordedLinear.apply(x, y, len(linears), *[m.weight for m in linears], *[m.bias for m in linears])
 
 
-def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, slots: torch.Tensor) -> torch.Tensor:
+def replay_hidden_states(base: HFModule, tape: ForwardTape, layout: Any, slots: torch.Tensor) -> torch.Tensor:
     """Final-normed hidden states ``(N, H)`` of ``layout`` (a SharedPromptLayout) for a Llama-family decoder
     ``base`` (Qwen2 / Llama / Mistral ``*Model``), its linears taken from ``tape`` at ``slots (N,)``.
 
@@ -206,7 +218,7 @@ def replay_hidden_states(base: torch.nn.Module, tape: ForwardTape, layout: Any, 
     return base.norm(x)
 
 
-def _replay_layer(x: torch.Tensor, layer: torch.nn.Module, li: int, tape: ForwardTape, slots: torch.Tensor,
+def _replay_layer(x: torch.Tensor, layer: HFModule, li: int, tape: ForwardTape, slots: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, attention: Any, plan: Any, swiglu: Any) -> torch.Tensor:
     """One decoder layer of :func:`replay_hidden_states` on the hidden states ``x (N, H)``."""
     a, m = layer.self_attn, layer.mlp
@@ -230,13 +242,14 @@ def tape_nbytes(model: torch.nn.Module, num_prompts: int, prompt_slots: int, n: 
     """Bytes the ForwardTape of one generate call holds: ``(num_prompts x prompt_slots + num_prompts x n x steps)``
     slots (the layout in the module docstring) x the four matmul widths x layers x the weights' element size."""
     slots = num_prompts * prompt_slots + num_prompts * n * steps
-    weight = model.model.embed_tokens.weight
-    return slots * sum(tape_widths(model)) * len(model.model.layers) * weight.element_size()
+    inner: HFModule = model.model
+    return slots * sum(tape_widths(model)) * len(inner.layers) * inner.embed_tokens.weight.element_size()
 
 
 def tape_widths(model: torch.nn.Module) -> List[int]:
     """Output widths of the four recorded matmuls of a layer of ``model`` (a Llama-family CausalLM)."""
-    layer = model.model.layers[0]
+    inner: HFModule = model.model
+    layer = inner.layers[0]
     a, m = layer.self_attn, layer.mlp
     return [a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features, a.o_proj.out_features,
             m.gate_proj.out_features + m.up_proj.out_features, m.down_proj.out_features]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 from pathlib import Path
 
 import transformers
@@ -38,10 +39,12 @@ def _processor_class(path: Path):
     return getattr(transformers, cls_name) if cls_name and hasattr(transformers, cls_name) else None
 
 
-def _without_video(cls):
+def _without_video(cls: type) -> type:
     """``cls`` accepting ``video_processor=None`` (its constructor checks every sub-processor's class, and the
     video base class does not exist without torchvision)."""
-    class ImagesOnly(cls):
+    base: Any = cls  # a processor class chosen at run time
+
+    class ImagesOnly(base):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument is None and argument_name == "video_processor":
                 return None

@@ -61,10 +61,11 @@ def build_qwen25_tokenizer():
     """
     vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(qwen_tiktoken_path()))
     base = len(vocab)
-    for i, tok in enumerate(QWEN25_SPECIALS):
-        vocab[tok] = base + i
+    for i, special in enumerate(QWEN25_SPECIALS):
+        vocab[special] = base + i
     tok = Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab=vocab, merges=merges, unk_token=None,  # type: ignore[arg-type]  # Qwen2 has no unk token; None is accepted
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
         extra_special_tokens=[t for t in QWEN25_SPECIALS if t not in ("<|im_end|>", "<|endoftext|>")],
         model_max_length=32768, padding_side="left", clean_up_tokenization_spaces=False,
     )

@@ -56,7 +56,7 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to as unbound
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
                                                bos_token_id=None)
     with new_dir(out) as tmp:

@@ -63,7 +63,7 @@ def _vl_config(family: str, tok, *, hidden_size, num_layers, num_heads, num_kv_h
         vision = dict(depth=vision_depth, hidden_size=vision_hidden_size, intermediate_size=2 * vision_hidden_size,
                       num_heads=vision_heads, out_hidden_size=hidden_size, window_size=56,
                       fullatt_block_indexes=[vision_depth - 1], initializer_range=initializer_range)
-        cls = Qwen2_5_VLConfig
+        cls: type[Qwen2VLConfig] | type[Qwen2_5_VLConfig] = Qwen2_5_VLConfig
     else:
         vision = dict(depth=vision_depth, embed_dim=vision_hidden_size, hidden_size=hidden_size, mlp_ratio=2,
                       num_heads=vision_heads, initializer_range=initializer_range)
@@ -127,7 +127,7 @@ def write_tiny_vl_model(out_dir, *, family: str = "qwen2_5_vl", hidden_size: int
     cls = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen2VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls(config).to(torch.float32)
+        model = cls(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types .to as unbound
     model.generation_config = GenerationConfig(eos_token_id=list(QWEN25_EOS_IDS), pad_token_id=tok.pad_token_id,
                                                bos_token_id=QWEN25_EOS_IDS[1])
     with new_dir(out) as tmp:

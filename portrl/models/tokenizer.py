@@ -42,8 +42,8 @@ def byte_symbols() -> list[str]:
 def build_char_tokenizer(model_max_length: int = 2048):
     """A Qwen2Tokenizer over single bytes (the "arith" vocabulary above); call save_pretrained to store it."""
     vocab = {sym: i for i, sym in enumerate(byte_symbols())}
-    for tok in (PAD, IM_START, IM_END):
-        vocab[tok] = len(vocab)
+    for special in (PAD, IM_START, IM_END):
+        vocab[special] = len(vocab)
     tok = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],

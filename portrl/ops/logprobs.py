@@ -133,16 +133,17 @@ class ChunkedLogprobsEntropy(torch.autograd.Function):
                                    g_entropy[s:e] if g_entropy is not None else None)
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
-            if need_b:
+            if grad_b is not None:
                 grad_b += dz.sum(0)
             dz = dz.to(weight.dtype)
-            if need_h:
+            if grad_h is not None:
                 grad_h[s:e] = dz @ weight
-            if need_w and s == 0:
+            if grad_w is not None and s == 0:
                 torch.mm(dz.t().to(compute), h.to(compute), out=grad_w)
-            elif need_w:
+            elif grad_w is not None:
                 grad_w.addmm_(dz.t().to(compute), h.to(compute))
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None,
                 None, None, None, None)
 
 

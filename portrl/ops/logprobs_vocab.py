@@ -116,23 +116,25 @@ class VocabBlockLogprobsEntropy(torch.autograd.Function):
                     if gl is not None:
                         dz.sub_(p.mul_(gl))
                 else:
+                    assert gl is not None  # g_logp and g_entropy are not both None (returned above)
                     dz = p.mul_(-gl)
                 if gl is not None:
                     inside = ((lab >= lo) & (lab < hi)).nonzero()[:, 0]
                     dz.index_put_((inside, lab[inside] - lo), gl[inside, 0], accumulate=True)
                 if inv_temp != 1.0:
                     dz.mul_(inv_temp)
-                if need_b:
+                if grad_b is not None:
                     grad_b[lo:hi] += dz.sum(0)
                 dz = dz.to(weight.dtype)
-                if need_h:
+                if grad_h is not None:
                     grad_h[r0:r1].addmm_(dz.to(compute), weight[lo:hi].to(compute))
-                if need_w and r0 == 0:
+                if grad_w is not None and r0 == 0:
                     torch.mm(dz.t().to(compute), h.to(compute), out=grad_w[lo:hi])
-                elif need_w:
+                elif grad_w is not None:
                     grad_w[lo:hi].addmm_(dz.t().to(compute), h.to(compute))
-        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None)
+        return (grad_h.to(hidden.dtype) if grad_h is not None else None,
+                grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None)
 
 
 def logprobs_entropy_vocab_blocks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from portrl.device import get_backend, resolve_backend
+from portrl.device.backend import Backend
 from portrl.ops.attention import attention_varlen
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
@@ -98,7 +99,7 @@ del _op, _fn
 register("logprobs_entropy", "vocab_blocks", logprobs_entropy_vocab_blocks)
 
 
-def _resolve_backend(backend: Any):
+def _resolve_backend(backend: Backend | str | None) -> Backend:
     """A Backend instance, a registered name, or None (resolve the current backend)."""
     if backend is None:
         return resolve_backend()
@@ -107,7 +108,7 @@ def _resolve_backend(backend: Any):
     return backend
 
 
-def load_backend_kernels(backend: Any) -> None:
+def load_backend_kernels(backend: Backend) -> None:
     """Call ``backend.register_kernels`` once per backend name (it registers into this module)."""
     name = backend.name
     with _lock:
@@ -144,7 +145,7 @@ def choose(kernels: dict) -> None:
         _chosen.update({str(op): str(name) for op, name in kernels.items()})
 
 
-def select(op: str, impl: str | None = None, backend: Any = None) -> tuple[str, Callable]:
+def select(op: str, impl: str | None = None, backend: Backend | str | None = None) -> tuple[str, Callable]:
     """Choose the implementation of ``op``: ``impl`` if given, else this process's choice (:func:`choose`) when it
     can run here, else the backend's preference order then native.
 

@@ -154,6 +154,13 @@ def _marker_judge(nonce: str) -> Callable[[RunResult], bool]:
     return judge
 
 
+def _stdout_judge(want: str | Sequence[str]) -> Callable[[RunResult], bool]:
+    """Passes when the program ran ok and its stdout matches ``want`` (:func:`stdout_matches`)."""
+    def judge(result: RunResult) -> bool:
+        return result.status == "ok" and stdout_matches(result.stdout, want)
+    return judge
+
+
 # Read before the program runs: the nonce comes on stdin, so that the program's file does not hold it.
 _NONCE_PRELUDE = "import sys as __portrl_sys\n__portrl_nonce = __portrl_sys.stdin.readline().strip()\n"
 
@@ -250,7 +257,7 @@ def build_cases(program: str, tests: dict, limit: int | None = None, where: str 
     else:
         for raw_in, raw_out in list(zip(tests["inputs"], tests["outputs"]))[:limit]:
             stdin = "\n".join(map(str, raw_in)) if isinstance(raw_in, list) else str(raw_in)
-            cases.append(Case(head, stdin, lambda r, want=raw_out: r.status == "ok" and stdout_matches(r.stdout, want)))
+            cases.append(Case(head, stdin, _stdout_judge(raw_out)))
     return cases
 
 

@@ -151,7 +151,7 @@ class RewardManager:
         for i, (_, _, rest) in enumerate(results):
             for k, v in rest.items():
                 extra.setdefault(k, [None] * n)[i] = v
-        if self.overlong is not None:
+        if self.overlong is not None and self.max_response_length is not None:  # settings need both
             if response_lengths is None or len(response_lengths) != n:
                 raise ValueError("overlong shaping needs response_lengths (one per response)")
             penalties = overlong_penalty(list(response_lengths), self.max_response_length, *self.overlong).tolist()

@@ -78,6 +78,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from portrl.rewards.sandbox_host import (
     UID_BASE,
@@ -206,7 +207,7 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
     # not root: the user's processes count, and with a PID namespace the launcher and init are two of them
     nproc = limits.nproc if root else user_task_count() + limits.nproc + 2
     status_r, status_w = os.pipe()
-    cfg = {
+    cfg: dict[str, Any] = {
         "status_fd": status_w, "parent_pid": os.getpid(), "python": sys.executable, "cwd": tmp,
         "program": os.path.basename(program), "uid": uid, "gid": uid, "namespaces": limits.namespaces,
         "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": root_layout(),
@@ -307,15 +308,18 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits,
     """(stdout, stderr tail, timed out, stdout or stderr over ``output_bytes``). Writes stdin as the program reads it, reads
     both pipes, and stops at the deadline, at the cap, or shortly after the program exits (a background
     process it left holding the pipes does not keep the run going)."""
+    stdin_pipe, stdout_pipe, stderr_pipe = proc.stdin, proc.stdout, proc.stderr
+    if stdin_pipe is None or stdout_pipe is None or stderr_pipe is None:
+        raise ValueError("_communicate needs a process started with stdin, stdout and stderr pipes")
     sel = selectors.DefaultSelector()
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
+    for stream in (stdin_pipe, stdout_pipe, stderr_pipe):
         os.set_blocking(stream.fileno(), False)
     if data:
-        sel.register(proc.stdin, selectors.EVENT_WRITE)
+        sel.register(stdin_pipe, selectors.EVENT_WRITE)
     else:
-        proc.stdin.close()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    sel.register(proc.stderr, selectors.EVENT_READ)
+        stdin_pipe.close()
+    sel.register(stdout_pipe, selectors.EVENT_READ)
+    sel.register(stderr_pipe, selectors.EVENT_READ)
     out, err = bytearray(), bytearray()
     view, timed_out, over, exited_at, err_total = memoryview(data), False, False, None, 0
     try:
@@ -329,21 +333,21 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits,
             if exited_at is not None and now - exited_at > 0.2:
                 break
             for key, _ in sel.select(min(deadline - now, 0.05)):
-                if key.fileobj is proc.stdin:
+                if key.fileobj is stdin_pipe:
                     try:
-                        view = view[os.write(proc.stdin.fileno(), view[:65536]):]
+                        view = view[os.write(stdin_pipe.fileno(), view[:65536]):]
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:  # the program closed its stdin
                         view = view[:0]
                     if not view:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()  # EOF: reading past it gets "" / EOFError
+                        sel.unregister(stdin_pipe)
+                        stdin_pipe.close()  # EOF: reading past it gets "" / EOFError
                     continue
-                chunk = os.read(key.fileobj.fileno(), 65536)
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
-                elif key.fileobj is proc.stdout:
+                elif key.fileobj is stdout_pipe:
                     out += chunk
                     if len(out) > limits.output_bytes:
                         over = True
@@ -356,7 +360,7 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits,
                 break
     finally:
         sel.close()
-        for stream in (proc.stdin, proc.stdout, proc.stderr):
+        for stream in (stdin_pipe, stdout_pipe, stderr_pipe):
             if not stream.closed:
                 stream.close()
     return bytes(out[:limits.output_bytes]), bytes(err), timed_out, over

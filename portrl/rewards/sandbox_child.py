@@ -40,6 +40,7 @@ import os
 import resource
 import signal
 import sys
+from typing import NoReturn
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
@@ -55,6 +56,8 @@ def _load(name: str):
     """A sibling module by its path: ``-I`` keeps this folder off sys.path, and importing the portrl package
     would import far more than the sandbox needs."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
+    if spec is None or spec.loader is None:  # a file path always gives a spec with a loader
+        raise ImportError(f"cannot load the sandbox module {name}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -84,7 +87,7 @@ def _report(status_fd: int, report: dict) -> None:
 # ------------------------------------------------------------------------------------------- namespaces
 def _namespaces(libc, root: bool) -> dict:
     """Try new network, mount, PID and IPC namespaces; {"net", "mnt", "pid": bool, "ns_error": str?}."""
-    report = {"net": False, "mnt": False, "pid": False}
+    report: dict[str, bool | str] = {"net": False, "mnt": False, "pid": False}
     if not hasattr(libc, "unshare"):
         return {**report, "ns_error": "no unshare() on this platform (Linux only)"}
     user = 0 if root else CLONE_NEWUSER
@@ -139,7 +142,7 @@ def _quiet_stdio() -> None:
     os.close(null)
 
 
-def _mirror(status: int) -> None:
+def _mirror(status: int) -> NoReturn:
     """Exit as a process with wait status ``status`` did: the same exit code, or killed by the same signal."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)

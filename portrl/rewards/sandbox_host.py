@@ -195,10 +195,10 @@ def isolation_view(sandbox_dir: str, root: bool) -> tuple[list[str], list[str], 
             if blocker is not None:
                 visible = False
                 masks.add(blocker)
-    masks = sorted(m for m in masks if not any(m != o and m.startswith(o + "/") for o in masks))
-    keep = [p for p in needed if any(p == m or p.startswith(m + "/") for m in masks)]
+    outer = sorted(m for m in masks if not any(m != o and m.startswith(o + "/") for o in masks))
+    keep = [p for p in needed if any(p == m or p.startswith(m + "/") for m in outer)]
     keep = sorted({p for p in keep if not any(p != o and p.startswith(o + "/") for o in keep)})
-    return masks, keep, visible
+    return outer, keep, visible
 
 
 def kill_group(pgid: int) -> None:

@@ -120,7 +120,7 @@ def build_root(libc, layout: dict, cwd: str, workdir_options: str, program: tupl
             raise RootError(exc.errno, str(exc)) from None
         try:
             _populate(libc, cwd, layout, cwd, workdir_options, program, setattr_nr)
-            report = {"proc": False}
+            report: dict[str, bool | str | None] = {"proc": False}
             if mount_proc:
                 try:
                     _mount(libc, "proc", cwd + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

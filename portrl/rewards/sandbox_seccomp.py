@@ -48,10 +48,10 @@ def build_filter(audit_arch: int, numbers: dict[str, int], x32_bit: int | None =
     """The filter as packed ``struct sock_filter`` entries for the architecture ``audit_arch`` whose syscall
     numbers are ``numbers``; ``x32_bit``: numbers with this bit set are another ABI (x86_64's x32)."""
     denied = sorted({numbers[name] for name in DENIED if name in numbers})
-    head = [(_LD_W_ABS, 0, 0, _ARCH), ("jeq", "next", "kill", audit_arch), (_LD_W_ABS, 0, 0, _NR)]
+    head: list[tuple[int | str, int | str, int | str, int]] = [(_LD_W_ABS, 0, 0, _ARCH), ("jeq", "next", "kill", audit_arch), (_LD_W_ABS, 0, 0, _NR)]
     if x32_bit is not None:
         head.append(("jge", "kill", "next", x32_bit))
-    checks = [("jeq", "eperm", "next", nr) for nr in denied]
+    checks: list[tuple[int | str, int | str, int | str, int]] = [("jeq", "eperm", "next", nr) for nr in denied]
     checks += [("jeq", "enosys", "next", numbers["clone3"]),
                ("jeq", "next", "allow", numbers["clone"]),
                (_LD_W_ABS, 0, 0, _ARG0_LOW),
@@ -63,8 +63,8 @@ def build_filter(audit_arch: int, numbers: dict[str, int], x32_bit: int | None =
     codes = {"jeq": _JEQ_K, "jge": _JGE_K, "jset": _JSET_K}
     out = []
     for i, (op, jt, jf, k) in enumerate(body):
-        if op in codes:  # jump offsets count from the next instruction
-            jt, jf = (0 if t == "next" else where[t] - i - 1 for t in (jt, jf))
+        if isinstance(op, str):  # a jump (codes), to labels: offsets count from the next instruction
+            jt, jf = (where[t] - i - 1 if isinstance(t, str) and t != "next" else 0 for t in (jt, jf))
             op = codes[op]
         out.append(struct.pack("=HBBI", op, jt, jf, k))
     out += [struct.pack("=HBBI", _RET_K, 0, 0, action) for action in tail.values()]

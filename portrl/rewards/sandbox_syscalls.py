@@ -67,7 +67,7 @@ _ARCHES = {"x86_64": (0, AUDIT_ARCH_X86_64), "aarch64": (1, AUDIT_ARCH_AARCH64)}
 def table(arch: str) -> dict[str, int]:
     """{syscall name: number} for ``arch`` ("x86_64" or "aarch64"); names the architecture lacks are left out."""
     column = _ARCHES[arch][0]
-    return {name: numbers[column] for name, numbers in _TABLE.items() if numbers[column] is not None}
+    return {name: nr for name, numbers in _TABLE.items() if (nr := numbers[column]) is not None}
 
 
 def native() -> tuple[str, int, dict[str, int]] | None:

@@ -98,7 +98,7 @@ def latex_to_expr_text(answer: str) -> str | None:
         if s.startswith("\\frac", i):
             num = _group(s, i + 5)
             den = _group(s, num[1]) if num else None
-            if den is None:
+            if num is None or den is None:
                 return None
             a, b = latex_to_expr_text(num[0]), latex_to_expr_text(den[0])
             if a is None or b is None:
@@ -270,8 +270,9 @@ def plain_form(answer: str) -> str:
     if "\\" in s:
         s = latex_to_expr_text(s) or s
     s = s.replace(" ", "").replace("{", "").replace("}", "").lower()
-    if _is_integer_text(s):
-        s = str(round(as_number(s)))
+    value = as_number(s) if _is_integer_text(s) else None
+    if value is not None:
+        s = str(round(value))
     return s
 
 

@@ -45,7 +45,7 @@ def call_with_time_limit(fn: Callable[[], T], timeout_s: Optional[float]) -> T:
         return fn()
     lock = threading.Lock()
     armed = [True]
-    main = threading.main_thread().ident
+    main = threading.get_ident()  # this is the main thread (checked above)
 
     def on_alarm(signum, frame):  # noqa: ARG001
         if armed[0]:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
+from portrl.device.backend import Backend
 from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
 
@@ -78,7 +79,7 @@ class RolloutEngine(abc.ABC):
         return {}
 
     @classmethod
-    def runs_on(cls, backend: Any) -> bool:
+    def runs_on(cls, backend: Backend) -> bool:
         """Whether this engine runs on ``backend`` although the backend does not list it in its
         ``rollout_engines()`` (a third-party engine says so here instead of changing the backends; the built-in
         engines are listed by the backends and keep the default, False)."""

@@ -34,7 +34,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
+from portrl.models.hf_types import HFModule
 from portrl.ops import select
 from portrl.ops.layers import linear_prepacked
 from portrl.rollout.decode_rows import DecodeRows, left_pad
@@ -43,7 +45,7 @@ from portrl.rollout.sampling import sample_next
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
 
-def fast_decoder_for(model: torch.nn.Module, backend: Any = None) -> Optional["FastDecoder"]:
+def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = None) -> Optional["FastDecoder"]:
     """A :class:`FastDecoder` over ``model`` when its architecture is reproduced exactly, else None.
 
     ``backend`` (a Backend, a name, or None for the current one) chooses the ``linear_prepacked`` op."""
@@ -76,13 +78,16 @@ def fast_decoder_for(model: torch.nn.Module, backend: Any = None) -> Optional["F
 PREPACK_MIN_STEPS = 16
 
 
+_NO_CACHE = torch.empty(0)  # the KV cache of a decoder between calls (start allocates one)
+
+
 class FastDecoder:
     """Prefill + one-token decode steps with a static KV cache. Use inside ``torch.inference_mode``."""
 
-    def __init__(self, model: torch.nn.Module, backend: Any = None):
-        cfg = model.config
-        self.model = model
-        self.inner = model.model
+    def __init__(self, model: torch.nn.Module, backend: Backend | str | None = None):
+        cfg: HFModule = model.config
+        self.model: HFModule = model
+        self.inner: HFModule = model.model
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
@@ -150,7 +155,7 @@ class FastDecoder:
         self.v_cache = self.v_cache.index_select(1, index)
 
     def release(self) -> None:
-        self.layers, self.head, self.k_cache, self.v_cache = [], None, None, None
+        self.layers, self.head, self.k_cache, self.v_cache = [], None, _NO_CACHE, _NO_CACHE
 
     # ------------------------------------------------------------------------------- forward
     @staticmethod
@@ -198,7 +203,7 @@ class FastDecoder:
             q = qk[:, :, :H].transpose(1, 2)
             self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
             self.v_cache[li, :, :, start:end] = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
-            if one_token_cpu:
+            if hidden_keys is not None:  # one token a row, on the CPU
                 o = _decode_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], hidden_keys,
                                       self.scale)
             else:

@@ -31,10 +31,12 @@ from typing import Any, Iterable, Sequence
 import torch
 from transformers import DynamicCache
 
+from portrl.device.backend import Backend
 from portrl.errors import UserError
 from portrl.models import load_causal_lm
 from portrl.models.multimodal import batch_image_inputs, is_vision_language
 from portrl.models.forward_tape import tape_nbytes
+from portrl.models.hf_types import HFModule
 from portrl.ops.rotary_multimodal import multimodal_rope_index
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
@@ -57,7 +59,7 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _load_model(model_path: str, backend: Any, dtype: str) -> torch.nn.Module:
+def _load_model(model_path: str, backend: Backend | None, dtype: str) -> torch.nn.Module:
     """Load a local HF checkpoint (portrl.models.load_causal_lm: portrl's attention, nothing downloaded)."""
     return load_causal_lm(model_path, dtype=dtype, backend=backend)
 
@@ -99,7 +101,7 @@ class HFEngine(RolloutEngine):
         model: torch.nn.Module | None = None,
         model_path: str | None = None,
         tokenizer: Any = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         dtype: str = "float32",
         max_batch_rows: int | None = None,
         compact_fraction: float = 0.125,
@@ -112,14 +114,15 @@ class HFEngine(RolloutEngine):
         if not 0.0 <= compact_fraction <= 1.0:
             raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction!r}")
         self.colocated = model is not None
-        self.model = model if model is not None else _load_model(str(model_path), backend, dtype)
+        self.model: HFModule = model if model is not None else _load_model(str(model_path), backend, dtype)
         self.backend = backend
         self.max_batch_rows = max_batch_rows
         self.compact_fraction = compact_fraction
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0))
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # peft wraps
+        wrapped: HFModule = self.model
+        base: HFModule = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped  # peft wraps
         params = inspect.signature(base.forward).parameters
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); use what this model takes
@@ -127,7 +130,8 @@ class HFEngine(RolloutEngine):
         self._offloaded_from: torch.device | None = None
         self._fast = fast_decoder_for(self.model, backend) if fast_decode else None
         # while recording, each generate call leaves its ForwardTape in _last_tape (fast path, one chunk)
-        self._recording, self._record_max_bytes = False, None
+        self._recording = False
+        self._record_max_bytes: int | None = None
         self._last_tape = None
 
     # --- contract -----------------------------------------------------------------------------
@@ -209,7 +213,8 @@ class HFEngine(RolloutEngine):
         if need > self._record_max_bytes:
             log.info("not recording this rollout's forward: it would hold %.2f GB, more than the %.2f GB allowed",
                      need / 1e9, self._record_max_bytes / 1e9)
-            self._fast.drop_recording_buffers()  # an earlier recording's buffers are not kept for nothing
+            if self._fast is not None:
+                self._fast.drop_recording_buffers()  # an earlier recording's buffers are not kept for nothing
             return False
         return True
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Union
 import torch
 
 from portrl.device import get_backend, resolve_backend
+from portrl.device.backend import Backend
 from portrl.errors import UserError
 from portrl.plugins import BrokenPlugin, PluginGroup, PluginLoadError
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine
@@ -106,7 +107,7 @@ def _usable(name: str) -> bool:
     return True
 
 
-def _resolve_backend(backend: Any):
+def _resolve_backend(backend: Backend | str | None) -> Backend:
     if backend is None:
         return resolve_backend()
     if isinstance(backend, str):
@@ -114,7 +115,7 @@ def _resolve_backend(backend: Any):
     return backend
 
 
-def offered_engines(backend: Any) -> list[str]:
+def offered_engines(backend: Backend) -> list[str]:
     """The engines offered on ``backend``, best first: the backend's own ``rollout_engines()``, then any other
     declared engine whose class says it runs there (:meth:`RolloutEngine.runs_on`), so that a third-party engine
     needs no change to the backends it supports."""
@@ -127,14 +128,14 @@ def offered_engines(backend: Any) -> list[str]:
     return offered
 
 
-def available_engines(backend: Any = None) -> list[str]:
+def available_engines(backend: Backend | str | None = None) -> list[str]:
     """Engines offered on this backend (:func:`offered_engines`) that are registered and load, best first."""
     backend = _resolve_backend(backend)
     known = set(engine_names())
     return [e for e in offered_engines(backend) if e in known and _usable(e)]
 
 
-def choose_engine(requested: str | None, backend: Any = None, *, num_params: NumParams = None) -> str:
+def choose_engine(requested: str | None, backend: Backend | str | None = None, *, num_params: NumParams = None) -> str:
     """The engine a run uses: the one place this is decided.
 
     ``requested`` "auto" (or None): the backend's first available engine (:func:`available_engines`: offered
@@ -176,7 +177,7 @@ def make_engine(
     model: Any = None,
     model_path: str | None = None,
     tokenizer: Any = None,
-    backend: Any = None,
+    backend: Backend | str | None = None,
     settings: RolloutSettings | None = None,
     num_params: NumParams = None,
     **engine_kwargs: Any,

@@ -110,7 +110,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not mpath.is_file():
         raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST})")
     manifest, problem = _load_manifest(Path(path))
-    if problem:
+    if problem or manifest is None:  # no manifest always comes with a problem
         raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
     return manifest
 
@@ -192,7 +192,7 @@ class CheckpointManager:
         log.info("checkpoint saved: %s", final)
         return final
 
-    def save_reference(self, write_fn: Callable[[Path], None]) -> Dict[str, Any]:
+    def save_reference(self, write_fn: Callable[[Path], object]) -> Dict[str, Any]:
         """Write the run's frozen reference policy once to ``<root>/reference`` (atomically, with its own manifest)
         and return what a checkpoint's ``meta.reference`` records: ``{"dir", "manifest_sha256", "manifest"}`` (the
         manifest itself, so that a damaged copy can be rebuilt and checked file by file). Checkpoints then pin it

@@ -140,7 +140,8 @@ def select_panels(rows: list[dict]) -> List[Panel]:
         twins = [next((e for e in earlier if _same(e, s.xs, s.ys)), None) for s in series]
         if series and all(twins):  # the whole panel repeats curves already drawn: name them there instead
             for s, twin in zip(series, twins):
-                twin.also.extend([s.curve.label, *s.also])
+                if twin is not None:  # all are (checked above)
+                    twin.also.extend([s.curve.label, *s.also])
         elif series:
             panels.append(Panel(name, title, ylabel, series))
     return panels
@@ -212,7 +213,7 @@ def _draw(ax, panel: Panel) -> None:
     from matplotlib.ticker import MaxNLocator  # pyplot is loaded by plot_run (see there)
 
     for s in panel.series:
-        style = dict(STYLES[s.curve.style])
+        style: dict[str, object] = dict(STYLES[s.curve.style])
         if len(s.xs) > MARKERS_UP_TO:
             style["marker"] = None
         ax.plot(s.xs, s.ys, markersize=4, linewidth=1.6, label=s.label, **style)

@@ -39,7 +39,7 @@ from typing import Any, Optional
 from portrl.algo import critic_enabled, implicit_prm_enabled
 from portrl.data.schema import check_row
 from portrl.data.validate import count_fitting_prompts, read_verl_files
-from portrl.device.backend import module_available
+from portrl.device.backend import Backend, module_available
 from portrl.errors import UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.models.loader import check_model_dir, check_pickled_weights
@@ -115,7 +115,7 @@ def _check_device(cfg: Any) -> None:
     _check_num_workers(cfg, backend)
 
 
-def _check_num_workers(cfg: Any, backend: Any) -> None:
+def _check_num_workers(cfg: Any, backend: Backend) -> None:
     """An explicit ``trainer.num_workers`` fits this node; null (auto) is what the run will resolve it to
     (``auto_num_workers``, resolved and logged once by RLTrainer when the run starts), and Ray is there when that
     is more than one worker."""

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Protocol
 
+import torch
+
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
+from portrl.device.backend import Backend
 from portrl.trainer.metrics import Timer
 from portrl.workers.batch import Batch
 from portrl.workers.group import WorkerGroup
@@ -51,7 +54,7 @@ class PolicyRun(Protocol):
 class PrimePhase:
     """The implicit PRM's worker group and its step (:meth:`run`); its state goes into the run's checkpoints."""
 
-    def __init__(self, cfg: Any, backend: Any):
+    def __init__(self, cfg: Any, backend: Backend):
         self.cfg = cfg
         self.group = WorkerGroup(ImplicitPRMWorker, cfg, int(cfg.trainer.num_workers), backend)
         rm = cfg.reward_model.model
@@ -98,6 +101,6 @@ class PrimePhase:
         self.pending_policy = False
 
 
-def build_prime_phase(cfg: Any, backend: Any) -> Optional[PrimePhase]:
+def build_prime_phase(cfg: Any, backend: Backend) -> Optional[PrimePhase]:
     """The phase when the run has an implicit PRM (``reward_model.enable``, or the algorithm's record), else None."""
     return PrimePhase(cfg, backend) if implicit_prm_enabled(cfg) else None

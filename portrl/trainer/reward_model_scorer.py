@@ -45,7 +45,7 @@ class RewardModelScorer:
     def format(self, prompt: str, response: str) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            return self.tokenizer.apply_chat_template(msgs, tokenize=False)
+            return str(self.tokenizer.apply_chat_template(msgs, tokenize=False))  # tokenize=False: the text
         return prompt + response
 
     @torch.no_grad()

@@ -45,10 +45,10 @@ class RewardScorer:
     def __init__(self, cfg: Any, tokenizer: Any):
         self.cfg, self.tokenizer = cfg, tokenizer
         r = cfg.reward
-        self.rm = None
+        self.rm: RewardModelScorer | None = None
         if r.model_path:
             self._load_reward_model(str(r.model_path))
-            self.manager = None
+            self.manager: RewardManager | None = None
         else:
             ob = r.overlong_buffer
             self.manager = RewardManager(
@@ -70,6 +70,7 @@ class RewardScorer:
             acc = (scores > 0).float()
             extra: dict = {}
         else:
+            assert self.manager is not None  # built where there is no reward model
             res = self.manager.score(texts, batch.meta["data_source"], batch.meta["ground_truth"],
                                      batch.meta.get("extra_info", [None] * len(batch)), lens.tolist())
             scores, acc, extra = res.scores.float(), res.acc.float(), dict(res.extra or {})
@@ -81,6 +82,7 @@ class RewardScorer:
         return out
 
     def _model_scores(self, batch: Batch, texts: List[str]) -> torch.Tensor:
+        assert self.rm is not None  # called only with a reward model
         P = batch.tensors["prompts"].shape[1]
         pmask = batch.tensors["attention_mask"][:, :P].bool()
         prompts = [row[m].tolist() for row, m in zip(batch.tensors["prompts"], pmask)]

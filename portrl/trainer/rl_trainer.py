@@ -32,7 +32,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -118,7 +118,7 @@ class RLTrainer:
             k = cfg.algorithm.kl_ctrl
             self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
         self.global_step = 0
-        self._train_iter = None
+        self._train_iter: Optional[Iterator[PromptBatch]] = None
         self.reference_copy = ReferenceCopy()  # the run's reference policy, written once (run_checkpoints)
         self.history: List[Dict[str, float]] = []
 
@@ -381,7 +381,8 @@ def run_training(cfg: Any) -> Dict[str, Any]:
 
     def stopped_while_starting(name: str) -> str:  # the line of a signal before step 1 (interrupts)
         step = getattr(trainer, "global_step", 0)  # > 0 once a checkpoint is loaded
-        ckpt = trainer.ckpt.path_for(step) if step and getattr(trainer, "ckpt", None) is not None else None
+        manager = getattr(trainer, "ckpt", None)
+        ckpt = manager.path_for(step) if step and manager is not None else None
         return "portrl: " + stopped_message(name, step, int(cfg.trainer.total_steps), str(cfg.trainer.resume),
                                             ckpt if ckpt is not None and ckpt.is_dir() else None)
 

@@ -114,7 +114,8 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
 
     def write(path: Path) -> None:
         for name, group in groups:
-            if states[name] is None:
+            group_state = states[name]
+            if group_state is None:
                 group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
             else:
                 save_state(path, name, states[name])

@@ -54,6 +54,7 @@ def storage_error(exc: BaseException) -> Optional[OSError]:
 def storage_stopped_message(err: OSError, step: int, total: int, checkpoint: Optional[Path]) -> str:
     """One line: what could not be written and why, after which step, and where the run continues from."""
     what = f" {err.filename}" if err.filename else ""
+    assert err.errno is not None  # storage_fault() returns only errors with a STORAGE_ERRNOS errno
     cause = f"cannot write{what}: {STORAGE_ERRNOS[err.errno]} ({err.strerror or errno.errorcode[err.errno]})"
     when = f"after step {step} of {total}" if step else "before step 1"
     if checkpoint is None:

@@ -54,7 +54,7 @@ def to_float(value: Any) -> Any:
             value = value.item()
         except (ValueError, RuntimeError) as exc:
             raise ValueError(f"metric value {value!r} is not a scalar ({exc})") from None
-    if isinstance(value, (bool, numbers.Number)):
+    if isinstance(value, (bool, numbers.Real)):
         f = float(value)
         return f if math.isfinite(f) else None
     raise ValueError(f"metric value {value!r} of type {type(value).__name__} is not a number")
@@ -146,7 +146,8 @@ class Tracker:
         if self.config is None:
             return {}
         if OmegaConf.is_config(self.config):
-            return OmegaConf.to_container(self.config, resolve=True)
+            container = OmegaConf.to_container(self.config, resolve=True)
+            return container if isinstance(container, dict) else {}
         return dict(self.config) if isinstance(self.config, Mapping) else {}
 
     def _open_tensorboard(self):

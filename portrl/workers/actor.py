@@ -20,6 +20,7 @@ mini-batch), ``L_pg`` from ``algorithm.objective`` (policy_gradient | sppo | dpo
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -127,7 +128,8 @@ class ActorRolloutWorker(TrainedModelWorker):
         model.reuse_rollout_forward."""
         m = self.cfg.model
         return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
-                and self.engine.shares_module(self.module) and self.engine.can_record_forward()
+                and self.engine is not None and self.engine.shares_module(self.module)
+                and self.engine.can_record_forward()
                 and bool(m.use_packing) and bool(m.share_prompts))
 
     def _tape_budget(self) -> Optional[int]:
@@ -190,7 +192,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         :meth:`_wrap`) or a plain causal LM (``tape``: a recorded rollout forward it may replay). ``extra``:
         more keywords of compute_logprobs (``with_sum_pi_squared``)."""
         fn = module if module is self.train_module and module is not self.module else (
-            lambda *a, **k: compute_logprobs(module, *a, tape=tape, **k))
+            partial(compute_logprobs, module, tape=tape))
         model = self.cfg.model
         if "multi_modal" in batch:  # image rows: their processor inputs, in row order (portrl.models.multimodal)
             extra["multi_modal"] = batch_image_inputs(batch.meta["multi_modal"], self.device)
@@ -315,6 +317,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         if "ref" in state:
             if self.ref_module is None:
                 self.init_reference()
+            assert self.ref_module is not None  # init_reference built it
             self.ref_module.load_state_dict(state["ref"])
         self.sync_weights()
 

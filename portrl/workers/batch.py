@@ -44,8 +44,8 @@ class Batch:
     def __len__(self) -> int:
         for v in self.tensors.values():
             return int(v.shape[0])
-        for v in self.meta.values():
-            return len(v)
+        for column in self.meta.values():
+            return len(column)
         return 0
 
     def __contains__(self, key: object) -> bool:
@@ -60,6 +60,8 @@ class Batch:
 
     def __setitem__(self, key: str, value: Any) -> None:
         """Tensors go to ``.tensors``, sequences to ``.meta``; the row count must match the other entries."""
+        store: dict[str, Any]
+        other: dict[str, Any]
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 raise ValueError(f"Batch[{key!r}]: a 0-d tensor has no rows; put batch-level values in .info")
@@ -165,10 +167,10 @@ class Batch:
             if k in self.tensors and not (self.tensors[k].shape == v.shape and torch.equal(self.tensors[k], v)):
                 raise ValueError(f"Batch.union: key {k!r} is in both batches with different values")
             self.tensors[k] = v
-        for k, v in other.meta.items():
-            if k in self.meta and self.meta[k] != v:
+        for k, column in other.meta.items():
+            if k in self.meta and self.meta[k] != column:
                 raise ValueError(f"Batch.union: key {k!r} is in both batches with different values")
-            self.meta[k] = list(v)
+            self.meta[k] = list(column)
         self.info.update(other.info)
         return self
 
@@ -262,7 +264,7 @@ def build_rollout_batch(
         if k:
             responses[r, :k] = torch.as_tensor(list(ids), dtype=torch.long)
             rmask[r, :k] = 1
-            if lps is not None:
+            if lps is not None and logprobs is not None:
                 lps[r, :k] = torch.as_tensor(list(logprobs[r]), dtype=torch.float32)
     prompts = prompts.repeat_interleave(n, 0)
     pmask = pmask.repeat_interleave(n, 0)
@@ -276,7 +278,7 @@ def build_rollout_batch(
     if lps is not None:
         tensors["rollout_log_probs"] = lps
     rows = {k: [x for x in v for _ in range(n)] for k, v in (meta or {}).items()}
-    for k, v in (meta or {}).items():
+    for key, v in (meta or {}).items():
         if len(v) != len(prompt_ids):
-            raise ValueError(f"build_rollout_batch: meta[{k!r}] has {len(v)} entries for {len(prompt_ids)} prompts")
+            raise ValueError(f"build_rollout_batch: meta[{key!r}] has {len(v)} entries for {len(prompt_ids)} prompts")
     return Batch(tensors, rows)

@@ -18,6 +18,7 @@ import torch
 
 from portrl.algo import compute_value_loss, masked_mean
 from portrl.models import load_causal_lm
+from portrl.models.hf_types import HFModule
 from portrl.models.logprobs import response_hidden_states
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import load_dtype
@@ -40,7 +41,8 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         prefix = getattr(lm, "base_model_prefix", "model")
         self.base = getattr(lm, prefix)
-        hidden = int(lm.config.hidden_size)
+        config: HFModule = lm.config
+        hidden = int(config.hidden_size)
         self.value_head = torch.nn.Linear(hidden, 1, dtype=next(lm.parameters()).dtype)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)

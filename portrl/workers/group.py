@@ -105,15 +105,16 @@ def reduce_metrics(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         if all(isinstance(v, (list, tuple)) for v in vals):
             out[k] = [x for v in vals for x in v]
             continue
-        nums = []
+        nums: list[float] = []
+        numeric = True
         for v in vals:
             if hasattr(v, "numel") and v.numel() == 1:
                 v = v.item()
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                nums = None
+                numeric = False
                 break
             nums.append(float(v))
-        if nums is None:
+        if not numeric:
             out[k] = vals[0]
             continue
         rule = _rule(k)
@@ -186,6 +187,7 @@ class WorkerGroup:
         self.timeout_s: Optional[float] = None  # limit on each call's answers (module docstring); None = none
         self.use_ray = use_ray(cfg, self.num_workers)
         wcfg, kwargs = worker_config(worker_cls, cfg), dict(worker_kwargs or {})
+        self.launcher: RayLauncher | InProcessLauncher
         if self.use_ray:
             self.launcher = RayLauncher(self, pool=pool, share=share, share_devices=share_devices)
             self.launcher.start(worker_cls, cfg, wcfg, kwargs)
@@ -241,7 +243,7 @@ class WorkerGroup:
     @property
     def local_worker(self) -> Any:
         """The in-process worker (None when the workers are Ray actors)."""
-        return None if self.use_ray else self.launcher.worker
+        return self.launcher.worker if isinstance(self.launcher, InProcessLauncher) else None
 
     def describe(self, rank: int) -> str:
         """``"<role> rank <r> on node <ip> (node id <id8>, pid <pid>)"``."""

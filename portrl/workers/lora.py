@@ -17,6 +17,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from portrl.device import import_optional
+from portrl.models.hf_types import HFModule
 from portrl.models.loader import model_class
 from portrl.models.multimodal import vision_tower
 
@@ -30,6 +31,7 @@ def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
     ``[all-linear]`` (verl's default) adapts every linear layer but the output head; a vision-language model's
     vision tower is excluded (its language model is adapted)."""
     actor = cfg.actor if hasattr(cfg, "actor") else cfg
+    targets: str | list[str]  # a list of module names, or peft's shorthand (below)
     rank, alpha, targets = int(actor.lora_rank), int(actor.lora_alpha), list(actor.lora_target_modules)
     if rank <= 0:
         raise ValueError(f"apply_lora: actor.lora_rank must be > 0, got {rank}")
@@ -82,7 +84,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _delta(layer: nn.Module) -> torch.Tensor | None:
+def _delta(layer: HFModule) -> torch.Tensor | None:
     """Sum over active adapters of ``scaling * B @ A`` (None when adapters are disabled or already merged)."""
     if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
         return None
@@ -105,7 +107,8 @@ def merged_weights(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the full model with every LoRA delta merged in, named as in the base model, in
     the base model's dtype. The training model is not changed. Sharded (DTensor) parameters are gathered, so
     under FSDP every rank must iterate it. A model without adapters yields its own state."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    wrapped: HFModule = model
+    base: HFModule = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
     layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
     for name, t in base.state_dict().items():
         if ".lora_" in name or "lora_magnitude" in name:

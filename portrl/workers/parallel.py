@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import socket
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,7 @@ def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[tor
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # see fsdp_supported (checked above)
 
     mesh = init_device_mesh(device.type, (dp_world_size(),))
-    kwargs = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh}
     compute = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     if compute in (torch.bfloat16, torch.float16) and next(model.parameters()).dtype == torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
@@ -190,7 +190,8 @@ def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[tor
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module under a DDP wrapper (FSDP2 and plain models are returned as they are)."""
-    return model.module if hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module) else model
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def clip_grad_norm(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_norm: float) -> float:
@@ -255,6 +256,8 @@ def full_train_state(model: nn.Module, optimizer, full: bool = True) -> tuple:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True)
+    model_state: dict[str, Any]
+    optim_state: dict[str, Any]
     if not optimizer.state:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         model_state, optim_state = get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}

@@ -71,7 +71,8 @@ def _shutdown_all(items: Sequence[tuple]) -> None:
 
 def _timeout_error(items: Sequence[tuple], missing: List[int], timeout_s: float, method: str) -> WorkerTimeoutError:
     """Name the workers that did not answer; one whose process is found stopped (SIGSTOP, a debugger) first."""
-    stopped, others = [], []
+    stopped: List[str] = []
+    others: List[str] = []
     for i in missing:
         group, rank, _ = items[i]
         pid = _pid_of(group, rank)
@@ -126,7 +127,7 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
     while pending:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S if left is None else min(left, POLL_S))
-        if not ready and deadline is not None and time.monotonic() >= deadline:
+        if not ready and deadline is not None and limit is not None and time.monotonic() >= deadline:
             err = _timeout_error(items, sorted(pending.values()), limit, method)
             _shutdown_all(items)
             raise err
@@ -140,9 +141,9 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
             try:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                err = WorkerDiedError(group.describe(rank), exc)
+                died = WorkerDiedError(group.describe(rank), exc)
                 _shutdown_all(items)
-                raise err from exc
+                raise died from exc
             except Exception as exc:
                 dead = _dead_peer(items, pending)  # a collective that failed because a peer died: name the peer
                 if dead is not None:

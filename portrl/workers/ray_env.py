@@ -24,10 +24,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 from portrl import process_env
 from portrl.workers import ray_watchdog
+
+if TYPE_CHECKING:  # the Ray layer names the Backend type only in annotations
+    from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Opt
         return
     address = _cfg_get(cfg, "trainer.ray_address")
     dashboard = bool(_cfg_get(cfg, "trainer.ray_dashboard", False))
-    common = dict(include_dashboard=dashboard, runtime_env={"env_vars": worker_env(cfg, backend)},
+    common: dict[str, Any] = dict(include_dashboard=dashboard, runtime_env={"env_vars": worker_env(cfg, backend)},
                   log_to_driver=True, configure_logging=False)
     if dashboard:
         common["dashboard_host"] = "127.0.0.1"
@@ -181,7 +184,7 @@ class ResourcePool:
 
     name: str
     num_workers: int
-    backend: Any
+    backend: Backend
     cpus_per_worker: float = 1.0
     devices_per_worker: float = 1.0
     strategy: str = "PACK"

@@ -34,8 +34,8 @@ class WorkerHost:
 
     def __init__(self, role: str, rank: int, world_size: int, backend):
         self.role, self.rank, self.world_size, self.backend = role, rank, world_size, backend
-        self.worker = None
-        self._sync = None
+        self.worker: Any = None  # the worker class's instance, built by start()
+        self._sync: WeightSender | WeightReceiver | None = None
 
     def node_info(self) -> Dict[str, Any]:
         import ray
@@ -81,10 +81,13 @@ class WorkerHost:
 
     def pull_weights(self) -> Dict[str, int]:
         """``worker.update_weights(...)`` with the received tensors (drained fully, so the broadcast completes)."""
+        if not isinstance(self._sync, WeightReceiver):
+            raise RuntimeError("pull_weights: this rank has not joined a weight sync as a receiver")
         stream = self._sync.receive()
         self.worker.update_weights(stream)
         for _ in stream:
             pass
+        assert self._sync.last_stats is not None  # set once the stream is drained
         return asdict(self._sync.last_stats)
 
 

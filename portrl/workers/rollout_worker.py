@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from portrl.errors import UserError
+from portrl.device.backend import Backend
 from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
@@ -117,7 +118,7 @@ class RolloutWorker:
         return model.state_dict().items()
 
 
-def separated_rollout(cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, Any]:
+def separated_rollout(cfg: Any, backend: Backend, actor_group: Any) -> Tuple[Any, Any]:
     """``(rollout WorkerGroup, WeightSyncLink)`` for ``rollout.placement=separated``: ``rollout.num_rollout_workers``
     RolloutWorkers as Ray actors in a resource pool of their own, linked to ``actor_group`` (a Ray group)."""
     n = int(cfg.rollout.num_rollout_workers)

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
 from portrl.device import resolve_backend
+from portrl.device.backend import Backend
 from portrl.models.loader import model_class
 from portrl.ops import registry
 from portrl.workers.placement import placement_of
@@ -23,7 +24,7 @@ def worker_backend(cfg: Any):
                            config_source=cfg.device.get("name_source"))
 
 
-def auto_num_workers(cfg: Any, backend: Any) -> tuple[int, str]:
+def auto_num_workers(cfg: Any, backend: Backend) -> tuple[int, str]:
     """What ``trainer.num_workers=null`` (auto) means on this node: ``(workers, why)``.
 
     Every device ``backend`` sees here (``device_count()``, which respects the vendor's visible-devices variable)
@@ -48,7 +49,7 @@ def auto_num_workers(cfg: Any, backend: Any) -> tuple[int, str]:
     return max(1, total), why
 
 
-def resolve_num_workers(cfg: Any, backend: Any) -> int:
+def resolve_num_workers(cfg: Any, backend: Backend) -> int:
     """``trainer.num_workers`` for a run on ``backend``: the value when set, else :func:`auto_num_workers` (logged).
     The caller records the result in its config (preflight, RLTrainer) so that everything after sees one number."""
     explicit = cfg.trainer.num_workers
@@ -59,7 +60,7 @@ def resolve_num_workers(cfg: Any, backend: Any) -> int:
     return n
 
 
-def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
+def setup_process(cfg: Any, backend: Backend, rank: int = 0) -> None:
     """Apply the backend's env presets and ``device.env``, torch threads, the determinism flag and the op
     implementations of ``device.kernels`` (``portrl.ops.registry.choose``).
 
@@ -83,7 +84,7 @@ def setup_process(cfg: Any, backend: Any, rank: int = 0) -> None:
     hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would drown the training console
 
 
-def resolve_dtype(cfg: Any, backend: Any) -> str:
+def resolve_dtype(cfg: Any, backend: Backend) -> str:
     """``device.dtype`` > ``model.dtype`` > the backend's preferred training dtype."""
     dtype = cfg.device.dtype or cfg.model.dtype or backend.supported_dtypes()[0]
     valid = tuple(backend.supported_dtypes())
@@ -96,7 +97,7 @@ def resolve_dtype(cfg: Any, backend: Any) -> str:
     return str(dtype)
 
 
-def local_device_index(backend: Any, rank: int):
+def local_device_index(backend: Backend, rank: int) -> int | None:
     """This worker's device index on its node: ``LOCAL_RANK`` (set by the Ray layer), else rank modulo the
     node's device count; None on the CPU."""
     if backend.device_type == "cpu":

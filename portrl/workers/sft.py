@@ -35,7 +35,7 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
         raise ValueError("run_sft: the tokenizer has no eos_token; responses must end with it")
     out = []
     for i, row in enumerate(rows):
-        if hasattr(row, "prompt_ids"):
+        if not isinstance(row, Mapping):  # an SFTExample: prompt_ids / response_ids
             out.append((list(row.prompt_ids), list(row.response_ids)))
             continue
         if "prompt" not in row or "response" not in row:
@@ -119,7 +119,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
             model.eval()
             answer_p = probe()
             model.train()
-            if answer_p >= target_answer_p:
+            if target_answer_p is not None and answer_p >= target_answer_p:
                 break
         if stop is not None:
             if stop(done):

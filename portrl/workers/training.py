@@ -34,7 +34,7 @@ def build_optimizer(params, optim_cfg: Mapping[str, Any], fused: bool = True) ->
     betas = tuple(float(b) for b in optim_cfg["betas"])
     if len(betas) != 2:
         raise ValueError(f"optim.betas must have two values, got {list(betas)}")
-    kwargs = dict(lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
+    kwargs: dict[str, Any] = dict(lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
                   weight_decay=float(optim_cfg["weight_decay"]))
     try:
         if fused:

@@ -74,7 +74,8 @@ def new_group(backend, master_addr: str, master_port: int, rank: int, world_size
     try:
         group_name = c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend.dist_backend, prefix,
-                                               group_name=group_name, timeout=timeout)
+                                               group_name=group_name,  # type: ignore[arg-type]  # a str on torch without GroupName
+                                               timeout=timeout)
     except (AttributeError, TypeError) as exc:
         raise RuntimeError(f"torch {torch.__version__}: cannot create a side process group for weight sync "
                            f"(distributed_c10d._new_process_group_helper changed: {exc})") from exc
