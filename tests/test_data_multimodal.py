@@ -19,7 +19,7 @@ from portrl.data.rl_dataset import encode_messages
 from portrl.errors import UserError
 from portrl.models import load_processor, load_tokenizer, write_tiny_vl_model
 from portrl.trainer.preflight import preflight
-from portrl.trainer.rl_trainer import _prompt_batch
+from portrl.trainer.generation import prompt_batch
 
 from _geo_data import write_geo3k_parquet
 
@@ -78,10 +78,10 @@ def test_image_rows_are_expanded_text_rows_unchanged(tmp_path, vl):
         assert [im.mode for im in mm["images"]] == ["RGB"] * n_images
         assert set(mm["inputs"]) == {"pixel_values", "image_grid_thw"}
     assert len(batch.multi_modal[5]["images"]) == 2 and per_image == [4, 16]  # the last image row: two images
-    meta = _prompt_batch(batch).meta
+    meta = prompt_batch(batch).meta
     assert all(a is b for a, b in zip(meta["multi_modal"], batch.multi_modal, strict=True))
     assert meta["prompt_ids"] == batch.prompt_ids
-    assert "multi_modal" not in _prompt_batch(next(text_only.batches(2))).meta  # text runs: meta as before
+    assert "multi_modal" not in prompt_batch(next(text_only.batches(2))).meta  # text runs: meta as before
 
 
 def test_max_prompt_length_counts_the_expanded_ids(tmp_path, vl):
