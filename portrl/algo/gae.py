@@ -17,7 +17,7 @@ float or a ``(B,)`` tensor (per sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, TypedDict, Union
 
 import torch
 
@@ -27,9 +27,20 @@ from portrl.algo.options import option
 from portrl.algo.spec import estimator
 
 Coef = Union[float, torch.Tensor]
-_LAM_ACTOR = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the policy advantages (null: algorithm.lam)")
-_LAM_CRITIC = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the value targets (null: 1.0)")
-_VAPO_ALPHA = dict(gt=0.0, doc="VAPO length-adaptive actor lambda 1 - 1/(alpha*len), clamped to [0, 1]")
+
+
+class _Bounds(TypedDict, total=False):
+    """The keyword arguments of :func:`portrl.algo.options.option` the options below share."""
+
+    ge: float
+    gt: float
+    le: float
+    doc: str
+
+
+_LAM_ACTOR: _Bounds = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the policy advantages (null: algorithm.lam)")
+_LAM_CRITIC: _Bounds = dict(ge=0.0, le=1.0, doc="VC-PPO decoupled GAE: lambda of the value targets (null: 1.0)")
+_VAPO_ALPHA: _Bounds = dict(gt=0.0, doc="VAPO length-adaptive actor lambda 1 - 1/(alpha*len), clamped to [0, 1]")
 
 
 @dataclass

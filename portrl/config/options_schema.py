@@ -68,7 +68,7 @@ def _extend(cls: type, prefix: str, adds: Dict[str, Dict[str, Declaration]], mad
     for f in dataclasses.fields(cls):
         sub = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp) and any(s == sub or s.startswith(sub + ".") for s in adds):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and any(s == sub or s.startswith(sub + ".") for s in adds):
             ext = _extend(tp, sub, adds, made)
             new_fields.append((f.name, ext, dataclasses.field(default_factory=ext)))
     if not new_fields:

@@ -139,9 +139,14 @@ def reference_damage(root: Path, pin: dict) -> Optional[tuple[Path, str]]:
     if not rdir.is_dir():
         return rdir, "is missing"
     mpath = rdir / MANIFEST
+    bad: Optional[tuple[str, str]]
     if mpath.is_file() and sha256_file(mpath) == pin["manifest_sha256"]:
         manifest, problem = _load_manifest(rdir)
-        bad = (MANIFEST, problem) if problem else _file_problem(rdir, manifest["files"])
+        if problem:
+            bad = (MANIFEST, problem)
+        else:
+            assert manifest is not None  # _load_manifest returns a manifest or a problem
+            bad = _file_problem(rdir, manifest["files"])
     else:
         bad = _file_problem(rdir, pin["manifest"]["files"]) if isinstance(pin.get("manifest"), dict) else None
         bad = bad or (MANIFEST, "is missing" if not mpath.is_file() else "differs from the one the checkpoints pin")
@@ -156,6 +161,7 @@ def verify(ckpt_dir: Path, with_reference: bool = False) -> Optional[str]:
     manifest, problem = _load_manifest(ckpt_dir)
     if problem:
         return problem
+    assert manifest is not None  # _load_manifest returns a manifest or a problem
     bad = _file_problem(ckpt_dir, manifest["files"])
     if bad is not None:
         return " ".join(bad)
@@ -176,5 +182,7 @@ def resumable_problem(ckpt_dir: Path) -> Optional[str]:
     (portrl.trainer.run_checkpoints.load_run_checkpoint)."""
     problem = verify(ckpt_dir)
     if problem is None:
-        problem = reference_pin(_load_manifest(Path(ckpt_dir))[0])[1]
+        manifest = _load_manifest(Path(ckpt_dir))[0]
+        assert manifest is not None  # verify() found it well-formed
+        problem = reference_pin(manifest)[1]
     return problem

@@ -57,7 +57,8 @@ class StepGeneration:
         fg = cfg.algorithm.filter_groups
         want = int(cfg.data.train_batch_size)
         kept: List[Batch] = []
-        n_prompts, gen_batches, metrics = 0, 0, {}
+        n_prompts, gen_batches = 0, 0
+        metrics: Dict[str, float] = {}
         while True:
             prompts = self.next_prompts()
             with timer("gen"):

@@ -76,10 +76,12 @@ class PrimePhase:
             q = self._score(batch) if mode.scores_before_update else None
             if mode.update.trains:
                 if mode.loss.needs_prior_scores:  # the dpo loss: each row against its group as scored before
+                    assert q is not None  # needs_prior_scores implies scores_before_update
                     batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
                 m.update(self.group.metrics("update_rm", batch))
             if mode.update.score_last:
                 q = self._score(batch)
+        assert q is not None  # every update mode scores first or last (portrl/workers/prm_modes.py)
         rewards = q * float(rm.model.beta_train)
         if str(rm.prime_norm) == "batch_norm":
             rewards = prime_batch_norm(rewards)
@@ -91,7 +93,7 @@ class PrimePhase:
         m["reward_model/dpo_acc_abs"] = prm_dpo_abs_accuracy(rewards, acc, mask)
         return m
 
-    def _score(self, batch: Batch) -> Any:
+    def _score(self, batch: Batch) -> torch.Tensor:
         """``log π_rm − log π_ref`` ``(B,T)`` of the PRM as it is now, over all its workers."""
         return self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
 

@@ -20,7 +20,7 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 from omegaconf import OmegaConf
 
@@ -63,7 +63,8 @@ TINY_VOCAB = "arith"
 
 def tiny_model_dir(cfg: Any) -> Path:
     """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`)."""
-    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    t = cast(dict, OmegaConf.to_container(cfg.model.tiny, resolve=True)) \
+        if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
     return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key(t)}"
 
 
@@ -71,7 +72,8 @@ def resolve_model_path(cfg: Any) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
         return str(check_model_dir(str(cfg.model.path), "model.path"))
-    t = OmegaConf.to_container(cfg.model.tiny, resolve=True) if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
+    t = cast(dict, OmegaConf.to_container(cfg.model.tiny, resolve=True)) \
+        if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
     out = tiny_model_dir(cfg)
     if not (out / "config.json").is_file():
         write_tiny_model(out, vocab=TINY_VOCAB, hidden_size=int(t["hidden_size"]), num_layers=int(t["num_layers"]),
@@ -107,7 +109,9 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
     files = generated_files(cfg)
     if files is None:
         raise UserError(no_train_files_message(cfg))
-    task, spec = generated_task(cfg), _generated_spec(cfg, generated_task(cfg))
+    task = generated_task(cfg)
+    assert task is not None  # generated_files found it
+    spec = _generated_spec(cfg, task)
     for path, split, n in zip(files, ("train", "test"), (spec["n_train"], spec["n_test"])):
         if not path.is_file():
             write_split(task.generate(n, spec["seed"], spec["difficulty"], split), path)

@@ -39,7 +39,7 @@ import torch
 
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
-from portrl.data import RLDataset
+from portrl.data import PromptBatch, RLDataset
 from portrl.errors import RunStopped
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists

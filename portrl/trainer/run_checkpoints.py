@@ -118,7 +118,7 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
             if group_state is None:
                 group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
             else:
-                save_state(path, name, states[name])
+                save_state(path, name, group_state)
         save_state(path, "trainer", state)
         if own_ref:
             save_state(path, "ref", ref)
@@ -212,6 +212,7 @@ def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool 
                                                ("prm", _prm_group(trainer), prm, prm_by_rank)):
         if worker_state is None:
             continue
+        assert group is not None  # a state was read above only for a group the run has
         if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
             extra = {"scheduler": worker_state["scheduler"],
                      "optimizer": {"param_groups": worker_state["optimizer"]["param_groups"]}}
@@ -221,6 +222,7 @@ def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool 
         else:
             group.run("load_state_dict", worker_state)
     if prm is not None:
+        assert trainer.prm is not None  # its state was read above for its group
         trainer.prm.loaded_from_checkpoint()
     trainer.global_step = int(manifest["step"])
     if state is None:

@@ -85,7 +85,7 @@ class TrainedModel:
         return LoopSettings(epochs=int(epochs), mini_rows=mini_batch_rows(mini_batch_size, cfg.rollout.n, self.world_size),
                             micro_rows=int(a.ppo_micro_batch_size_per_device),
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
-                            grad_clip=float(self.optim.grad_clip), loss_scale_factor=int(cfg.data.max_response_length),
+                            grad_clip=float(self.optim["grad_clip"]), loss_scale_factor=int(cfg.data.max_response_length),
                             world_size=self.world_size, shuffle_seed=shuffle_seed,
                             shared_prompts=shares_prompts(cfg.model))
 
