@@ -115,9 +115,10 @@ def _cfg(path, out, **over):
 
 
 def _fit(cfg):
+    from portrl.trainer import settle_config
     from portrl.trainer.rl_trainer import RLTrainer
 
-    trainer = RLTrainer(cfg)
+    trainer = RLTrainer(settle_config(cfg))
     try:
         return trainer.fit()
     finally:

@@ -126,10 +126,9 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
     return trainer.ckpt.save(trainer.global_step, write, meta)
 
 
-def _prm_group(trainer: Any) -> Any:
+def _prm_group(trainer: CheckpointedRun) -> Optional[WorkerGroup]:
     """The workers of PRIME's implicit PRM (portrl/trainer/prime_phase.py), None when the run has none."""
-    prm = getattr(trainer, "prm", None)
-    return None if prm is None else prm.group
+    return None if trainer.prm is None else trainer.prm.group
 
 
 def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bool]:
