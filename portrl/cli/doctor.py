@@ -13,6 +13,10 @@ The device layer is imported when the command runs, so that ``portrl --help`` an
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 
 def add_arguments(parser) -> None:
@@ -21,7 +25,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
 
 
-def collect_checks(backend, all_backends) -> list:
+def collect_checks(backend: Backend, all_backends) -> list:
     """Every doctor check for ``backend``; ``all_backends`` contribute their host-wide traps."""
     from portrl.device.checks import FAIL, OK, Check, compat_check, constraint_check, declared_requirement_checks, \
         ray_isolation_check

@@ -7,6 +7,8 @@ naming the config key the path came from. The loaders run the same checks first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import logging
 import pickle
@@ -21,6 +23,9 @@ from portrl.models.attention import register_attention
 from portrl.models.multimodal import is_vision_language
 from portrl.models.processor import load_vl_processor
 from portrl.ops.registry import _resolve_backend, select
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +138,7 @@ def model_class(config):
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
-def load_causal_lm(path, dtype="float32", backend=None, attn_impl=None, gradient_checkpointing: bool = False,
+def load_causal_lm(path, dtype="float32", backend: Backend | None = None, attn_impl=None, gradient_checkpointing: bool = False,
                    device=None):
     """Load ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for a vision-language model) from a local
     directory with the backend's varlen attention plugged in.

@@ -18,11 +18,14 @@ import math
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from portrl.config.composition import compose
 from portrl.parity.report import environment
 from portrl.trainer.rl_trainer import run_training
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean", "actor/grad_norm")
 K_STD = 3.0
@@ -44,7 +47,7 @@ def default_envelope_path(backend_name: str = "cpu") -> Path:
     return Path(__file__).with_name(f"envelope_{backend_name}.json")
 
 
-def run_curve(backend, seed: int, work_dir, preset: str | None = None) -> dict[str, list[float]]:
+def run_curve(backend: Backend, seed: int, work_dir, preset: str | None = None) -> dict[str, list[float]]:
     """Train with ``seed``; the per-step values of ``METRICS`` from the run's metrics.jsonl."""
     out = Path(work_dir) / f"seed{seed}"
     cfg = compose(device=backend.name, preset=preset or backend.name, algorithm="grpo", data="arith", model="tiny",
@@ -91,7 +94,7 @@ def violations(curve: dict[str, list[float]], env: dict[str, Any]) -> list[str]:
     return out
 
 
-def build_envelope(backend, seeds: int = 4, work_dir=None, preset: str | None = None) -> dict[str, Any]:
+def build_envelope(backend: Backend, seeds: int = 4, work_dir=None, preset: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         curves = [run_curve(backend, s, tmp, preset) for s in range(1, seeds + 1)]
     return {"kind": "envelope", "seeds": list(range(1, seeds + 1)), "k_std": K_STD, "rel_floor": REL_FLOOR,
@@ -99,7 +102,7 @@ def build_envelope(backend, seeds: int = 4, work_dir=None, preset: str | None = 
             "metrics": envelope_from_curves(curves)}
 
 
-def check_run(backend, envelope_path, work_dir=None, preset: str | None = None) -> dict[str, Any]:
+def check_run(backend: Backend, envelope_path, work_dir=None, preset: str | None = None) -> dict[str, Any]:
     p = Path(envelope_path)
     if not p.is_file():
         raise FileNotFoundError(f"no envelope at {str(p)!r}: build one with `portrl parity e2e --rebuild-envelope`")

@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,6 +39,9 @@ from portrl.outputs import publish
 from portrl.parity.metrics import compare_tensors
 from portrl.parity.report import environment, write_json
 from portrl.parity.tolerances import worst
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 GOLDEN_VERSION = 1
 STEP = {"seed": 0, "prompts": 4, "samples": 2, "max_new_tokens": 24, "temperature": 1.0, "adv_estimator": "grpo",
@@ -110,7 +113,7 @@ def compute_step(model, batch: dict[str, torch.Tensor], step: dict) -> tuple[dic
         "pg_loss": float(loss.detach()), "grad_norm": float(grad_norm), "param_names": names}
 
 
-def record_golden(out_dir, backend, seed: int = 0) -> Path:
+def record_golden(out_dir, backend: Backend, seed: int = 0) -> Path:
     """Record the golden step on ``backend`` in float32 into ``out_dir`` (written atomically; an ``out_dir`` that
     holds something is never replaced: portrl.outputs.publish). Returns where it went."""
     out = Path(out_dir)
@@ -150,7 +153,7 @@ def read_golden(golden_dir) -> tuple[dict, dict[str, torch.Tensor], dict[str, to
     return meta, load_file(str(d / "batch.safetensors")), load_file(str(d / "expected.safetensors"))
 
 
-def replay_golden(golden_dir, backend, dtype: str = "float32") -> dict[str, Any]:
+def replay_golden(golden_dir, backend: Backend, dtype: str = "float32") -> dict[str, Any]:
     """Recompute the golden step on ``backend`` in ``dtype``; a report with per-quantity metrics and verdict."""
     meta, batch, expected = read_golden(golden_dir)
     step = meta["step"]

@@ -13,7 +13,7 @@ with their own key/value, head dim 80 as Qwen2.5-VL's vision tower) and ``rotary
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
 from portrl.ops.rotary_multimodal import apply_multimodal_rotary, multimodal_rope_index
 from portrl.parity.case import Case
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 SIZES: dict[str, dict[str, Any]] = {
     "standard": dict(seq_lens=(384, 256, 192, 128), heads=16, kv_heads=4, head_dim=64, hidden=1024,
@@ -182,7 +185,7 @@ def _native(op: str):
             "rotary_multimodal": apply_multimodal_rotary, "swiglu": swiglu}[op]
 
 
-def op_cases(backend, size: str = "standard", ops=None, all_impls: bool = True) -> tuple[list[Case], dict]:
+def op_cases(backend: Backend, size: str = "standard", ops=None, all_impls: bool = True) -> tuple[list[Case], dict]:
     """Cases for each op (and each family of :data:`FAMILY_OPS`; ``ops`` may name either): the implementation
     the backend selects, plus (``all_impls``) every other one that can run here. Returns ``(cases, impls)``
     with ``impls[op] = {"selected": name, "available": {name: None | reason it cannot run}}`` for the report."""

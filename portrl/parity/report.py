@@ -8,17 +8,20 @@ import platform
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from portrl.outputs import publish
 
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
+
 #: bumped when the report layout changes; ``compare`` refuses other versions
 REPORT_VERSION = 1
 
 
-def environment(backend) -> dict[str, Any]:
+def environment(backend: Backend) -> dict[str, Any]:
     """Backend name, device name and the versions of its stack (no device runtime needed beyond probe)."""
     probe = backend.probe()
     versions = dict(probe.versions or backend.installed_versions())

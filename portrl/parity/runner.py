@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -19,6 +19,9 @@ from portrl.parity.metrics import compare_outputs
 from portrl.parity.ops_cases import op_cases
 from portrl.parity.report import REPORT_VERSION, environment
 from portrl.parity.tolerances import tolerance, worst
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def run_cases(cases: Iterable[Case], backend, dtype: str, seed: int = 0) -> list[dict[str, Any]]:
+def run_cases(cases: Iterable[Case], backend: Backend, dtype: str, seed: int = 0) -> list[dict[str, Any]]:
     """Evaluate ``cases`` on ``backend``'s device in ``dtype``; one result dict per case.
 
     A case that raises is reported with verdict "fail" and the error, and the run continues.
@@ -66,7 +69,7 @@ def run_cases(cases: Iterable[Case], backend, dtype: str, seed: int = 0) -> list
     return results
 
 
-def run_ops_parity(backend, dtype: str, *, size: str = "standard", groups=GROUPS, ops=None, seed: int = 0,
+def run_ops_parity(backend: Backend, dtype: str, *, size: str = "standard", groups=GROUPS, ops=None, seed: int = 0,
                    all_impls: bool = True) -> dict[str, Any]:
     """The full report of ``portrl parity ops`` for one backend and dtype."""
     bad = [g for g in groups if g not in GROUPS]

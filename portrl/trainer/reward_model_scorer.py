@@ -9,16 +9,19 @@ the score at the last non-padding token (transformers' convention, keyed on ``co
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 
 class RewardModelScorer:
     """``RewardModelScorer(path, backend).score(prompts, responses) -> (B,) float32 tensor on the CPU``."""
 
-    def __init__(self, path: str, backend, *, dtype: Optional[str] = None, batch_size: int = 8,
+    def __init__(self, path: str, backend: Backend, *, dtype: Optional[str] = None, batch_size: int = 8,
                  max_length: Optional[int] = None):
         p = Path(path)
         if not p.is_dir() or not (p / "config.json").is_file():

@@ -32,7 +32,7 @@ answer, and the group is shut down the same way (portrl.workers.ray_calls).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,6 +41,9 @@ from portrl.workers.batch import Batch, concat_rollouts
 from portrl.workers.placement import placement_of
 from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError  # noqa: F401  (the group's errors)
 from portrl.workers.ray_launcher import RayLauncher
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 MAX_KEYS = ("max", "timing", "time/")
 MIN_KEYS = ("min",)
@@ -177,7 +180,7 @@ class WorkerGroup:
     ``ray_env``). ``worker_kwargs``: extra keyword arguments of the worker's constructor.
     """
 
-    def __init__(self, worker_cls, cfg, num_workers: int, backend, *, role: Optional[str] = None,
+    def __init__(self, worker_cls, cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,
                  pool=None, share: int = 1, share_devices: bool = False,
                  worker_kwargs: Optional[Mapping[str, Any]] = None):
         if num_workers < 1:

@@ -23,13 +23,16 @@ import logging
 import math
 import os
 import socket
-from typing import Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 STRATEGIES = ("auto", "fsdp", "ddp", "none")
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def init_distributed(backend, rank: int, world_size: int, master_addr: str, master_port: int,
+def init_distributed(backend: Backend, rank: int, world_size: int, master_addr: str, master_port: int,
                      timeout_s: float = 600.0) -> None:
     """``torch.distributed.init_process_group`` with ``backend.dist_backend`` over TCP ``master_addr:master_port``.
 
@@ -101,7 +104,7 @@ def dp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def fsdp_supported(backend) -> tuple[bool, str]:
+def fsdp_supported(backend: Backend) -> tuple[bool, str]:
     """Whether FSDP2 can run with this backend here, and why not. Needs ``fully_shard`` in torch and a
     collective backend with all-gather-into-tensor and reduce-scatter-tensor (gloo has both in torch >= 2.6;
     the accelerator collectives always had them)."""
@@ -116,7 +119,7 @@ def fsdp_supported(backend) -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_strategy(strategy: str, backend) -> str:
+def resolve_strategy(strategy: str, backend: Backend) -> str:
     """``auto`` -> ``fsdp`` or ``ddp`` (logged with the reason); an unknown name is an error listing the valid ones."""
     if strategy not in STRATEGIES:
         raise ValueError(f"actor.strategy {strategy!r} is unknown; valid: {list(STRATEGIES)}")
@@ -153,7 +156,7 @@ def _block_classes(model: nn.Module) -> set:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def wrap_model(model: nn.Module, strategy: str, backend, *, device: Optional[torch.device] = None,
+def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Optional[torch.device] = None,
                compute_dtype: Union[str, torch.dtype, None] = None) -> nn.Module:
     """The model wrapped for data parallelism over the default process group (see the module docstring).
 

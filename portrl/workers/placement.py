@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from portrl.device.backend import Backend
 from portrl.errors import UserError
 
 #: ``(cfg, backend, actor WorkerGroup) -> (rollout WorkerGroup, weight link)``: the rollout side of a placement
@@ -45,7 +46,7 @@ class Placement:
     devices_taken: Callable[[Any], Tuple[int, str]]
     build_rollout: Optional[BuildRollout] = None
 
-    def rollout_side(self, cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, Any]:
+    def rollout_side(self, cfg: Any, backend: Backend, actor_group: Any) -> Tuple[Any, Any]:
         """``(rollout group, weight link)`` for a run, or ``(None, None)`` when the actor holds the engine."""
         if self.actor_holds_engine or self.build_rollout is None:
             return None, None
@@ -94,7 +95,7 @@ def placement_of(cfg: Any) -> Placement:
     return get_placement(str(cfg.rollout.placement))
 
 
-def _separated_rollout(cfg: Any, backend: Any, actor_group: Any) -> Tuple[Any, Any]:
+def _separated_rollout(cfg: Any, backend: Backend, actor_group: Any) -> Tuple[Any, Any]:
     from portrl.workers.rollout_worker import separated_rollout  # Ray and the worker classes: only when built
 
     return separated_rollout(cfg, backend, actor_group)

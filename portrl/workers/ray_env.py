@@ -44,7 +44,7 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def worker_env(cfg: Any, backend, *, share_devices: bool = False) -> Dict[str, str]:
+def worker_env(cfg: Any, backend: Backend, *, share_devices: bool = False) -> Dict[str, str]:
     """Environment variables of every worker: the variables torch reads before it loads, as they are in effect
     here with ``device.env`` on top (``portrl.process_env.current``: a wait policy there drops the default spin
     count), ``backend.env_presets(trainer.deterministic)``, then ``device.env`` (the user's, wins), then the Ray
@@ -58,7 +58,7 @@ def worker_env(cfg: Any, backend, *, share_devices: bool = False) -> Dict[str, s
     return env
 
 
-def init_ray(cfg: Any, backend, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
+def init_ray(cfg: Any, backend: Backend, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
              resources: Optional[Dict[str, float]] = None) -> None:
     """Start a local Ray on 127.0.0.1, or join ``trainer.ray_address`` (a cluster built with ``ray start`` on
     each node). No dashboard unless ``trainer.ray_dashboard`` (then bound to 127.0.0.1). Every worker of the
@@ -146,7 +146,7 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def local_device_index(backend, accelerator_ids: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+def local_device_index(backend: Backend, accelerator_ids: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """The device index this worker should use (None on a backend without a Ray resource).
 
     ``accelerator_ids``: what Ray gave the worker (``ray.get_runtime_context().get_accelerator_ids()

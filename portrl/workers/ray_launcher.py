@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
 from portrl.workers.weight_sync import WeightReceiver, WeightSender
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ def _full(t: Any) -> Any:
 class WorkerHost:
     """What runs inside each Ray actor: sets the device, joins the process group, builds and drives the worker."""
 
-    def __init__(self, role: str, rank: int, world_size: int, backend):
+    def __init__(self, role: str, rank: int, world_size: int, backend: Backend):
         self.role, self.rank, self.world_size, self.backend = role, rank, world_size, backend
         self.worker: Any = None  # the worker class's instance, built by start()
         self._sync: WeightSender | WeightReceiver | None = None

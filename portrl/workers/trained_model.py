@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from portrl.device.backend import Backend
 from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_train_state, train_state
@@ -34,7 +35,7 @@ from portrl.workers.training import build_lr_scheduler, build_optimizer, shares_
 from portrl.workers.update_loop import LoopSettings, LossFn, Trainable, mini_batch_rows, run_update
 
 
-def model_strategy(cfg: Any, backend: Any, world_size: int) -> str:
+def model_strategy(cfg: Any, backend: Backend, world_size: int) -> str:
     """The data-parallel strategy of a trained model: ``actor.strategy`` resolved for ``backend``
     (portrl.workers.parallel.resolve_strategy) with several workers, ``none`` with one."""
     return resolve_strategy(str(cfg.actor.strategy), backend) if world_size > 1 else "none"
@@ -49,7 +50,7 @@ class TrainedModel:
     forward)`` instead of the module itself (with several workers). ``cfg`` supplies ``trainer.total_steps`` (the
     schedule's length) and the loop settings' sections (actor, rollout, data, model)."""
 
-    def __init__(self, cfg: Any, module: torch.nn.Module, *, backend: Any, device: torch.device, dtype: str,
+    def __init__(self, cfg: Any, module: torch.nn.Module, *, backend: Backend, device: torch.device, dtype: str,
                  strategy: str, optim: Mapping[str, Any], rank: int = 0, world_size: int = 1,
                  forward: Optional[Callable[..., Any]] = None):
         self.cfg, self.module, self.device, self.dtype = cfg, module, device, dtype

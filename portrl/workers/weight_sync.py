@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from torch.distributed import distributed_c10d as c10d
 
 from portrl.workers.parallel import is_loopback, loopback_store
 from portrl.workers.ray_calls import wait_results
+
+if TYPE_CHECKING:
+    from portrl.device.backend import Backend
 
 Meta = Tuple[str, Tuple[int, ...], str]  # name, shape, dtype name
 
@@ -58,7 +61,7 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def new_group(backend, master_addr: str, master_port: int, rank: int, world_size: int,
+def new_group(backend: Backend, master_addr: str, master_port: int, rank: int, world_size: int,
               name: str = "portrl_weight_sync", timeout_s: float = 600.0):
     """A process group of ``backend.dist_backend`` over TCP ``master_addr:master_port`` that lives beside the
     process's default group (each side may already have its own). Every member must call this concurrently.
@@ -83,7 +86,7 @@ def new_group(backend, master_addr: str, master_port: int, rank: int, world_size
     return pg
 
 
-def _comm_device(backend) -> torch.device:
+def _comm_device(backend: Backend) -> torch.device:
     return torch.device("cpu") if backend.dist_backend == "gloo" else backend.device()
 
 
@@ -98,7 +101,7 @@ class WeightSender:
     """Group rank 0. ``send(named_tensors)`` broadcasts full tensors (gather sharded ones first, e.g. with
     ``parallel.full_state_dict``) and returns the :class:`SyncStats`."""
 
-    def __init__(self, backend, master_addr: str, master_port: int, world_size: int, bucket_mb: float,
+    def __init__(self, backend: Backend, master_addr: str, master_port: int, world_size: int, bucket_mb: float,
                  timeout_s: float = 600.0):
         self.backend, self.bucket_bytes = backend, int(bucket_mb * 1024 * 1024)
         self.group = new_group(backend, master_addr, master_port, 0, world_size, timeout_s=timeout_s)
@@ -120,7 +123,7 @@ class WeightReceiver:
     """Group rank ``rank`` >= 1. ``receive()`` yields ``(name, tensor)`` bucket by bucket (tensors on the comm
     device: the CPU for gloo); feed it to ``RolloutEngine.update_weights``."""
 
-    def __init__(self, backend, master_addr: str, master_port: int, rank: int, world_size: int,
+    def __init__(self, backend: Backend, master_addr: str, master_port: int, rank: int, world_size: int,
                  timeout_s: float = 600.0):
         if rank < 1:
             raise ValueError(f"WeightReceiver: rank must be >= 1 (0 is the sender), got {rank}")
