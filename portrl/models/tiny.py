@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -60,6 +62,21 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
                                                bos_token_id=None)
     with new_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        with _no_progress_bars():  # a run's console shows its own progress only (the trainer writes this model)
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars ("Writing model shards") off for the block, as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
