@@ -1,5 +1,5 @@
 """Checkpoints sharded by worker under FSDP2 (portrl/state_files.py, portrl/trainer/run_checkpoints.py): with 2 Ray
-workers every rank writes its own shard of the actor and the critic (model and optimizer rows, nothing gathered) and
+workers every rank writes its own shard of the actor, the critic and PRIME's PRM (model and optimizer rows, nothing gathered) and
 no whole-model file exists; the shards join to the exported model exactly; a run resumed from them logs the same
 next step as the uninterrupted run; one worker (``portrl eval``) loads them joined; a corrupted shard is skipped by
 resume=auto and is a one-line error, exit 2, when named. The rows any number of ranks would own are read from the
@@ -60,7 +60,7 @@ def _fit(cfg):
     try:
         return trainer.fit()
     finally:
-        for group in (trainer.actor, trainer.critic):
+        for group in (trainer.actor, trainer.critic, trainer.prm.group if trainer.prm is not None else None):
             if group is not None:
                 group.shutdown()
 
@@ -218,3 +218,34 @@ def test_shards_of_two_ranks_load_into_three(tiny, tmp_path):
     assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
     assert all(torch.equal(got["optimizer"]["state"][k][m], t) for k, s in want["optimizer"]["state"].items()
                for m, t in s.items())
+
+# PRIME with an SFT warm start: the actor and the implicit PRM both sharded over the two FSDP2 workers
+PRIME = {"algorithm.adv_estimator": "prime", "data.filter_accuracy": False, "actor.use_kl_loss": False,
+         "actor.entropy_coeff": 0.0, "reward_model.model.optim.lr": 1e-2, "model.sft_warm_start": True,
+         "model.sft_steps": 4, "model.sft_batch_size": 8, "trainer.export_hf": False}
+
+
+@pytest.mark.slow
+def test_prime_run_shards_its_prm_and_resumes_exactly(tiny, tmp_path, monkeypatch):
+    """About 110 s on 2 cores: two PRIME runs of two FSDP2 Ray workers each for the actor and the PRM (the warm
+    start handed to the sharded PRM, its shards written, read back by rank), the smallest setting that does it."""
+    from portrl.state_files import ShardedState
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    ref_out = tmp_path / "ref"
+    _fit(_cfg(tiny, ref_out, **PRIME))
+    ckpt = ref_out / "checkpoints" / "global_step_2"
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert [f for f in files if f.startswith("prm")] == ["prm/rank_0.json", "prm/rank_0.safetensors",
+                                                          "prm/rank_1.json", "prm/rank_1.safetensors"]
+    joined = ShardedState(ckpt, "prm").load()
+    assert {"model", "optimizer", "scheduler", "ref"} <= set(joined)  # the reference: the warm-started policy
+    assert joined["optimizer"]["state"] and all(v["exp_avg"].shape == joined["model"][k].shape
+                                                for k, v in joined["optimizer"]["state"].items())
+    out = tmp_path / "resumed"
+    shutil.copytree(ref_out, out)
+    shutil.rmtree(out / "checkpoints" / "global_step_3")
+    resumed = _fit(_cfg(tiny, out, **PRIME))
+    assert resumed["resumed_from"].endswith("global_step_2")
+    want, got = _metrics(ref_out), _metrics(out)
+    assert got[3] == want[3] and want[3]["reward_model/grad_norm"] > 0

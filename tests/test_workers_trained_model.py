@@ -1,11 +1,9 @@
 """The trained-model component (portrl/workers/trained_model.py) and PRIME's mode records (portrl/workers/prm_modes.py):
-actor, critic and implicit PRM are built on one TrainedModel; the PRM's checkpoint is sharded under FSDP2 over two
-Ray workers like the actor's (``prm/rank_<r>.*``, its reference whole in each) and a PRIME run resumed from those
-shards logs the uninterrupted run's next step; the update / loss records decide what the phase runs."""
+actor, critic and implicit PRM are built on one TrainedModel and round-trip their state; the update / loss records
+decide what the phase runs. The PRM's sharded checkpoint over two FSDP2 Ray workers is tested with the others, in
+tests/test_checkpoint_shards.py."""
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -15,8 +13,6 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from portrl.config.schema import default_config  # noqa: E402
 from portrl.workers.prm_modes import PRM_LOSSES, PRM_UPDATES, prm_mode  # noqa: E402
-
-VOLATILE = ("timing_s/", "perf/", "memory/")  # measurements of the machine, not of the run
 
 
 def test_the_records_are_the_config_choices_and_decide_the_phase():
@@ -79,80 +75,3 @@ def test_one_worker_of_each_kind_trains_one_trained_model(tmp_path):
         fresh = cls(cfg)
         fresh.load_state_dict(state)
         assert all(torch.equal(a, b) for a, b in zip(fresh.master.masters, w.master.masters))
-
-
-# ------------------------------------------------------------------------ sharded PRIME run, two FSDP2 workers
-ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from portrl.device import get_backend
-    from portrl.models import write_tiny_model
-    from portrl.workers.ray_env import init_ray
-
-    p = str(write_tiny_model(tmp_path_factory.mktemp("m") / "tiny", hidden_size=32, num_layers=2, num_heads=2,
-                             num_kv_heads=1, intermediate_size=64, seed=0, initializer_range=0.2))
-    init_ray(_cfg(p, "unused"), get_backend("cpu"), num_cpus=4)
-    yield p
-    ray.shutdown()
-
-
-def _cfg(path, out, **over):
-    cfg = default_config()
-    base = {"device.name": "cpu", "device.num_threads": 1, "model.path": path, "trainer.output_dir": str(out),
-            "trainer.num_workers": 2, "algorithm.adv_estimator": "prime", "data.filter_accuracy": False,
-            "data.arith.num_train": 64, "data.arith.num_test": 8, "data.train_batch_size": 4,
-            "data.max_response_length": 5, "rollout.n": 2, "actor.ppo_mini_batch_size": 2,
-            "actor.ppo_micro_batch_size_per_device": 4, "actor.optim.lr": 1e-3, "reward_model.model.optim.lr": 1e-2,
-            "model.sft_warm_start": True, "model.sft_steps": 4, "model.sft_batch_size": 8,
-            "trainer.total_steps": 3, "trainer.save_freq": 2, "trainer.test_freq": 0, "trainer.progress_bar": False,
-            "trainer.loggers": ["jsonl"], "trainer.plot": False, "trainer.export_hf": False, "trainer.seed": 3}
-    base.update(over)
-    for k, v in base.items():
-        OmegaConf.update(cfg, k, v)
-    return cfg
-
-
-def _fit(cfg):
-    from portrl.trainer import settle_config
-    from portrl.trainer.rl_trainer import RLTrainer
-
-    trainer = RLTrainer(settle_config(cfg))
-    try:
-        return trainer.fit()
-    finally:
-        for group in (trainer.actor, trainer.critic, trainer.prm.group if trainer.prm is not None else None):
-            if group is not None:
-                group.shutdown()
-
-
-def _metrics(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
-
-
-@pytest.mark.slow
-def test_prime_run_shards_its_prm_and_resumes_exactly(tiny, tmp_path, monkeypatch):
-    """About 110 s on 2 cores: two PRIME runs of two FSDP2 Ray workers each for the actor and the PRM (the warm
-    start handed to the sharded PRM, its shards written, read back by rank), the smallest setting that does it."""
-    from portrl.state_files import ShardedState
-
-    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
-    ref_out = tmp_path / "ref"
-    _fit(_cfg(tiny, ref_out))
-    ckpt = ref_out / "checkpoints" / "global_step_2"
-    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
-    assert [f for f in files if f.startswith("prm")] == ["prm/rank_0.json", "prm/rank_0.safetensors",
-                                                          "prm/rank_1.json", "prm/rank_1.safetensors"]
-    joined = ShardedState(ckpt, "prm").load()
-    assert {"model", "optimizer", "scheduler", "ref"} <= set(joined)  # the reference: the warm-started policy
-    assert joined["optimizer"]["state"] and all(v["exp_avg"].shape == joined["model"][k].shape
-                                                for k, v in joined["optimizer"]["state"].items())
-    out = tmp_path / "resumed"
-    shutil.copytree(ref_out, out)
-    shutil.rmtree(out / "checkpoints" / "global_step_3")
-    resumed = _fit(_cfg(tiny, out))
-    assert resumed["resumed_from"].endswith("global_step_2")
-    want, got = _metrics(ref_out), _metrics(out)
-    assert got[3] == want[3] and want[3]["reward_model/grad_norm"] > 0
