@@ -13,6 +13,7 @@
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
   max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps >= 1 or 0 (off), KL
   coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
+* asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py);
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
   is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
@@ -33,6 +34,7 @@ from portrl.algo import critic_enabled, estimator_spec, registered
 from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
+from portrl.config.checks_async import check_async
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
@@ -330,7 +332,7 @@ def check_backend(cfg) -> list[str]:
 
 def validate(cfg, *, registries: bool = True, backend: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it is valid."""
-    problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg)
+    problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg) + check_async(cfg)
     if registries:
         problems += check_registries(cfg)
     if backend:

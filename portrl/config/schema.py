@@ -1,6 +1,7 @@
 """The structured config of a portrl run: one dataclass per group.
 
-Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, device. Names
+Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, async_training,
+device (trainer and async_training in portrl/config/schema_trainer.py). Names
 follow verl where verl has the knob, so recipes translate one to one. Batch sizes count
 *prompts* (``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says
 sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences.
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
+
+from portrl.config.schema_trainer import AsyncTrainingConfig, TrainerConfig
 
 
 # --------------------------------------------------------------------------------- algorithm
@@ -315,48 +318,6 @@ class RewardModelConfig:
     mini_batch_size: Optional[int] = None  # prompts per PRM optimizer step (x rollout.n rows); None = the actor's
 
 
-# ----------------------------------------------------------------------------------- trainer
-@dataclass
-class TrainerConfig:
-    total_steps: int = 40
-    # data-parallel actor workers in all (all nodes together); None (auto) = every device the backend sees on this
-    # node (its visible-devices variable respected) x nnodes, less separated rollout workers; 1 on the CPU.
-    # resolved and logged when the run starts (portrl.workers.setup.resolve_num_workers); `portrl config show`: null
-    num_workers: Optional[int] = None
-    nnodes: int = 1
-    ray_address: Optional[str] = None  # join an existing cluster; None = a local one on 127.0.0.1
-    ray_dashboard: bool = False
-    use_ray: Optional[bool] = None  # None = only when num_workers > 1 or a cluster is named
-    output_dir: str = "outputs/run"
-    test_freq: int = 5  # validate every k steps (0 = never)
-    val_before_train: bool = True
-    save_freq: int = 0  # checkpoint every k steps (0 = only at the end when save_final)
-    save_final: bool = True
-    max_ckpt_to_keep: int = 2
-    resume: str = "auto"  # auto | off | PATH
-    # resume=off (or another run's output_dir under auto): refuse | move_aside (rename it to <output_dir>.old-<time>)
-    on_existing_run: str = "refuse"
-    export_hf: bool = True  # write a transformers-loadable copy of the final policy
-    loggers: List[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard | wandb | mlflow
-    project_name: str = "portrl"
-    experiment_name: str = "run"
-    seed: int = 0
-    deterministic: bool = False
-    progress_bar: bool = True
-    plot: bool = True
-    save_on_interrupt: bool = True  # SIGINT / SIGTERM: checkpoint the finished step before stopping
-    # SPIN (verl recipe/spin): before every step k with k % ref_update_freq == 0 the reference policy becomes a copy
-    # of the current policy (portrl.trainer.reference_update); 0 = never (the reference stays the starting policy)
-    ref_update_freq: int = 0
-    # a call to the workers that gets no answer within max(worker_timeout_s, 5 x the slowest RL step so far)
-    # stops the run naming the worker (the first step gets 3 x worker_timeout_s); None = wait forever
-    worker_timeout_s: Optional[float] = 300.0
-    # a step whose loss or gradient norm is not finite skips its optimizer step (actor, critic, PRIME's reward model;
-    # counted in <role>/nonfinite_skipped); after this many steps in a row with a skipped update the run stops with
-    # one line naming the last good checkpoint (portrl.trainer.divergence); 0 = never stop
-    max_nonfinite_steps: int = 3
-
-
 # ------------------------------------------------------------------------------------ device
 @dataclass
 class DeviceConfig:
@@ -387,6 +348,7 @@ class PortRLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 

@@ -23,10 +23,10 @@ from portrl.rollout.registry import (
     register_engine,
 )
 from portrl.rollout.settings import RolloutSettings
-from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
 __all__ = [
-    "FINISH_LENGTH", "FINISH_STOP", "SMALL_MODEL_PARAMS", "EngineCapabilities", "RolloutEngine", "RolloutEngineError",
+    "FINISH_ABORT", "FINISH_LENGTH", "FINISH_STOP", "SMALL_MODEL_PARAMS", "EngineCapabilities", "RolloutEngine", "RolloutEngineError",
     "RolloutOutput", "RolloutSettings", "SamplingParams", "available_engines", "broken_engines", "check_prompts",
     "choose_engine", "engine_capabilities", "engine_factory", "engine_names", "make_engine", "offered_engines",
     "register_engine",

@@ -4,17 +4,20 @@
 sequences sampled ``max_new`` tokens at most, the sampled tokens and log-probs, which rows have
 stopped (EOS or a stop id) and the map from the live batch to output rows; it says when the loop is
 done and when finished rows make up ``compact_fraction`` of the batch and should be dropped from it.
+An ``interrupt`` event (``threading.Event``) that is set ends the loop after the step being recorded: the rows
+still generating end there with finish reason ``abort`` (partial rollout, portrl/workers/partial_rollout.py).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from portrl.rollout.sampling import NonFiniteLogitsError
-from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP
+from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,8 +35,10 @@ class DecodeRows:
     """Per-row state of one batched sampling loop; see the module docstring."""
 
     def __init__(self, rows: int, max_new: int, pad_token_id: int, stop: torch.Tensor, compact_fraction: float,
-                 device) -> None:
+                 device, interrupt: Optional[threading.Event] = None) -> None:
         self.max_new, self.stop, self.compact_fraction = max_new, stop, compact_fraction
+        self.interrupt = interrupt
+        self.aborted = False
         self.tokens = torch.full((rows, max_new), pad_token_id, dtype=torch.long, device=device)
         self.logps = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
         self.resp_len = torch.full((rows,), max_new, dtype=torch.long, device=device)
@@ -64,6 +69,10 @@ class DecodeRows:
             self.stopped[done] = True
             self.alive &= ~hit
             self.n_alive -= n_hit
+        if self.n_alive and t < self.max_new - 1 and self.interrupt is not None and self.interrupt.is_set():
+            self.resp_len[self.active[self.alive]] = t + 1  # the rows still generating end here, aborted
+            self.aborted = True
+            return True
         return self.n_alive == 0 or t == self.max_new - 1
 
     def compact(self) -> Optional[torch.Tensor]:
@@ -83,4 +92,5 @@ class DecodeRows:
         tokens, logps = self.tokens.tolist(), self.logps.tolist()
         rows = range(len(resp_len))
         return ([tokens[r][: resp_len[r]] for r in rows], [logps[r][: resp_len[r]] for r in rows],
-                [FINISH_STOP if s else FINISH_LENGTH for s in stopped])
+                [FINISH_STOP if s else FINISH_ABORT if self.aborted and resp_len[r] < self.max_new else FINISH_LENGTH
+                 for r, s in zip(rows, stopped)])

@@ -14,7 +14,10 @@ put to sleep.
 * ``forward_recording``: a rollout can leave a :class:`portrl.models.forward_tape.ForwardTape` the trainer's
   forward on the same weights replays (:meth:`RolloutEngine.can_record_forward`,
   :meth:`RolloutEngine.start_recording`, :meth:`RolloutEngine.stop_recording`);
-* ``sleep_wake``: :meth:`RolloutEngine.sleep` frees memory between rollouts, :meth:`RolloutEngine.wake` undoes it.
+* ``sleep_wake``: :meth:`RolloutEngine.sleep` frees memory between rollouts, :meth:`RolloutEngine.wake` undoes it;
+* ``interruptible``: after :meth:`RolloutEngine.set_interrupt` with a ``threading.Event``, a ``generate`` running
+  while the event is set ends early; rows not finished return their tokens and log-probs so far with finish reason
+  ``abort`` (partial rollout of the asynchronous modes: the rollout worker loads new weights and continues them).
 
 Constructor options: the engine class translates the engine-neutral
 :class:`portrl.rollout.settings.RolloutSettings` into its own keywords (:meth:`RolloutEngine.translate_settings`).
@@ -40,6 +43,7 @@ class EngineCapabilities:
     in_process_weights: bool = False  # built with model=, it decodes that module itself (no weight sync)
     forward_recording: bool = False  # a rollout can be recorded for the trainer's replay
     sleep_wake: bool = False  # sleep() frees memory between rollouts
+    interruptible: bool = False  # set_interrupt(event): a set event ends generate early (finish reason abort)
 
 
 # the methods an engine must override for each capability it declares (checked when the class is defined)
@@ -47,6 +51,7 @@ _CAPABILITY_METHODS = {
     "in_process_weights": ("shares_module",),
     "forward_recording": ("can_record_forward", "start_recording", "stop_recording"),
     "sleep_wake": ("sleep", "wake"),
+    "interruptible": ("set_interrupt",),
 }
 
 
@@ -120,6 +125,11 @@ class RolloutEngine(abc.ABC):
     def stop_recording(self) -> Any:
         """Stop recording and return the last ``generate`` call's ForwardTape (None when it left none)."""
         return None
+
+    def set_interrupt(self, event: Any) -> None:
+        """Watch ``event`` (a ``threading.Event``; None: stop watching): while it is set, ``generate`` ends early and
+        returns the rows not yet finished with finish reason ``abort`` (only where the class is ``interruptible``)."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} engine cannot be interrupted")
 
     def sleep(self) -> None:
         """Free the memory the engine holds between rollouts, where it can (default: nothing to free)."""

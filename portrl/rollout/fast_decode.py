@@ -243,7 +243,7 @@ def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:
 
 def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.Tensor, generator: torch.Generator,
                  pad_token_id: int, compact_fraction: float, record: bool = False,
-                 on_allocated: Optional[Callable[[], None]] = None) -> tuple:
+                 on_allocated: Optional[Callable[[], None]] = None, interrupt: Any = None) -> tuple:
     """The hf engine's sampling loop (same prefill-once-then-repeat-n, same :func:`sample_next` calls, same
     stop rule) on :class:`FastDecoder`. Returns ``(response_ids, logprobs, finish_reasons)`` lists, rows
     prompt-major. Finished rows are dropped from the batch and cache once they are ``compact_fraction``
@@ -251,7 +251,8 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
 
     ``record``: leave a :class:`portrl.models.forward_tape.ForwardTape` of this call in ``decoder.tape``
     (None otherwise), for the training forward of the same weights to reuse. ``on_allocated``: called once the
-    call's KV cache and recording are allocated, before the prefill."""
+    call's KV cache and recording are allocated, before the prefill. ``interrupt``: a threading.Event that ends
+    the loop early when set (:class:`portrl.rollout.decode_rows.DecodeRows`)."""
     dev, n, max_new = decoder.device, params.n, params.max_new_tokens
     ids, mask, lengths = left_pad(prompts, pad_token_id, dev)
     plen = ids.shape[1]
@@ -266,7 +267,7 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
             rep = torch.arange(len(prompts), device=dev).repeat_interleave(n)
             decoder.select_rows(rep)
             logits, mask, lengths = logits[rep], mask[rep], lengths[rep]
-        rows = DecodeRows(logits.shape[0], max_new, pad_token_id, stop, compact_fraction, dev)
+        rows = DecodeRows(logits.shape[0], max_new, pad_token_id, stop, compact_fraction, dev, interrupt)
         key_mask = torch.zeros(logits.shape[0], plen + max_new, dtype=torch.bool, device=dev)
         key_mask[:, :plen] = mask
         position = lengths.clone()  # rotary position of the next token of each row

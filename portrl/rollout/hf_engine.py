@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -84,11 +85,12 @@ class HFEngine(RolloutEngine):
     ``forward_recording`` (between :meth:`start_recording` and :meth:`stop_recording`, a generate call on the
     fast path in one chunk leaves a :class:`portrl.models.forward_tape.ForwardTape`, which the trainer's
     forward on the same weights can replay instead of recomputing the matmuls); ``sleep_wake`` (an engine
-    that owns its model on an accelerator moves it to host memory).
+    that owns its model on an accelerator moves it to host memory); ``interruptible`` (:meth:`set_interrupt`).
     """
 
     name = "hf"
-    capabilities = EngineCapabilities(in_process_weights=True, forward_recording=True, sleep_wake=True)
+    capabilities = EngineCapabilities(in_process_weights=True, forward_recording=True, sleep_wake=True,
+                                      interruptible=True)
 
     @classmethod
     def translate_settings(cls, settings: RolloutSettings) -> dict[str, Any]:
@@ -133,6 +135,7 @@ class HFEngine(RolloutEngine):
         self._recording = False
         self._record_max_bytes: int | None = None
         self._last_tape = None
+        self._interrupt: threading.Event | None = None  # set_interrupt: ends generate's loops early when set
 
     # --- contract -----------------------------------------------------------------------------
     @property
@@ -226,6 +229,11 @@ class HFEngine(RolloutEngine):
         if self.backend is not None:
             self.backend.empty_cache()
 
+    def set_interrupt(self, event: threading.Event | None) -> None:
+        """Once ``event`` is set, a running ``generate`` ends after the token being sampled: rows still generating
+        return their tokens so far with finish reason ``abort`` (checked once per decode step; None: never)."""
+        self._interrupt = event
+
     def sleep(self) -> None:
         """An engine that owns its model moves it to host memory; a colocated one has nothing of its own to free."""
         if self.colocated or self._offloaded_from is not None or self.device.type == "cpu":
@@ -253,7 +261,7 @@ class HFEngine(RolloutEngine):
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         if self._fast is not None and images is None:
             out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
-                               record=record, on_allocated=self._give_back_kept)
+                               record=record, on_allocated=self._give_back_kept, interrupt=self._interrupt)
             self._last_tape, self._fast.tape = self._fast.tape, None
             return out
         self._give_back_kept()  # this loop's cache grows step by step: nothing long-lived to allocate first
@@ -280,7 +288,7 @@ class HFEngine(RolloutEngine):
             logits = logits.repeat_interleave(n, dim=0)
             mask, lengths = mask.repeat_interleave(n, dim=0), lengths.repeat_interleave(n)
             delta = None if delta is None else delta.repeat_interleave(n, dim=0)
-        rows = DecodeRows(logits.shape[0], max_new, self.pad_token_id, stop, self.compact_fraction, dev)
+        rows = DecodeRows(logits.shape[0], max_new, self.pad_token_id, stop, self.compact_fraction, dev, self._interrupt)
         full_mask = torch.ones(logits.shape[0], plen + max_new, dtype=torch.long, device=dev)
         full_mask[:, :plen] = mask
         position = lengths.clone()  # position id of the next token of each row

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 FINISH_STOP = "stop"  # ended on EOS or one of ``stop_token_ids`` (that token is the last response token)
 FINISH_LENGTH = "length"  # reached ``max_new_tokens``
+FINISH_ABORT = "abort"  # stopped by an interrupt (RolloutEngine.set_interrupt) before either: the prefix so far
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The advantage phase of a step: KL in the reward, then the algorithm's advantages; and the per-row value
-DAPO dynamic sampling filters on.
+"""The phases of a step between generation and update: the old policy's log-probs, KL in the reward, then the
+algorithm's advantages; and the per-row value DAPO dynamic sampling filters on.
 
 The advantages are the resolved algorithm record's (``portrl.algo.spec.algorithm_spec``): the estimator
 ``algorithm.adv_estimator`` for the policy-gradient objective, the objective's own for sppo and dpo
@@ -13,7 +13,28 @@ from typing import Any, Dict
 import torch
 
 from portrl.algo import algorithm_spec, apply_kl_penalty
+from portrl.workers.actor import old_log_probs_needed
 from portrl.workers.batch import Batch
+
+
+def old_policy_phase(cfg: Any, actor: Any, batch: Batch, timer: Any) -> Dict[str, float]:
+    """``old_log_probs`` of ``batch``: the rollout engine's in verl's bypass mode
+    (``algorithm.rollout_correction.bypass_mode``), else the actor's forward where the loss needs it
+    (portrl.workers.actor.old_log_probs_needed); ``actor/entropy_old`` when that forward ran."""
+    if cfg.algorithm.rollout_correction.bypass_mode:  # verl's bypass mode: the rollout policy is the old one
+        if "rollout_log_probs" not in batch:
+            raise ValueError("algorithm.rollout_correction.bypass_mode needs the rollout engine's log-probs, "
+                             "and this engine returned none")
+        batch["old_log_probs"] = batch.tensors["rollout_log_probs"]
+        return {}
+    if not old_log_probs_needed(cfg, len(batch)):
+        return {}
+    with timer("old_log_prob"):
+        old = actor.concat("compute_log_probs", batch)
+        ent = old.pop("entropys")
+        batch.union(old)
+        mask = batch.tensors["response_mask"]
+        return {"actor/entropy_old": float((ent * mask).sum() / mask.sum().clamp(min=1))}
 
 
 def apply_reward_kl(cfg: Any, batch: Batch, kl_ctrl: Any) -> Dict[str, float]:

@@ -7,7 +7,7 @@ uninterrupted run samples.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,29 +42,31 @@ def prompt_batch(pb: Any) -> Batch:
 
 class StepGeneration:
     """Generates and scores a step's batch on ``gen`` (the actor group, or separated rollout workers:
-    ``records_forward`` False) with prompts from ``next_prompts`` and rewards from ``reward``."""
+    ``records_forward`` False) with requests of ``pipeline`` (portrl/trainer/rollout_pipeline.py: generated at the
+    step, or ahead of it in the asynchronous modes) and rewards from ``reward``."""
 
-    def __init__(self, cfg: Any, gen: Any, reward: Any, tokenizer: Any, next_prompts: Callable[[], Batch],
-                 records_forward: bool):
+    def __init__(self, cfg: Any, gen: Any, reward: Any, tokenizer: Any, pipeline: Any, records_forward: bool):
         self.cfg, self.gen, self.reward, self.tokenizer = cfg, gen, reward, tokenizer
-        self.next_prompts, self.records_forward = next_prompts, records_forward
+        self.pipeline, self.records_forward = pipeline, records_forward
 
-    def rollout(self, step: int, timer: Timer, for_update: bool = True) -> Tuple[Optional[Batch], Dict[str, float]]:
+    def rollout(self, step: int, timer: Timer, for_update: bool = True,
+                version: int = 0) -> Tuple[Optional[Batch], Dict[str, float]]:
         """Generate and score; with dynamic sampling keep generating until train_batch_size informative groups.
-        ``for_update``: the actor will train on this batch (it may record the rollout's forward for that).
-        (None, metrics) when dynamic sampling kept no group."""
+        ``for_update``: the actor will train on this batch (it may record the rollout's forward for that);
+        ``version``: the policy version last sent to the rollout. (None, metrics) when dynamic sampling kept no
+        group. Metrics ``data/gen_batch_first`` / ``_last``: the run-wide indices of the prompt batches used."""
         cfg = self.cfg
         fg = cfg.algorithm.filter_groups
         want = int(cfg.data.train_batch_size)
         kept: List[Batch] = []
         n_prompts, gen_batches = 0, 0
         metrics: Dict[str, float] = {}
+        extra = {"for_update": for_update} if self.records_forward else {}
         while True:
-            prompts = self.next_prompts()
             with timer("gen"):
-                sampling = sampling_params(cfg, generation_seed(cfg, step, gen_batches))
-                extra = {"for_update": for_update} if self.records_forward else {}
-                batch = self.gen.concat("generate_from", prompts, sampling, **extra)
+                prompts, batch, index = self.pipeline.take(step, version, extra)
+            metrics.setdefault("data/gen_batch_first", float(index))
+            metrics["data/gen_batch_last"] = float(index)
             gen_batches += 1
             with timer("reward"):
                 batch.union(self.reward.compute_reward(batch))

@@ -40,10 +40,10 @@ import torch
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
 from portrl.data import PromptBatch, RLDataset
-from portrl.errors import RunStopped
+from portrl.errors import RunStopped, UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
-from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
+from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, old_policy_phase
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch
@@ -53,6 +53,7 @@ from portrl.trainer.plot import plot_run
 from portrl.trainer.prime_phase import build_prime_phase
 from portrl.trainer.reference_update import refresh_reference
 from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config
+from portrl.trainer.rollout_pipeline import RolloutPipeline
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
 from portrl.trainer.run_dir import prepare_run_dir
@@ -61,7 +62,7 @@ from portrl.trainer.run_identity import run_identity
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
 from portrl.trainer.validation import validate, validation_prompts
 from portrl.trainer.value_pretrain import pretrain_critic
-from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
+from portrl.workers.actor import ActorRolloutWorker
 from portrl.workers.batch import Batch
 from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
@@ -110,7 +111,12 @@ class RLTrainer:
             self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.reward = RewardScorer(cfg, self.tokenizer)
-        self.generation = StepGeneration(cfg, self.gen, self.reward, self.tokenizer, self._next_prompts,
+        # generation requests, asked for at the step or ahead of it (trainer.mode; portrl/trainer/rollout_pipeline.py)
+        self.pipeline = RolloutPipeline(cfg, self.gen, self._next_prompts, self.train_ds.state_dict)
+        if self.pipeline.plan.overlaps and self.weight_link is None:
+            raise UserError(f"trainer.mode={cfg.trainer.mode} overlaps rollout and training on disjoint resources: "
+                            f"set rollout.placement=separated")
+        self.generation = StepGeneration(cfg, self.gen, self.reward, self.tokenizer, self.pipeline,
                                          records_forward=self.gen is self.actor)
         self.use_ref = reference_enabled(cfg)
         self.kl_ctrl = None
@@ -118,6 +124,7 @@ class RLTrainer:
             k = cfg.algorithm.kl_ctrl
             self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
         self.global_step = 0
+        self.sent_version = 0  # the policy version last sent to the rollout (the step of its update)
         self._train_iter: Optional[Iterator[PromptBatch]] = None
         self.reference_copy = ReferenceCopy()  # the run's reference policy, written once (run_checkpoints)
         self.history: List[Dict[str, float]] = []
@@ -130,7 +137,11 @@ class RLTrainer:
 
     def _rollout(self, step: int, timer: Timer, for_update: bool = True) -> tuple:
         """A step's generated and scored batch (portrl.trainer.generation.StepGeneration.rollout)."""
-        return self.generation.rollout(step, timer, for_update)
+        return self.generation.rollout(step, timer, for_update, self.sent_version)
+
+    def data_position(self) -> Dict[str, Any]:
+        """The dataset position a checkpoint keeps (before the requests in flight: rollout_pipeline)."""
+        return self.pipeline.data_state()
 
     def train_step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
@@ -143,21 +154,11 @@ class RLTrainer:
             refresh_reference(self, step, timer)  # SPIN: trainer.ref_update_freq
             batch, gm = self._rollout(step, timer)
             m.update(gm)
+            m.update(self.pipeline.step_metrics(batch, self.sent_version))  # staleness, dropped samples
             if batch is None:
                 m["train/skipped"] = 1.0
                 return {**m, **timer.metrics()}
-            if cfg.algorithm.rollout_correction.bypass_mode:  # verl's bypass mode: the rollout policy is the old one
-                if "rollout_log_probs" not in batch:
-                    raise ValueError("algorithm.rollout_correction.bypass_mode needs the rollout engine's log-probs, "
-                                     "and this engine returned none")
-                batch["old_log_probs"] = batch.tensors["rollout_log_probs"]
-            elif old_log_probs_needed(cfg, len(batch)):
-                with timer("old_log_prob"):
-                    old = self.actor.concat("compute_log_probs", batch)
-                    ent = old.pop("entropys")
-                    batch.union(old)
-                    m["actor/entropy_old"] = float((ent * batch.tensors["response_mask"]).sum()
-                                                   / batch.tensors["response_mask"].sum().clamp(min=1))
+            m.update(old_policy_phase(cfg, self.actor, batch, timer))  # old log-probs (or the rollout's)
             if self.use_ref:
                 with timer("ref"):
                     batch.union(self.actor.concat("compute_ref_log_probs", batch))
@@ -180,7 +181,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     m.update(self.actor.metrics("update_actor", batch))
                 with timer("sync"):
-                    self.sync_weights()
+                    self.sync_weights(step)
         elapsed = time.perf_counter() - t0
         m.update(data_metrics(batch, int(cfg.data.max_response_length)))
         m.update(timer.metrics())
@@ -191,16 +192,19 @@ class RLTrainer:
         return m
 
     def validate(self, step: int) -> Dict[str, float]:
-        """Accuracy and score per data source on the validation prompts (portrl.trainer.validation)."""
-        return validate(self.cfg, self.gen, self.reward, self.val_prompts, step)
+        """Accuracy and score per data source on the validation prompts (portrl.trainer.validation); in the
+        asynchronous modes with the policy last sent."""
+        extra = {"min_version": self.sent_version} if self.pipeline.plan.overlaps else None
+        return validate(self.cfg, self.gen, self.reward, self.val_prompts, step, extra)
 
-    def sync_weights(self) -> None:
-        """The policy to the engines: colocated ones (``sync_weights`` on the actors) or the separated
-        rollout workers (bucketed broadcast over ``weight_link``)."""
+    def sync_weights(self, version: int) -> None:
+        """The policy (version ``version``: the step of its update) to the engines: colocated ones
+        (``sync_weights`` on the actors) or the separated rollout workers (bucketed broadcast over ``weight_link``)."""
         if self.weight_link is not None:
-            self.weight_link.sync()
+            self.weight_link.sync(version)
         else:
             self.actor.run("sync_weights")
+        self.sent_version = version
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Optional[Path]:
@@ -222,6 +226,7 @@ class RLTrainer:
     def restart_data(self) -> None:
         """Take the next prompts from the dataset's current position (after it was restored)."""
         self._train_iter = None
+        self.pipeline.discard()
 
     # -------------------------------------------------------------------------------------- fit
     def fit(self) -> Dict[str, Any]:
@@ -251,7 +256,9 @@ class RLTrainer:
         if self.use_ref and resume is None:
             self.actor.run("init_reference")
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
-            self.weight_link.sync()
+            if self.pipeline.plan.overlaps:
+                self.weight_link.start_listeners()  # they receive each version while they generate
+            self.sync_weights(self.global_step)
         if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
             summary.update(pretrain_critic(cfg, self.critic, self._rollout))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),

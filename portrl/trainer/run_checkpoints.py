@@ -77,8 +77,8 @@ class CheckpointedRun(Protocol):
     one): the config, the step, the trained worker groups (None where the run has no such role; ``prm``: PRIME's
     phase, with its worker ``group`` and ``loaded_from_checkpoint()``), whether it has a reference and its :class:`ReferenceCopy`,
     the checkpoint manager (absent before ``fit``: a policy-only load reads it with getattr), the training data
-    (``state_dict`` / ``load_state_dict``) and ``restart_data()`` after it is restored, the adaptive KL controller
-    or None."""
+    (``load_state_dict``; ``data_position()`` is what a checkpoint keeps: before the requests still in flight in the
+    asynchronous modes) and ``restart_data()`` after it is restored, the adaptive KL controller or None."""
 
     cfg: Any
     global_step: int
@@ -92,6 +92,8 @@ class CheckpointedRun(Protocol):
     kl_ctrl: Optional[Any]
 
     def restart_data(self) -> None: ...
+
+    def data_position(self) -> Dict[str, Any]: ...
 
 
 def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
@@ -109,7 +111,7 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
         meta[OWN_REFERENCE] = True
     elif ref is not None:
         meta["reference"] = trainer.reference_copy.pinned(trainer.ckpt, ref)
-    state = {"step": trainer.global_step, "data": trainer.train_ds.state_dict(), "rng": rng_state(),
+    state = {"step": trainer.global_step, "data": trainer.data_position(), "rng": rng_state(),
              "kl_coef": None if trainer.kl_ctrl is None else float(trainer.kl_ctrl.value)}
 
     def write(path: Path) -> None:

@@ -27,9 +27,11 @@ def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: An
     return prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
 
 
-def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: int) -> Dict[str, float]:
+def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: int,
+             extra: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
     """``val/*`` metrics of ``prompts`` generated on ``gen`` and scored by ``reward`` in chunks of
-    ``data.val_batch_size``; {} without prompts."""
+    ``data.val_batch_size``; {} without prompts. ``extra``: keyword arguments of the generate calls (the
+    asynchronous modes' ``min_version``: validation sees the current policy)."""
     if prompts is None:
         return {}
     t0 = time.perf_counter()
@@ -37,7 +39,8 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
     sources: List[str] = []
     acc, score, lens = [], [], []
     for i, chunk in enumerate(prompts.split(int(size))):
-        b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i), greedy=True))
+        b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i), greedy=True),
+                       **(extra or {}))
         r = reward.compute_reward(b)
         sources += [str(s) for s in b.meta["data_source"]]
         acc.append(r.tensors["acc"].float())

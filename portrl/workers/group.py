@@ -164,6 +164,12 @@ class InProcessLauncher:
         args, kwargs = per_rank[0]
         return [getattr(self.worker, method)(*args, **kwargs)]
 
+    def submit(self, method: str, per_rank: Sequence[tuple], reply: Sequence[bool]) -> List[Any]:
+        return self.execute(method, per_rank, reply)  # in this process a call cannot run beside the caller
+
+    def collect(self, results: Sequence[Any], method: str = "") -> List[Any]:
+        return list(results)
+
     def full_weights(self) -> Dict[str, Any]:
         return {n: t.detach().cpu() for n, t in self.worker.named_weights()}
 
@@ -233,6 +239,13 @@ class WorkerGroup:
         """The call on every rank, for its effect; no result comes back."""
         self._execute(method, args, kwargs, self._none)
 
+    def submit(self, method: str, *args, **kwargs) -> "PendingCall":
+        """Start ``method`` on every rank (as :meth:`concat` does) and return at once; the
+        :class:`PendingCall`'s ``batch()`` waits for the Batch. Ray workers run it while this process goes on; an
+        in-process worker has already run it when this returns."""
+        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
+        return PendingCall(self, method, self.launcher.submit(method, per_rank, self._all))
+
     def full_weights(self) -> Dict[str, Any]:
         """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""
         return self.launcher.full_weights()
@@ -258,3 +271,20 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Stop the workers: kill Ray actors and release an own resource pool (idempotent)."""
         self.launcher.shutdown()
+
+
+class PendingCall:
+    """A call :meth:`WorkerGroup.submit` started on every rank; :meth:`batch` waits for its Batch (once)."""
+
+    def __init__(self, group: WorkerGroup, method: str, handles: List[Any]):
+        self.group, self.method, self._handles = group, method, handles
+        self._result: Optional[Batch] = None
+
+    def batch(self) -> Batch:
+        """Every rank's Batch, concatenated in rank order (as :meth:`WorkerGroup.concat`)."""
+        if self._result is None:
+            results = self.group.launcher.collect(self._handles, self.method)
+            if not all(isinstance(r, Batch) for r in results):
+                raise TypeError(f"{self.group.role}.{self.method} returned {type(results[0]).__name__}, not a Batch")
+            self._result = results[0] if len(results) == 1 else concat_batches(results)
+        return self._result

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
@@ -77,10 +78,11 @@ class WorkerHost:
         self._sync = (WeightSender(self.backend, addr, port, group_size, bucket_mb) if group_rank == 0
                       else WeightReceiver(self.backend, addr, port, group_rank, group_size))
 
-    def push_weights(self) -> Optional[Dict[str, int]]:
-        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends."""
+    def push_weights(self, version: int = 0) -> Optional[Dict[str, int]]:
+        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends them as
+        policy ``version``."""
         named = [(n, _full(t)) for n, t in self.worker.named_weights()]
-        return asdict(self._sync.send(named)) if isinstance(self._sync, WeightSender) else None
+        return asdict(self._sync.send(named, version)) if isinstance(self._sync, WeightSender) else None
 
     def pull_weights(self) -> Dict[str, int]:
         """``worker.update_weights(...)`` with the received tensors (drained fully, so the broadcast completes)."""
@@ -91,7 +93,26 @@ class WorkerHost:
         for _ in stream:
             pass
         assert self._sync.last_stats is not None  # set once the stream is drained
+        self.worker.set_weights_version(self._sync.last_version)
         return asdict(self._sync.last_stats)
+
+    def start_weight_listener(self) -> None:
+        """A daemon thread that receives every later sync and stages it with ``worker.stage_weights(named,
+        version)`` while the worker generates (the asynchronous modes, portrl.workers.partial_rollout); a failure
+        is kept for the worker's next wait (``worker.weights.fail``)."""
+        receiver = self._sync
+        if not isinstance(receiver, WeightReceiver):
+            raise RuntimeError("start_weight_listener: this rank has not joined a weight sync as a receiver")
+
+        def listen() -> None:
+            try:
+                while True:
+                    named = list(receiver.receive())
+                    self.worker.stage_weights(named, receiver.last_version)
+            except BaseException as exc:  # noqa: BLE001  (kept for the worker's next wait, which raises it)
+                self.worker.weights.fail(exc)
+
+        threading.Thread(target=listen, name="portrl-weight-listener", daemon=True).start()
 
 
 class RayLauncher:
@@ -145,8 +166,15 @@ class RayLauncher:
     def execute(self, method: str, per_rank: Sequence[tuple], reply: Sequence[bool]) -> List[Any]:
         """``method`` on every rank r with ``per_rank[r] = (args, kwargs)``; results in rank order (``None`` where
         ``reply[r]`` is false)."""
-        refs = [a.execute.remote(method, args, kwargs, want)
+        return self.collect(self.submit(method, per_rank, reply), method)
+
+    def submit(self, method: str, per_rank: Sequence[tuple], reply: Sequence[bool]) -> List[Any]:
+        """Start :meth:`execute`'s call without waiting: the object refs, in rank order, for :meth:`collect`."""
+        return [a.execute.remote(method, args, kwargs, want)
                 for a, (args, kwargs), want in zip(self.actors, per_rank, reply)]
+
+    def collect(self, refs: Sequence[Any], method: str = "") -> List[Any]:
+        """The results of :meth:`submit`'s refs (a dead or silent worker raises, as in :meth:`execute`)."""
         return self._wait(refs, method)
 
     def full_weights(self) -> Dict[str, Any]:

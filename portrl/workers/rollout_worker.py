@@ -24,19 +24,24 @@ from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
 from portrl.workers.group import WorkerGroup
+from portrl.workers.partial_rollout import StagedWeights, generate_versioned, versions_tensor
 from portrl.workers.setup import count_parameters, resolve_dtype, start_worker
 from portrl.workers.weight_sync import WeightSyncLink
 
 
 @torch.no_grad()
 def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
-                   meta: Optional[Mapping[str, Sequence[Any]]] = None, sleep_after: bool = False) -> Batch:
+                   meta: Optional[Mapping[str, Sequence[Any]]] = None, sleep_after: bool = False,
+                   staged: Optional[StagedWeights] = None, partial: bool = False, min_version: int = 0) -> Batch:
     """Sample ``sampling["n"]`` responses per prompt with ``engine`` (the tokenizer's EOS added to the stop ids)
     -> a rollout Batch (rows prompt-major; ``meta`` lists, one entry per prompt, repeated for each sample;
     ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths).
     ``sleep_after``: put the engine to sleep after generating, where it declares the ``sleep_wake`` capability.
     ``meta["multi_modal"]`` (image prompts, portrl/data/rl_dataset.py) goes to the engine as ``multi_modal=``
-    when some prompt has images; the rollout rows then carry their prompt's entry like every meta list."""
+    when some prompt has images; the rollout rows then carry their prompt's entry like every meta list.
+    ``staged`` (a separated rollout worker's :class:`~portrl.workers.partial_rollout.StagedWeights`): wait for
+    ``min_version``, load the newest staged weights first, with ``partial`` continue rows that new weights stopped,
+    and tag every token with its policy version (``rollout_versions``; portrl/workers/partial_rollout.py)."""
     params = SamplingParams(**dict(sampling))
     stop = tuple(params.stop_token_ids)
     eos = tokenizer.eos_token_id
@@ -50,15 +55,23 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
         if "multi_modal" not in inspect.signature(engine.generate).parameters:
             raise UserError(f"the {engine.name or type(engine).__name__} rollout engine cannot generate from images; "
                             "use rollout.engine=hf (or an engine that takes multi_modal prompts)")
-        out = engine.generate([list(p) for p in prompt_ids], params, multi_modal=list(images))
     else:
-        out = engine.generate([list(p) for p in prompt_ids], params)
+        images = None
+    versions = None
+    if staged is not None:
+        ids, lps, reasons, versions = generate_versioned(engine, staged, prompt_ids, params, images, partial, min_version)
+    else:
+        out = (engine.generate([list(p) for p in prompt_ids], params, multi_modal=list(images)) if images is not None
+               else engine.generate([list(p) for p in prompt_ids], params))
+        ids, lps, reasons = out.response_ids, out.logprobs, out.finish_reasons
     if sleep_after and sleeps:
         engine.sleep()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = build_rollout_batch(prompt_ids, out.response_ids, out.logprobs, pad_token_id=pad, n=params.n, meta=meta)
-    batch.meta["finish_reason"] = list(out.finish_reasons)
+    batch = build_rollout_batch(prompt_ids, ids, lps, pad_token_id=pad, n=params.n, meta=meta)
+    batch.meta["finish_reason"] = list(reasons)
     batch.info["pad_token_id"] = pad
+    if versions is not None:
+        batch["rollout_versions"] = versions_tensor(versions, batch.tensors["responses"].shape[1])
     return batch
 
 
@@ -79,7 +92,7 @@ class RolloutWorker:
     """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
     ``model_path`` overrides ``cfg.model.path``."""
 
-    config_sections = ("trainer", "device", "model", "data", "rollout")  # what it reads (portrl.workers.group)
+    config_sections = ("trainer", "device", "model", "data", "rollout", "async_training")  # what it reads (portrl.workers.group)
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -93,22 +106,34 @@ class RolloutWorker:
         self.engine = make_engine(str(cfg.rollout.engine), model_path=self.model_path, tokenizer=self.tokenizer,
                                   backend=self.backend, settings=settings,
                                   num_params=lambda: count_parameters(self.model_path))
+        self.weights = StagedWeights()  # the engine's policy version and the newest one received (partial_rollout)
+        self.partial = str(cfg.trainer.mode) == "async" and bool(cfg.async_training.partial_rollout)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
-                 meta: Optional[Mapping[str, Sequence[Any]]] = None) -> Batch:
-        """See :func:`generate_batch`."""
+                 meta: Optional[Mapping[str, Sequence[Any]]] = None, min_version: int = 0) -> Batch:
+        """See :func:`generate_batch`: tokens tagged with their policy version, after ``min_version`` arrived."""
         return generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
-                              sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
+                              sleep_after=bool(self.cfg.rollout.enable_sleep_mode), staged=self.weights,
+                              partial=self.partial, min_version=min_version)
 
-    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch:
+    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any], min_version: int = 0) -> Batch:
         """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta), the form a group
         splits across ranks."""
         meta = {k: v for k, v in prompts.meta.items() if k != "prompt_ids"}
-        return self.generate(prompts.meta["prompt_ids"], sampling, meta)
+        return self.generate(prompts.meta["prompt_ids"], sampling, meta, min_version)
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Load the policy's (name, full tensor) pairs into the engine (names as in the base checkpoint)."""
         self.engine.update_weights(named_tensors)
+
+    def set_weights_version(self, version: int) -> None:
+        """The policy version of the weights just loaded by :meth:`update_weights` (a synchronous pull)."""
+        self.weights.version = int(version)
+
+    def stage_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Keep a received policy version for the next generation (called by the listener thread,
+        portrl.workers.ray_launcher.WorkerHost.start_weight_listener)."""
+        self.weights.stage(int(version), list(named_tensors))
 
     def named_weights(self) -> Iterable[Tuple[str, torch.Tensor]]:
         """The engine model's (name, tensor) pairs, for checks (an engine without a torch model has none)."""

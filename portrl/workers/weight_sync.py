@@ -106,10 +106,11 @@ class WeightSender:
         self.backend, self.bucket_bytes = backend, int(bucket_mb * 1024 * 1024)
         self.group = new_group(backend, master_addr, master_port, 0, world_size, timeout_s=timeout_s)
 
-    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> SyncStats:
+    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int = 0) -> SyncStats:
+        """Broadcast ``named_tensors`` as policy ``version`` (it travels with the metadata)."""
         items = [(n, t.detach()) for n, t in named_tensors]
         meta: List[Meta] = [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in items]
-        dist.broadcast_object_list([meta, self.bucket_bytes], group=self.group, group_src=0)
+        dist.broadcast_object_list([meta, self.bucket_bytes, int(version)], group=self.group, group_src=0)
         device, total = _comm_device(self.backend), 0
         buckets = plan_buckets(meta, self.bucket_bytes)
         for idx in buckets:
@@ -130,11 +131,12 @@ class WeightReceiver:
         self.backend = backend
         self.group = new_group(backend, master_addr, master_port, rank, world_size, timeout_s=timeout_s)
         self.last_stats: SyncStats | None = None
+        self.last_version = 0  # the policy version of the weights being (or last) received
 
     def receive(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        box: list = [None, None]
+        box: list = [None, None, None]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
-        meta, bucket_bytes = box
+        meta, bucket_bytes, self.last_version = box
         device, total = _comm_device(self.backend), 0
         buckets = plan_buckets(meta, bucket_bytes)
         for idx in buckets:
@@ -169,8 +171,19 @@ class WeightSyncLink:
         items += [(rollout, r, a.join_weight_sync.remote(addr, port, r + 1, size, bucket_mb))
                   for r, a in enumerate(receivers)]
         wait_results(items)
+        self.listening = False
 
-    def sync(self) -> dict:
-        items = [(self.trainer, r, a.push_weights.remote()) for r, a in enumerate(self.trainer.launcher.actors)]
-        items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.launcher.actors)]
+    def sync(self, version: int = 0) -> dict:
+        """Send the policy as ``version`` and wait until every rollout worker loaded it; once
+        :meth:`start_listeners` ran, send it only: the listeners stage it (the asynchronous modes)."""
+        items = [(self.trainer, r, a.push_weights.remote(version)) for r, a in enumerate(self.trainer.launcher.actors)]
+        if not self.listening:
+            items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.launcher.actors)]
         return wait_results(items)[0]
+
+    def start_listeners(self) -> None:
+        """From now on each rollout worker receives every sync in a thread of its own while it generates
+        (portrl.workers.partial_rollout.StagedWeights)."""
+        wait_results([(self.rollout, r, a.start_weight_listener.remote())
+                      for r, a in enumerate(self.rollout.launcher.actors)])
+        self.listening = True
