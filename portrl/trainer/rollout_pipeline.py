@@ -115,12 +115,15 @@ class RolloutPipeline:
         extra = dict(extra or {})
         req = self.queue.popleft() if self.queue else self._ask(step, version, extra)
         batch = req.call.batch()
-        while self.plan.drop and _oldest(batch, req.version) < version - self.plan.max_staleness:
+        if self.plan.drop and _oldest(batch, req.version) < version - self.plan.max_staleness:
             self.dropped += len(batch)
             log.debug("request %s: oldest token version %d lags version %d by more than %d: generated again",
                       req.key, _oldest(batch, req.version), version, self.plan.max_staleness)
             req = self._ask(step, version, extra, again=req)
             batch = req.call.batch()
+            if _oldest(batch, version) < version:
+                raise RuntimeError(f"a request asked for with min_version={version} came back with tokens of "
+                                   f"version {_oldest(batch, version)}: the rollout worker ignored min_version")
         self._seeds = {s: n for s, n in self._seeds.items() if s >= step}
         for i in range(len(self.queue) + 1, self.plan.depth + 1):
             self.queue.append(self._ask(step + i, version, extra))
