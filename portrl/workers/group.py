@@ -240,7 +240,9 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------ facts
     @property
     def info(self) -> List[Dict[str, Any]]:
-        """Per rank: ``node_ip``, ``node_id``, ``pid`` (and, on Ray, the accelerator ids it was given)."""
+        """Per rank: ``node_ip``, ``node_id``, ``pid`` (and, on Ray, the accelerator ids it was given, the
+        ``cores`` it runs on and its torch ``threads``: a separated run's pinned set, see
+        :func:`portrl.workers.placement.group_pinning`)."""
         return self.launcher.info
 
     @property
