@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from portrl.device.backend import Backend
-from portrl.device.split import ROLLOUT, TRAINER, ComputeSplit, describe_cores
+from portrl.device.split import ROLLOUT, TRAINER, ComputeSplit
 from portrl.errors import UserError
 
 #: ``(cfg, backend, actor WorkerGroup) -> (rollout WorkerGroup, weight link)``: the rollout side of a placement
@@ -119,17 +119,18 @@ SEPARATED = register_placement(Placement(
 
 # ------------------------------------------------------------------------------------------ compute split
 def compute_split(cfg: Any, backend: Backend, trainer_workers: Optional[int] = None) -> Optional[ComputeSplit]:
-    """``backend.split_compute`` for ``cfg``'s workers (``trainer_workers``, default ``trainer.num_workers``
-    resolved; ``rollout.num_rollout_workers``; ``rollout.cpu_cores``) when its placement splits compute and every
-    worker runs on this node (a local Ray: no ``trainer.ray_address``, ``trainer.nnodes=1``); None otherwise
-    (colocated; a cluster, where Ray chooses each worker's node). A ``rollout.cpu_cores`` that cannot be met is a
-    one-line UserError (the preflight reports it before any model loads)."""
+    """``backend.split_compute`` for ``cfg``'s workers (``trainer_workers``, default ``trainer.num_workers``, where
+    null, not yet resolved, counts 1 as on the CPU; ``rollout.num_rollout_workers``; ``rollout.cpu_cores``) when
+    its placement splits compute and every worker runs on this node (a local Ray: no ``trainer.ray_address``,
+    ``trainer.nnodes=1``); None otherwise (colocated; a cluster, where Ray chooses each worker's node). A
+    ``rollout.cpu_cores`` that cannot be met is a one-line UserError (the preflight reports it before any model
+    loads)."""
     placement = _PLACEMENTS.get(str(cfg.rollout.placement))
     t = cfg.trainer
     if placement is None or not placement.splits_compute or t.ray_address or int(t.nnodes) > 1:
         return None
     cores = cfg.rollout.cpu_cores
-    return backend.split_compute(int(trainer_workers if trainer_workers is not None else t.num_workers),
+    return backend.split_compute(int(trainer_workers if trainer_workers is not None else t.num_workers or 1),
                                  int(cfg.rollout.num_rollout_workers), None if cores is None else int(cores))
 
 
@@ -150,6 +151,7 @@ class GroupPinning:
     side: str
     cores: Tuple[Tuple[int, ...], ...]
     ray_cpus: float
+    why: str = ""  # how the split was decided (ComputeSplit.why), for the log
 
 
 def group_pinning(cfg: Any, backend: Backend, worker_cls: Any, num_workers: int) -> Optional[GroupPinning]:
@@ -170,6 +172,4 @@ def group_pinning(cfg: Any, backend: Backend, worker_cls: Any, num_workers: int)
         return None
     share = trainer_groups(cfg) if side == TRAINER else 1
     ray_cpus = int(len(sets[0]) / share * 10_000) / 10_000  # Ray's resolution is 1e-4; round down, never over
-    logging.getLogger(__name__).info("%s workers pinned: %s (%s)", side, "; ".join(
-        f"rank {r}: {describe_cores(c)}" for r, c in enumerate(sets[:num_workers])), split.why)
-    return GroupPinning(side, tuple(sets[:num_workers]), ray_cpus)
+    return GroupPinning(side, tuple(sets[:num_workers]), ray_cpus, split.why)

@@ -18,6 +18,7 @@ import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
+from portrl.device.split import describe_cores
 from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
@@ -75,7 +76,7 @@ class WorkerHost:
         if cores is not None:  # before the worker's threads and torch's thread pool start
             from portrl.workers.setup import pin_process  # transformers and the models: in the worker only
 
-            pin_process(cores, self.role, self.rank)
+            pin_process(cores)
         if self.world_size > 1:
             init_distributed(self.backend, self.rank, self.world_size, master_addr, master_port)
         self.worker = worker_cls(cfg, rank=self.rank, world_size=self.world_size, **dict(worker_kwargs))
@@ -159,8 +160,11 @@ class RayLauncher:
         cores = pinning.cores if pinning else [None] * self.num_workers
         placed = self._wait([a.setup.remote(worker_cls, worker_cfg, master_addr, port, worker_kwargs, c)
                              for a, c in zip(self.actors, cores)])
-        for info, where in zip(self.info, placed):  # the cores and threads each worker reports, beside its pid
+        for rank, (info, where) in enumerate(zip(self.info, placed)):  # the cores and threads each reports
             info.update(where)
+            if pinning:
+                log.info("%s rank %d (pid %s) pinned to cores %s, %d torch thread(s) (%s)", group.role, rank,
+                         info["pid"], describe_cores(where["cores"] or ()), where["threads"], pinning.why)
         log.info("worker group %s: %d workers on nodes %s", group.role, self.num_workers,
                  sorted({i["node_ip"] for i in self.info}))
 

@@ -12,7 +12,6 @@ from transformers.utils import logging as hf_logging
 
 from portrl.device import resolve_backend
 from portrl.device.backend import Backend
-from portrl.device.split import describe_cores
 from portrl.models.loader import model_class
 from portrl.ops import registry
 from portrl.workers.placement import placement_of
@@ -65,12 +64,12 @@ def resolve_num_workers(cfg: Any, backend: Backend) -> int:
 _pinned: Optional[tuple[int, ...]] = None
 
 
-def pin_process(cores: Sequence[int], role: str, rank: int) -> tuple[int, ...]:
+def pin_process(cores: Sequence[int]) -> tuple[int, ...]:
     """Pin this process (every thread it has now, and so the threads they start) to ``cores`` and set torch's
-    intra-op threads to their number; logged once at INFO with ``role`` and ``rank``. A Ray worker of a separated
-    run calls it before its worker is built (portrl.workers.ray_launcher); from then on :func:`setup_process`
-    keeps that thread count (``device.num_threads`` applies to processes that are not pinned). Returns the cores
-    the process runs on now (``os.sched_getaffinity(0)``)."""
+    intra-op threads to their number. A Ray worker of a separated run calls it before its worker is built
+    (portrl.workers.ray_launcher, whose driver logs what each worker reports); from then on
+    :func:`setup_process` keeps that thread count (``device.num_threads`` applies to processes that are not
+    pinned). Returns the cores the process runs on now (``os.sched_getaffinity(0)``, sorted)."""
     global _pinned
     want = {int(c) for c in cores}
     for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:  # 0: this thread
@@ -80,8 +79,6 @@ def pin_process(cores: Sequence[int], role: str, rank: int) -> tuple[int, ...]:
             pass
     _pinned = tuple(sorted(os.sched_getaffinity(0)))
     torch.set_num_threads(len(_pinned))
-    logging.getLogger(__name__).info("%s rank %d pinned to cores %s (%d torch threads)", role, rank,
-                                     describe_cores(_pinned), torch.get_num_threads())
     return _pinned
 
 
