@@ -175,9 +175,10 @@ class WorkerGroup:
     """N data-parallel workers of one role (see the module docstring).
 
     ``pool``: a :class:`~portrl.workers.ray_env.ResourcePool` for the Ray launcher (default: a new one of
-    ``num_workers`` bundles of 1 CPU + 1 device). ``share``: how many groups share each bundle of ``pool``
-    (colocation: each asks for 1/share of it). ``share_devices``: set the backend's Ray no-set opt-outs (see
-    ``ray_env``). ``worker_kwargs``: extra keyword arguments of the worker's constructor.
+    ``num_workers`` bundles of 1 CPU + 1 device; a pinned worker's bundle holds its cores instead of 1 CPU).
+    ``share``: how many groups share each bundle of ``pool`` (colocation: each asks for 1/share of it).
+    ``share_devices``: set the backend's Ray no-set opt-outs (see ``ray_env``). ``worker_kwargs``: extra keyword
+    arguments of the worker's constructor.
     """
 
     def __init__(self, worker_cls, cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,

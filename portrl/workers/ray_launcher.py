@@ -117,7 +117,8 @@ class WorkerHost:
 class RayLauncher:
     """``group.num_workers`` :class:`WorkerHost` actors of ``group`` (a WorkerGroup: its role names them, its
     ``timeout_s`` bounds every wait, and a dead worker shuts it down). ``pool``: a ResourcePool (default: a new one
-    of ``num_workers`` bundles of 1 CPU + 1 device, removed on shutdown); ``share``: how many groups share each
+    of ``num_workers`` bundles of 1 CPU + 1 device, removed on shutdown; pinned workers' bundles hold their cores
+    instead of 1 CPU: :func:`~portrl.workers.placement.group_pinning`); ``share``: how many groups share each
     bundle (colocation: each asks for 1/share of it); ``share_devices``: set the backend's Ray no-set opt-outs
     (``portrl.workers.ray_env``). :meth:`start` starts them."""
 
