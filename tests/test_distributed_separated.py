@@ -1,8 +1,10 @@
 """rollout.placement=separated across Ray actors: the trainer's actor worker trains without an engine, a
 RolloutWorker in its own resource pool generates, and after an update the bucketed broadcast over gloo
-leaves the rollout worker with the trainer's exact weights and log-probs. One module-scoped local Ray."""
+leaves the rollout worker with the trainer's exact weights and log-probs; the two sides run on disjoint cores
+(portrl/workers/placement.py, the split rule: tests/test_compute_split.py). One module-scoped local Ray."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -14,6 +16,7 @@ ray = pytest.importorskip("ray")
 
 from portrl.config.schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
+from portrl.device.split import describe_cores  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402
 
@@ -87,3 +90,41 @@ def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, 
     finally:
         trainer.rollout.shutdown()
         trainer.actor.shutdown()
+
+
+def test_separated_workers_run_on_disjoint_cores(tiny_model, tmp_path, monkeypatch, caplog):
+    """The trainer's and the rollout's Ray workers are pinned to disjoint cores, each with one torch thread per
+    core (``device.num_threads=2`` is the driver's; a pinned worker's core count wins), as read back from the
+    workers; the group's info and Ray's bundles say the same. On a 2-core machine: trainer 1 core, rollout 1."""
+    from portrl.trainer.resources import settle_config
+    from portrl.trainer.rl_trainer import RLTrainer
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to split")
+    each = len(cores) // 2  # one trainer and one rollout worker: in proportion
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    cfg = _cfg(tiny_model, tmp_path / "run")
+    OmegaConf.update(cfg, "device.num_threads", 2)
+    init_ray(cfg, get_backend("cpu"), num_cpus=3)
+    threads = torch.get_num_threads()
+    caplog.set_level(logging.INFO, logger="portrl.workers.ray_launcher")
+    trainer = RLTrainer(settle_config(cfg))
+    try:
+        actor, rollout = trainer.actor, trainer.rollout
+        (t,), (r,) = (ray.get([a.compute_info.remote() for a in g.launcher.actors]) for g in (actor, rollout))
+        assert t == {"cores": cores[:each], "threads": each} and r == {"cores": cores[each:2 * each], "threads": each}
+        assert set(t["cores"]).isdisjoint(r["cores"])
+        assert actor.info[0]["cores"] == t["cores"] and rollout.info[0]["cores"] == r["cores"]
+        assert actor.launcher.pool.bundle()["CPU"] == rollout.launcher.pool.bundle()["CPU"] == each  # Ray agrees
+        assert sorted(os.sched_getaffinity(0)) == cores  # the driver is not pinned
+        for role, group, got in (("ActorRolloutWorker", actor, t), ("rollout", rollout, r)):  # logged once each
+            line = f"{role} rank 0 (pid {group.info[0]['pid']}) pinned to cores {describe_cores(got['cores'])}, "
+            assert caplog.text.count(line + f"{each} torch thread(s)") == 1
+        prompts = Batch(meta={"prompt_ids": [[5, 6, 7]], "uid": ["a"]})
+        b = rollout.concat("generate_from", prompts, {"n": 2, "temperature": 1.0, "max_new_tokens": 3, "seed": 1})
+        assert len(b) == 2  # the pinned rollout worker generates
+    finally:
+        trainer.rollout.shutdown()
+        trainer.actor.shutdown()
+        torch.set_num_threads(threads)

@@ -6,7 +6,9 @@ import os
 from typing import TYPE_CHECKING
 
 from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult, package_version
+from portrl.device.split import ComputeSplit
 
+from . import cores as core_split
 from . import env as env_tables
 from . import heap
 
@@ -80,6 +82,16 @@ class CPUBackend(Backend):
 
     def synchronize(self) -> None:
         return None
+
+    def split_compute(self, trainer_workers: int, rollout_workers: int,
+                      rollout_cores: int | None = None) -> ComputeSplit:
+        """Cores, not devices: the cores this process may use (``os.sched_getaffinity(0)``) in disjoint sets, one per
+        worker, by the rule of backends/cpu/cores.py (in proportion to the workers, or ``rollout.cpu_cores`` for
+        the rollout side). Not pinned where the platform cannot pin (not Linux)."""
+        cores = core_split.usable_cores()
+        if cores is None:
+            return ComputeSplit("cores", why="not pinned: this platform has no os.sched_setaffinity")
+        return core_split.split_cores(cores, trainer_workers, rollout_workers, rollout_cores)
 
     def configure_allocator(self) -> None:
         """Count tensor bytes (per-phase peaks) and keep freed memory in the process's heap, so a step's large

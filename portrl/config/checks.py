@@ -219,6 +219,8 @@ def _sampling_and_data_ranges(cfg, p: _Problems) -> None:
         p.need(sampling.top_k == -1 or sampling.top_k >= 1, f"{prefix}.top_k", "must be -1 (off) or >= 1")
     p.need(cfg.rollout.val_kwargs.n >= 1, "rollout.val_kwargs.n", "must be >= 1")
     p.need(cfg.rollout.num_rollout_workers >= 1, "rollout.num_rollout_workers", "must be >= 1")
+    p.need(cfg.rollout.cpu_cores is None or cfg.rollout.cpu_cores >= 1, "rollout.cpu_cores",
+           "must be >= 1 (cores of the separated rollout workers on the cpu backend), or null (by worker count)")
     d = cfg.data
     p.need(d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size", "must be >= 1 (or null: all at once)")
     p.need(d.max_val_samples is None or d.max_val_samples >= 1, "data.max_val_samples", "must be >= 1 (or null: all)")

@@ -231,6 +231,7 @@ class RolloutConfig:
     enable_sleep_mode: bool = True
     placement: str = "colocated"  # colocated (actor and rollout in one process) | separated
     num_rollout_workers: int = 1  # separated placement only
+    cpu_cores: Optional[int] = None  # separated, cpu backend: cores of all rollout workers; None = by worker count
     weight_sync_bucket_mb: int = 64
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
 

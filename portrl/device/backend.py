@@ -16,6 +16,7 @@ Method families:
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first)
 * rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
+* placement: :meth:`split_compute` (a separated run's trainer and rollout workers on disjoint devices or cores)
 * environment: :meth:`env_presets`; what a config's ``device.env`` may set: ``declared_env``,
   ``refused_env``, :meth:`accepted_env`, :meth:`env_refusals`
 * compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
@@ -31,6 +32,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
+
+from portrl.device.split import ComputeSplit
 
 if TYPE_CHECKING:  # torch is imported lazily (module docstring); checks.py imports this module
     import torch
@@ -260,6 +263,21 @@ class Backend:
         returns them unchanged.
         """
         return options
+
+    # --- placement ----------------------------------------------------------------------------
+    def split_compute(self, trainer_workers: int, rollout_workers: int,
+                      rollout_cores: int | None = None) -> ComputeSplit:
+        """How this node's compute is divided between ``trainer_workers`` trainer workers and ``rollout_workers``
+        rollout workers of a separated run (``rollout.placement=separated``).
+
+        The accelerators split *devices*: each worker's Ray bundle holds ``devices_per_worker`` of
+        ``ray_resource`` of its own (:class:`portrl.workers.ray_env.ResourcePool`), so the trainer's pool and the
+        rollout pool already run on different devices and nothing is pinned; ``rollout_cores``
+        (``rollout.cpu_cores``) is the CPU backend's and is ignored here. The CPU backend splits cores
+        (backends/cpu/cores.py). A request that cannot be met (more cores than exist) is a ``UserError``.
+        """
+        return ComputeSplit("devices", why=f"each worker's Ray bundle holds {self.ray_resource or 'device'}s "
+                                           "of its own")
 
     # --- environment --------------------------------------------------------------------------
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:

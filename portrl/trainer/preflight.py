@@ -6,6 +6,7 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
 * the device: ``device.name`` (or ``--device`` / ``$PORTRL_DEVICE``) is registered and usable here, named by
   where it came from; its dtype and ``rollout.engine`` are available on it; an explicit ``trainer.num_workers``
   is no more than the node has devices (null, auto: every device of the node, is resolved when the run starts);
+  a separated placement's ``rollout.cpu_cores`` fits the cores this process may use (``Backend.split_compute``);
 * the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
   Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template); weights that are
   only pickles (``pytorch_model.bin``) hold nothing torch's safe unpickler refuses (``check_pickled_weights``);
@@ -55,6 +56,7 @@ from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_f
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
 from portrl.workers.lora import check_target_modules
+from portrl.workers.placement import compute_split
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
 
 TRAIN, SFT, EVAL = "train", "sft", "eval"
@@ -113,6 +115,8 @@ def _check_device(cfg: Any) -> None:
         raise UserError(f"rollout.engine={engine} is not available on backend {backend.name!r} here (its package is "
                         f"not installed, or the backend does not run it); available: {offered}, or auto")
     _check_num_workers(cfg, backend)
+    trainer_workers = auto_num_workers(cfg, backend)[0] if cfg.trainer.num_workers is None else None
+    compute_split(cfg, backend, trainer_workers)  # rollout.cpu_cores more than the node has: UserError
 
 
 def _check_num_workers(cfg: Any, backend: Backend) -> None:

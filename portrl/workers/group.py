@@ -181,9 +181,10 @@ class WorkerGroup:
     """N data-parallel workers of one role (see the module docstring).
 
     ``pool``: a :class:`~portrl.workers.ray_env.ResourcePool` for the Ray launcher (default: a new one of
-    ``num_workers`` bundles of 1 CPU + 1 device). ``share``: how many groups share each bundle of ``pool``
-    (colocation: each asks for 1/share of it). ``share_devices``: set the backend's Ray no-set opt-outs (see
-    ``ray_env``). ``worker_kwargs``: extra keyword arguments of the worker's constructor.
+    ``num_workers`` bundles of 1 CPU + 1 device; a pinned worker's bundle holds its cores instead of 1 CPU).
+    ``share``: how many groups share each bundle of ``pool`` (colocation: each asks for 1/share of it).
+    ``share_devices``: set the backend's Ray no-set opt-outs (see ``ray_env``). ``worker_kwargs``: extra keyword
+    arguments of the worker's constructor.
     """
 
     def __init__(self, worker_cls, cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,
@@ -253,7 +254,9 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------ facts
     @property
     def info(self) -> List[Dict[str, Any]]:
-        """Per rank: ``node_ip``, ``node_id``, ``pid`` (and, on Ray, the accelerator ids it was given)."""
+        """Per rank: ``node_ip``, ``node_id``, ``pid`` (and, on Ray, the accelerator ids it was given, the
+        ``cores`` it runs on and its torch ``threads``: a separated run's pinned set, see
+        :func:`portrl.workers.placement.group_pinning`)."""
         return self.launcher.info
 
     @property

@@ -2,9 +2,11 @@
 :class:`~portrl.workers.ray_env.ResourcePool`.
 
 Start-up: a local Ray starts (or ``trainer.ray_address`` is joined, :func:`portrl.workers.ray_env.init_ray`);
-each actor is a :class:`WorkerHost` that sets its device (``LOCAL_RANK`` from the ids Ray gave it), joins
-``torch.distributed`` with ``backend.dist_backend`` (MASTER_ADDR = rank 0's node address -- 127.0.0.1 on a local
-Ray -- and a port rank 0 finds free), then builds ``worker_cls(cfg, rank=r, world_size=N)``.
+each actor is a :class:`WorkerHost` that sets its device (``LOCAL_RANK`` from the ids Ray gave it), pins itself
+to its cores where the run splits them (``rollout.placement=separated`` on the CPU:
+:func:`portrl.workers.placement.group_pinning`), joins ``torch.distributed`` with ``backend.dist_backend``
+(MASTER_ADDR = rank 0's node address -- 127.0.0.1 on a local Ray -- and a port rank 0 finds free), then builds
+``worker_cls(cfg, rank=r, world_size=N)``.
 
 Ray is optional: it is imported inside the methods that need it, so importing this module needs no Ray.
 """
@@ -17,7 +19,9 @@ import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
+from portrl.device.split import describe_cores
 from portrl.workers.parallel import find_free_port, init_distributed
+from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
 from portrl.workers.weight_sync import WeightReceiver, WeightSender
@@ -54,14 +58,30 @@ class WorkerHost:
     def free_port(self) -> int:
         return find_free_port(self.node_info()["node_ip"])
 
-    def setup(self, worker_cls, cfg, master_addr: str, master_port: int, worker_kwargs: Mapping[str, Any]) -> None:
+    def compute_info(self) -> Dict[str, Any]:
+        """Where this process computes now: ``cores`` (``os.sched_getaffinity(0)``, sorted; None where the
+        platform does not say) and torch's intra-op ``threads``."""
+        import torch
+
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return {"cores": cores, "threads": torch.get_num_threads()}
+
+    def setup(self, worker_cls, cfg, master_addr: str, master_port: int, worker_kwargs: Mapping[str, Any],
+              cores: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+        """Set the device, pin to ``cores`` (None: not pinned), join the process group, build the worker; returns
+        :meth:`compute_info`."""
         index = local_device_index(self.backend, self.node_info()["accelerator_ids"])
         if index is not None:  # workers read LOCAL_RANK to pick their device
             os.environ["LOCAL_RANK"] = str(index)
             self.backend.set_device(index)
+        if cores is not None:  # before the worker's threads and torch's thread pool start
+            from portrl.workers.setup import pin_process  # transformers and the models: in the worker only
+
+            pin_process(cores)
         if self.world_size > 1:
             init_distributed(self.backend, self.rank, self.world_size, master_addr, master_port)
         self.worker = worker_cls(cfg, rank=self.rank, world_size=self.world_size, **dict(worker_kwargs))
+        return self.compute_info()
 
     def execute(self, method: str, args: tuple, kwargs: dict, reply: bool = True) -> Any:
         """``worker.<method>(*args, **kwargs)``; the result is sent back only when ``reply`` (a rank whose result
@@ -118,7 +138,8 @@ class WorkerHost:
 class RayLauncher:
     """``group.num_workers`` :class:`WorkerHost` actors of ``group`` (a WorkerGroup: its role names them, its
     ``timeout_s`` bounds every wait, and a dead worker shuts it down). ``pool``: a ResourcePool (default: a new one
-    of ``num_workers`` bundles of 1 CPU + 1 device, removed on shutdown); ``share``: how many groups share each
+    of ``num_workers`` bundles of 1 CPU + 1 device, removed on shutdown; pinned workers' bundles hold their cores
+    instead of 1 CPU: :func:`~portrl.workers.placement.group_pinning`); ``share``: how many groups share each
     bundle (colocation: each asks for 1/share of it); ``share_devices``: set the backend's Ray no-set opt-outs
     (``portrl.workers.ray_env``). :meth:`start` starts them."""
 
@@ -138,8 +159,10 @@ class RayLauncher:
 
         group, backend, share = self.group, self.group.backend, self.share
         init_ray(cfg, backend)
-        if self.pool is None:
-            self.pool = ResourcePool(group.role, self.num_workers, backend)
+        pinning = group_pinning(cfg, backend, worker_cls, self.num_workers)  # None: every worker on every core
+        if self.pool is None:  # a pinned worker asks Ray for the CPUs it is pinned to
+            self.pool = ResourcePool(group.role, self.num_workers, backend,
+                                     cpus_per_worker=pinning.ray_cpus if pinning else 1.0)
         if self.pool.num_workers != self.num_workers:
             raise ValueError(f"WorkerGroup {group.role}: pool {self.pool.name!r} has {self.pool.num_workers} "
                              f"bundles for {self.num_workers} workers")
@@ -156,7 +179,14 @@ class RayLauncher:
         self.info = self._wait([a.node_info.remote() for a in self.actors])
         master_addr = self.info[0]["node_ip"]
         port = self._wait([self.actors[0].free_port.remote()])[0]
-        self._wait([a.setup.remote(worker_cls, worker_cfg, master_addr, port, worker_kwargs) for a in self.actors])
+        cores = pinning.cores if pinning else [None] * self.num_workers
+        placed = self._wait([a.setup.remote(worker_cls, worker_cfg, master_addr, port, worker_kwargs, c)
+                             for a, c in zip(self.actors, cores)])
+        for rank, (info, where) in enumerate(zip(self.info, placed)):  # the cores and threads each reports
+            info.update(where)
+            if pinning:
+                log.info("%s rank %d (pid %s) pinned to cores %s, %d torch thread(s) (%s)", group.role, rank,
+                         info["pid"], describe_cores(where["cores"] or ()), where["threads"], pinning.why)
         log.info("worker group %s: %d workers on nodes %s", group.role, self.num_workers,
                  sorted({i["node_ip"] for i in self.info}))
 

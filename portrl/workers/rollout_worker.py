@@ -20,6 +20,7 @@ import torch
 
 from portrl.errors import UserError
 from portrl.device.backend import Backend
+from portrl.device.split import ROLLOUT
 from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
@@ -92,7 +93,8 @@ class RolloutWorker:
     """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
     ``model_path`` overrides ``cfg.model.path``."""
 
-    config_sections = ("trainer", "device", "model", "data", "rollout", "async_training")  # what it reads (portrl.workers.group)
+    config_sections = ("trainer", "device", "model", "data", "rollout", "async_training")  # what it reads (group.py)
+    compute_side = ROLLOUT  # its cores in a separated run are the rollout side's (portrl.workers.placement)
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size

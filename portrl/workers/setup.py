@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 from transformers import AutoConfig
@@ -60,9 +60,34 @@ def resolve_num_workers(cfg: Any, backend: Backend) -> int:
     return n
 
 
+#: the cores :func:`pin_process` pinned this process to (None: not pinned, it runs on every core it may use)
+_pinned: Optional[tuple[int, ...]] = None
+
+
+def pin_process(cores: Sequence[int]) -> tuple[int, ...]:
+    """Pin this process (every thread it has now, and so the threads they start) to ``cores`` and set torch's
+    intra-op threads to their number. A Ray worker of a separated run calls it before its worker is built
+    (portrl.workers.ray_launcher, whose driver logs what each worker reports); from then on
+    :func:`setup_process` keeps that thread count (``device.num_threads`` applies to processes that are not
+    pinned). Returns the cores the process runs on now (``os.sched_getaffinity(0)``, sorted)."""
+    global _pinned
+    want = {int(c) for c in cores}
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:  # 0: this thread
+        try:
+            os.sched_setaffinity(int(task), want)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    _pinned = tuple(sorted(os.sched_getaffinity(0)))
+    torch.set_num_threads(len(_pinned))
+    return _pinned
+
+
 def setup_process(cfg: Any, backend: Backend, rank: int = 0) -> None:
     """Apply the backend's env presets and ``device.env``, torch threads, the determinism flag and the op
     implementations of ``device.kernels`` (``portrl.ops.registry.choose``).
+
+    Torch threads: ``device.num_threads`` when set, except in a process :func:`pin_process` pinned, which keeps one
+    thread per core it was given.
 
     ``trainer.deterministic``: ``torch.use_deterministic_algorithms(True)`` plus the backend's
     deterministic env presets (set before the first kernel runs, as the libraries read them then).
@@ -74,7 +99,7 @@ def setup_process(cfg: Any, backend: Backend, rank: int = 0) -> None:
         os.environ.setdefault(k, str(v))
     for k, v in dict(cfg.device.env or {}).items():
         os.environ[str(k)] = str(v)
-    threads = cfg.device.num_threads
+    threads = len(_pinned) if _pinned else cfg.device.num_threads
     if threads:
         if torch.get_num_threads() != int(threads):
             torch.set_num_threads(int(threads))
