@@ -142,9 +142,9 @@ def _weights(worker):
     return torch.cat([p.detach().flatten() for p in worker.module.parameters()])
 
 
-def test_the_update_with_rejection_is_the_update_on_the_masked_mask(tiny_model):
-    """The rollout log-probs are the trainer's except on each row's first response token, where the rollout
-    policy is e times likelier (ratio e^-1 < 1/2): ``rollout_rs=token`` at 2 rejects exactly those 16 tokens."""
+def _bumped_batch(tiny_model) -> Batch:
+    """16 sampled rows with the trainer's ``old_log_probs``, random advantages, and rollout log-probs equal to the
+    trainer's except on each row's first response token, where the rollout policy is e times likelier."""
     gen = _actor(tiny_model)
     prompts = [gen.tokenizer(f"{i}+{i}=")["input_ids"] for i in range(4)]
     batch = gen.generate(prompts, {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "seed": 1},
@@ -156,6 +156,14 @@ def test_the_update_with_rejection_is_the_update_on_the_masked_mask(tiny_model):
     bump[:, 0] = 1.0
     batch["rollout_log_probs"] = batch["old_log_probs"] + bump
     del gen
+    return batch
+
+
+def test_the_update_with_rejection_is_the_update_on_the_masked_mask(tiny_model):
+    """Ratio e^-1 < 1/2 on each row's first response token: ``rollout_rs=token`` at 2 rejects exactly those 16."""
+    batch = _bumped_batch(tiny_model)
+    bump = torch.zeros_like(batch["old_log_probs"])
+    bump[:, 0] = 1.0
     rs = {"algorithm.rollout_correction.rollout_rs": "token", "algorithm.rollout_correction.rollout_rs_threshold": 2.0}
     a = _actor(tiny_model, **rs)
     m = a.update_actor(batch)
@@ -178,6 +186,48 @@ def test_the_update_with_rejection_is_the_update_on_the_masked_mask(tiny_model):
     assert m["training/rollout_log_probs_diff_mean"] == pytest.approx(16 / n, rel=1e-5)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_batch_normalised_weights_by_hand(level):
+    from portrl.workers.actor_correction import normalize_is_weights
+
+    cfg = _loss_cfg(rollout_is=level, rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    batch = Batch({"old_log_probs": OLD, "rollout_log_probs": ROLLOUT, "response_mask": MASK})
+    out, metrics = normalize_is_weights(cfg, batch, world_size=1)
+    if level == "token":  # min(rho, 2) on the 5 response tokens, and their mean
+        w = torch.tensor([[min(math.exp(0.5), 2.0), math.exp(-1.0), 1.0], [1.0, math.exp(-2.8), 0.0]],
+                         dtype=torch.float64)
+        mean = float(w.sum()) / 5
+    else:  # one weight per response, e^-0.5 and e^-2.8, and their mean over the 2 responses
+        w = torch.tensor([[math.exp(-0.5)] * 3, [math.exp(-2.8)] * 2 + [0.0]], dtype=torch.float64)
+        mean = (math.exp(-0.5) + math.exp(-2.8)) / 2
+    assert metrics == {"rollout_corr/rollout_is_batch_norm_factor": pytest.approx(mean)}
+    torch.testing.assert_close(out["rollout_is_weights"].double(), w / mean, rtol=1e-6, atol=1e-7)
+    assert "rollout_is_weights" not in batch  # the caller's batch is left as it was
+    off, none = normalize_is_weights(_loss_cfg(rollout_is=level), batch, world_size=1)
+    assert off is batch and none == {}
+
+
+def test_the_update_with_batch_normalised_weights_uses_them(tiny_model):
+    """``rollout_is_batch_normalize``: the update equals one whose batch carries the hand-normalised weights."""
+    batch = _bumped_batch(tiny_model)
+    n = float(batch["response_mask"].sum())
+    factor = (n - 16 + 16 * math.exp(-1.0)) / n  # 16 tokens at e^-1, the others at 1
+    a = _actor(tiny_model, **{"algorithm.rollout_correction.rollout_is": "token",
+                              "algorithm.rollout_correction.rollout_is_batch_normalize": True})
+    m = a.update_actor(batch)
+    assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(factor, rel=1e-6)
+    hand = Batch(batch.tensors, batch.meta, batch.info)
+    w = torch.ones_like(batch["old_log_probs"])
+    w[:, 0] = math.exp(-1.0)
+    hand["rollout_is_weights"] = w * batch["response_mask"] / factor
+    b = _actor(tiny_model)
+    b.update_actor(hand)
+    torch.testing.assert_close(_weights(a), _weights(b), rtol=1e-5, atol=1e-6)
+    c = _actor(tiny_model)
+    c.update_actor(batch)
+    assert (_weights(a) - _weights(c)).abs().max() > 1e-4  # the weights changed the update
+
+
 # ----------------------------------------------------------------------------------------------- the CLI
 SMALL = ["device.num_threads=1", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
          "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "data.arith.num_train=64", "data.arith.num_test=8",
@@ -198,6 +248,8 @@ RC = "algorithm.rollout_correction."
     ([f"{RC}rollout_rs=tok"], f"{RC}rollout_rs='tok' is not one of None, 'token', 'sequence', 'geometric'"),
     ([f"{RC}rollout_rs_threshold=2"], f"{RC}rollout_rs_threshold=2.0 only applies with {RC}rollout_rs set"),
     ([f"{RC}rollout_rs=token", f"{RC}rollout_rs_threshold=2", f"{RC}bypass_mode=true"], "set " + RC + "bypass_mode=false"),
+    ([f"{RC}rollout_is_batch_normalize=true"], f"{RC}rollout_is_batch_normalize=true normalises the IS weights of "
+                                               f"decoupled mode: set {RC}rollout_is"),
 ])
 def test_a_bad_bound_is_one_line(over, message, tmp_path, monkeypatch, capsys):
     import transformers

@@ -14,7 +14,8 @@ from the behaviour policy ``pi_rollout``; the trainer computes the proximal poli
   (``level="sequence"``), bounded to ``[exp(-20), exp(20)]`` for safety, then truncated from above at
   ``threshold`` and zeroed on padding. The policy loss multiplies its per-token terms by them
   (``rollout_is_weights`` of ``portrl.algo``'s policy losses), so the gradient estimates ``E_{pi_old}`` from
-  samples of ``pi_rollout``;
+  samples of ``pi_rollout``. With ``rollout_is_batch_normalize`` the actor divides the step's weights by their mean
+  (``portrl/workers/actor_correction.py``);
 * rejection sampling (``rollout_rs``, :func:`rejection_mask`): a token (``token``), or a whole sequence by the
   product of its ratios (``sequence``) or their geometric mean ``exp(mean_t log rho_t)`` (``geometric``), whose
   ratio lies outside ``[lower, upper]`` (``lower`` defaults to ``1 / upper``) leaves the loss: the actor multiplies

@@ -127,13 +127,17 @@ def _algorithm_options(cfg) -> list[str]:
 
 
 def _rollout_correction(cfg) -> list[str]:
-    """The bounds of ``algorithm.rollout_correction`` (portrl.algo.rollout_correction): the IS truncation > 0; with
+    """The bounds of ``algorithm.rollout_correction`` (portrl.algo.rollout_correction): the IS truncation > 0, its
+    batch normalisation only with ``rollout_is`` in decoupled mode; with
     ``rollout_rs`` an upper bound > 0 and a lower bound in (0, upper] (null: 1 / upper, so upper >= 1); the veto > 0;
     the rejection bounds only with ``rollout_rs``; rejection only for the policy-gradient loss, outside bypass mode."""
     rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction."
     problems = []
     if not rc.rollout_is_threshold > 0:
         problems.append(f"{key}rollout_is_threshold={rc.rollout_is_threshold!r} must be > 0 (the IS weights' cap)")
+    if rc.rollout_is_batch_normalize and (rc.rollout_is is None or rc.bypass_mode):
+        problems.append(f"{key}rollout_is_batch_normalize=true normalises the IS weights of decoupled mode: set "
+                        f"{key}rollout_is (token or sequence) and bypass_mode=false")
     upper, lower = rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower
     if rc.rollout_rs is None:
         for name, value in (("rollout_rs_threshold", upper), ("rollout_rs_threshold_lower", lower)):

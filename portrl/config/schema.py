@@ -42,6 +42,7 @@ class RolloutCorrectionConfig:
 
     rollout_is: Optional[str] = None  # null (off) | token | sequence: loss x min(pi_old / pi_rollout, threshold)
     rollout_is_threshold: float = 2.0  # upper truncation of the weights, > 0
+    rollout_is_batch_normalize: bool = False  # divide the step's weights by their mean (token / sequence level)
     rollout_rs: Optional[str] = None  # null (off) | token | sequence | geometric: reject ratios outside the bounds
     rollout_rs_threshold: Optional[float] = None  # upper bound (> 0), required with rollout_rs
     rollout_rs_threshold_lower: Optional[float] = None  # lower bound in (0, upper]; null = 1 / rollout_rs_threshold

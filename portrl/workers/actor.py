@@ -33,8 +33,9 @@ from portrl.models.export import export_pretrained
 from portrl.models.multimodal import batch_image_inputs, freeze_vision_tower
 from portrl.rollout import choose_engine, engine_capabilities, make_engine
 from portrl.rollout.weights import load_named_tensors
-from portrl.workers.actor_loss import (ADDITIVE_METRICS, UNREJECTED_MASK, actor_loss, apply_rejection,
-                                       correction_stats_of, rejection_on)
+from portrl.workers.actor_correction import (UNREJECTED_MASK, apply_rejection, correction_stats_of,
+                                             normalize_is_weights, proximal_before_update)
+from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import load_dtype
@@ -250,7 +251,9 @@ class ActorRolloutWorker(TrainedModelWorker):
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
         docstring for the loss). Returns ``actor/*`` metrics and the rollout gap (``training/*``)."""
         settings = self.loop_settings()
-        batch = apply_rejection(self.cfg, batch)  # rollout correction's rejected tokens leave the loss (actor_loss.py)
+        # rollout correction (portrl/workers/actor_correction.py): rejected tokens leave the loss; normalised weights
+        batch = apply_rejection(self.cfg, batch)
+        batch, normalized = normalize_is_weights(self.cfg, batch, self.world_size)
         use_old = "old_log_probs" in batch
         # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
         # weights without bumping their version counters, so the tape's own check cannot see that step)
@@ -279,7 +282,7 @@ class ActorRolloutWorker(TrainedModelWorker):
                                   extra_counts=preference_pairs)
         self.update_count += 1
         out.update(rollout_gap_metrics(gaps, self.world_size))
-        out.update(rollout_corr_metrics(corr, self.world_size))
+        out.update(rollout_corr_metrics(corr, self.world_size), **normalized)
         return out
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
@@ -346,14 +349,15 @@ class ActorRolloutWorker(TrainedModelWorker):
 def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
     """Whether the step computes ``old_log_probs``: when the algorithm reads them (its record's
     ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline) or Σπ²
-    (``needs_sum_pi_squared``), or rollout correction rejects tokens (its mask is decided before the update), or
-    when the old policy may differ from the current one at the update. It provably
-    equals it with one PPO epoch and all ``num_rows`` rows of the step in one mini-batch (one optimizer step): then
-    the update uses ``old = logp.detach()`` (no extra forward) and gets exactly the same loss and gradient."""
+    (``needs_sum_pi_squared``), or rollout correction decides before the update which tokens it rejects or how it
+    normalises its IS weights (``portrl.workers.actor_correction``), or when the old policy may differ from the
+    current one at the update. It provably equals it with one PPO epoch and all ``num_rows`` rows of the step in one
+    mini-batch (one optimizer step): then the update uses ``old = logp.detach()`` (no extra forward) and gets
+    exactly the same loss and gradient."""
     spec = algorithm_spec(cfg.algorithm)
     if spec.needs_old_log_probs or spec.needs_sum_pi_squared:  # Σπ² comes from the same pass
         return True
-    if rejection_on(cfg):  # the rejection mask (and the loss's token counts) must be known before the update
+    if proximal_before_update(cfg):  # rollout correction's rejection mask / normalised IS weights come first
         return True
     mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
     return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)

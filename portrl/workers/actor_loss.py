@@ -7,12 +7,8 @@ the policy loss, SPPO or online DPO, ``portrl/algo/objectives.py``). Every term 
 mini-batch loss exactly. The metrics named in ``ADDITIVE_METRICS`` are such partial sums: add them over
 micro-batches, average them over data-parallel ranks.
 
-Rollout correction's rejection sampling (``algorithm.rollout_correction.rollout_rs`` / ``rollout_token_veto_threshold``,
-``portrl.algo.rollout_correction``) decides which tokens the loss covers: :func:`apply_rejection` multiplies the
-batch's ``response_mask`` by the rejection mask before the update, so the global counts leave rejected tokens out
-too. A mini-batch whose every token was rejected has a zero loss (its optimizer step then only applies the
-optimizer's momentum). In the ``seq-mean-*`` aggregation modes a wholly rejected row still counts in the number of
-sequences the loss is divided by (the global count of rows).
+Rollout correction's rejection sampling has masked the rejected tokens out of ``response_mask`` before the update
+(``portrl/workers/actor_correction.py``); a mini-batch whose every token was rejected has a zero loss.
 """
 
 from __future__ import annotations
@@ -22,50 +18,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from portrl.algo import agg_loss, algorithm_spec, kl_penalty, positive_lm_loss
-from portrl.algo.rollout_correction import correction_stats, rejection_mask
+from portrl.workers.actor_correction import rejection_on
 from portrl.workers.batch import Batch
 
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/positive_lm_loss"})
-#: the batch's response mask before rejection sampling (:func:`apply_rejection`), read by the rollout-gap metrics
-UNREJECTED_MASK = "response_mask_unrejected"
-
-
-def rejection_on(cfg: Any) -> bool:
-    """Whether rollout correction rejects tokens (``rollout_rs`` or ``rollout_token_veto_threshold`` set)."""
-    rc = cfg.algorithm.rollout_correction
-    return rc.get("rollout_rs") is not None or rc.get("rollout_token_veto_threshold") is not None
-
-
-def apply_rejection(cfg: Any, batch: Batch) -> Batch:
-    """``batch`` (not copied) when nothing is rejected; else a shallow copy whose ``response_mask`` is multiplied by
-    the rejection mask of ``old_log_probs`` against ``rollout_log_probs`` (:func:`portrl.algo.rollout_correction.
-    rejection_mask`), the mask before it kept as ``UNREJECTED_MASK``. A batch without those log-probs is a
-    ValueError (rejection needs the proximal and the behaviour policy)."""
-    if not rejection_on(cfg):
-        return batch
-    for key in ("rollout_log_probs", "old_log_probs"):
-        if key not in batch:
-            raise ValueError(f"algorithm.rollout_correction rejection (rollout_rs / rollout_token_veto_threshold) "
-                             f"needs {key} in the batch, and this one has none")
-    rc = cfg.algorithm.rollout_correction
-    mask = batch.tensors["response_mask"]
-    out = Batch(batch.tensors, batch.meta, batch.info)
-    out[UNREJECTED_MASK] = mask
-    out["response_mask"] = rejection_mask(batch.tensors["old_log_probs"], batch.tensors["rollout_log_probs"], mask,
-                                          rc.rollout_rs, rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower,
-                                          rc.rollout_token_veto_threshold)
-    return out
-
-
-def correction_stats_of(cfg: Any, micro: Batch, old: torch.Tensor) -> Dict[str, float]:
-    """The ``rollout_corr/*`` partial statistics of ``micro`` (:func:`portrl.algo.rollout_correction.
-    correction_stats`): proximal ``old`` against its ``rollout_log_probs``, IS weights at ``rollout_is`` (token
-    level when it is off), on the mask before rejection."""
-    rc = cfg.algorithm.rollout_correction
-    mask = micro.tensors["response_mask"]
-    return correction_stats(old, micro.tensors["rollout_log_probs"], micro.get(UNREJECTED_MASK, mask), mask,
-                            str(rc.rollout_is or "token"), float(rc.rollout_is_threshold),
-                            rc.get("rollout_token_veto_threshold"))
 
 
 def _scalar(v: Any) -> float:
