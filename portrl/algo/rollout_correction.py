@@ -79,8 +79,8 @@ def rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, r
     of a row holding a response token whose unbounded ratio is below ``veto_threshold`` (None = no veto)."""
     if level is not None and level not in RS_LEVELS:
         raise ValueError(f"rollout_rs level {level!r} is unknown; valid: {list(RS_LEVELS)}")
-    m = response_mask.bool()
-    log_rho = torch.where(m, old_log_prob.detach().double() - rollout_log_prob.double(), 0.0)
+    m = response_mask.detach().cpu().bool()  # float64 on the CPU, whatever the device (some have no float64)
+    log_rho = torch.where(m, old_log_prob.detach().cpu().double() - rollout_log_prob.detach().cpu().double(), 0.0)
     keep = m.clone()
     if level is not None:
         upper, lower = rejection_bounds(threshold, threshold_lower)
@@ -91,7 +91,7 @@ def rejection_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, r
             raise ValueError(f"rollout_token_veto_threshold must be > 0, got {veto_threshold}")
         vetoed = ((log_rho < math.log(veto_threshold)) & m).any(-1, keepdim=True)
         keep &= ~vetoed
-    return response_mask * keep.to(response_mask.dtype)
+    return response_mask * keep.to(device=response_mask.device, dtype=response_mask.dtype)
 
 
 def rejection_bounds(threshold: Optional[float], threshold_lower: Optional[float]) -> tuple:
@@ -127,12 +127,12 @@ def correction_stats(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
     (before rejection), the IS weights ``rho`` at ``level`` (safety-bounded, not truncated) -- count, sum, sum of
     squares, extremes, how many above ``threshold`` / below ``1 / threshold`` --, ``log pi_rollout - log pi_old``
     and its k3 form; the tokens and rows ``kept_mask`` rejected, and the rows ``veto_threshold`` vetoed."""
-    m = response_mask.bool()
-    log_rho = torch.where(m, old_log_prob.detach().double() - rollout_log_prob.double(), 0.0)
+    m, kept = response_mask.detach().cpu().bool(), kept_mask.detach().cpu().bool()  # float64 on the CPU: any device
+    log_rho = torch.where(m, old_log_prob.detach().cpu().double() - rollout_log_prob.detach().cpu().double(), 0.0)
     w = torch.exp(_level_log_ratio(log_rho, m, level).clamp(-SAFETY_BOUND, SAFETY_BOUND))[m]
     d = log_rho[m]
     rows = m.any(-1)
-    dropped = m & ~kept_mask.bool()
+    dropped = m & ~kept
     out = {"tokens": float(m.sum()), "seqs": float(rows.sum()), "masked_tokens": float(dropped.sum()),
            "masked_seqs": float(dropped.any(-1).sum()), "is_sum": float(w.sum()), "is_sq_sum": float(w.square().sum()),
            "is_high": float((w > threshold).sum()), "is_low": float((w < 1.0 / threshold).sum()),
