@@ -249,7 +249,8 @@ class ActorRolloutWorker(TrainedModelWorker):
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
-        docstring for the loss). Returns ``actor/*`` metrics and the rollout gap (``training/*``)."""
+        docstring for the loss). Returns ``actor/*`` metrics, the rollout gap (``training/*``) and rollout
+        correction's ``rollout_corr/*`` metrics."""
         settings = self.loop_settings()
         # rollout correction (portrl/workers/actor_correction.py): rejected tokens leave the loss; normalised weights
         batch = apply_rejection(self.cfg, batch)
