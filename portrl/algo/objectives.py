@@ -140,7 +140,8 @@ def policy_loss_config(actor: Any, info: Mapping[str, Any], algorithm: Any = Non
 def policy_gradient_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: torch.Tensor, old: torch.Tensor,
                          info: Mapping[str, Any]) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """The policy loss ``actor.policy_loss.loss_mode`` on ``advantages``, truncated-IS weighted when
-    ``algorithm.rollout_correction.rollout_is`` is set (weights from ``rollout_log_probs``); in bypass mode
+    ``algorithm.rollout_correction.rollout_is`` is set (weights from ``rollout_log_probs``, or the batch's
+    ``rollout_is_weights``: batch-normalised ones, portrl/workers/actor_correction.py); in bypass mode
     (``rollout_correction.bypass_mode``) the loss ``bypass_mode`` against ``rollout_log_probs``."""
     mask = tensors["response_mask"]
     weights = tensors.get("rollout_is_weights")
@@ -161,6 +162,7 @@ def policy_gradient_loss(actor: Any, algorithm: Any, tensors: Tensors, logp: tor
                              "this batch has none")
         weights = rollout_is_weights(old, tensors["rollout_log_probs"], mask, str(rc.rollout_is),
                                      float(rc.rollout_is_threshold))
+    if weights is not None:
         metrics["rollout_corr/is_weight_mean"] = masked_mean(weights, mask)
     fn = get_policy_loss(str(actor.policy_loss.loss_mode))
     loss, m = fn(old, logp, tensors["advantages"], mask, str(actor.loss_agg_mode), config,

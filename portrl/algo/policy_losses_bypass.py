@@ -11,8 +11,8 @@ which dispatches on ``rollout_correction.loss_type``:
   ``rollout_is`` is null: plain REINFORCE).
 
 ``compute_policy_loss_reinforce`` is verl's function of that name; verl registers no loss mode for it on its own
-(it is reached through bypass mode), and neither does portrl. verl's rejection sampling (``rollout_rs``) is not
-part of portrl.
+(it is reached through bypass mode), and neither does portrl. Rejection sampling (``rollout_rs``, the veto) is
+decoupled mode's in portrl (``portrl.algo.rollout_correction``); a config with it and bypass mode is refused.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from portrl.algo import critic_enabled, estimator_spec, registered
 from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
+from portrl.algo.rollout_correction import LEVELS, RS_LEVELS
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
 from portrl.config.checks_async import check_async
 from portrl.config.presets import ConfigError
@@ -53,6 +54,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
     "algorithm.rollout_correction.loss_type": LOSS_TYPES,
+    "algorithm.rollout_correction.rollout_is": (None, *LEVELS),
+    "algorithm.rollout_correction.rollout_rs": (None, *RS_LEVELS),
     "algorithm.pf_ppo.reweight_method": REWEIGHT_METHODS,
     "reward_model.model.update": ("before", "after", "none"),
     "reward_model.model.loss_type": ("ce", "dpo"),

@@ -5,22 +5,24 @@ options apply to it: ``rollout.n > 1`` for group comparisons, an even ``rollout.
 reference it reads not switched off (``critic.enable`` / ``ref.enable``), ``trainer.ref_update_freq`` only with a
 reference, the options the algorithms declare (``portrl/algo/options.py``) within their declared ranges and, for an
 ``algorithm.`` option that is off by default (``lam_actor``, ``vapo_alpha``, GDPO's reward keys, ...), set only for an
-algorithm that declares it; rollout-correction bypass mode and PF-PPO against the algorithm, PRIME's implicit
-PRM (``reward_model``) and the accuracy filter (``data.accuracy_*_bound``). The checks that read the record are
-skipped for an unknown algorithm name (:func:`portrl.config.checks.check_registries` reports the name).
+algorithm that declares it; rollout-correction bypass mode and PF-PPO against the algorithm, the rollout-correction
+bounds, PRIME's implicit PRM (``reward_model``) and the accuracy filter (``data.accuracy_*_bound``). The checks
+that read the record are skipped for an unknown algorithm name (:func:`portrl.config.checks.check_registries`
+reports the name).
 """
 
 from __future__ import annotations
 
 from portrl.algo import algorithm_spec, reference_enabled, registered
 from portrl.algo.options import fields_of, policy_loss_options
+from portrl.algo.rollout_correction import RS_LEVELS
 from portrl.config.options_schema import check_declared_ranges, declared
 
 
 def check_algorithm(cfg) -> list[str]:
     """Every problem of ``cfg`` against its algorithm, in a fixed order (one line each)."""
     return (_algorithm_needs(cfg) + _options_apply(cfg) + check_declared_ranges(cfg) + _algorithm_options(cfg)
-            + _implicit_prm(cfg))
+            + _rollout_correction(cfg) + _implicit_prm(cfg))
 
 
 def known_algorithm(cfg) -> bool:
@@ -121,6 +123,47 @@ def _algorithm_options(cfg) -> list[str]:
     if a.use_pf_ppo and spec.needs_pairs:
         problems.append(f"algorithm.use_pf_ppo=true resamples rows, which breaks the response pairs of "
                         f"algorithm.objective={a.objective!r}: set use_pf_ppo=false")
+    return problems
+
+
+def _rollout_correction(cfg) -> list[str]:
+    """The bounds of ``algorithm.rollout_correction`` (portrl.algo.rollout_correction): the IS truncation > 0, its
+    batch normalisation only with ``rollout_is`` in decoupled mode; with
+    ``rollout_rs`` an upper bound > 0 and a lower bound in (0, upper] (null: 1 / upper, so upper >= 1); the veto > 0;
+    the rejection bounds only with ``rollout_rs``; rejection only for the policy-gradient loss, outside bypass mode."""
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction."
+    problems = []
+    if not rc.rollout_is_threshold > 0:
+        problems.append(f"{key}rollout_is_threshold={rc.rollout_is_threshold!r} must be > 0 (the IS weights' cap)")
+    if rc.rollout_is_batch_normalize and (rc.rollout_is is None or rc.bypass_mode):
+        problems.append(f"{key}rollout_is_batch_normalize=true normalises the IS weights of decoupled mode: set "
+                        f"{key}rollout_is (token or sequence) and bypass_mode=false")
+    upper, lower = rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower
+    if rc.rollout_rs is None:
+        for name, value in (("rollout_rs_threshold", upper), ("rollout_rs_threshold_lower", lower)):
+            if value is not None:
+                problems.append(f"{key}{name}={value!r} only applies with {key}rollout_rs set (token, sequence or "
+                                "geometric)")
+    elif rc.rollout_rs not in RS_LEVELS:
+        pass  # reported by check_choices
+    elif upper is None or not upper > 0:
+        problems.append(f"{key}rollout_rs_threshold={upper!r} must be set, > 0, with {key}rollout_rs="
+                        f"{rc.rollout_rs!r} (the upper bound of the ratio pi_old / pi_rollout)")
+    elif lower is None and upper < 1:
+        problems.append(f"{key}rollout_rs_threshold={upper!r} must be >= 1 when rollout_rs_threshold_lower is null "
+                        f"(its default 1 / upper = {1 / upper:g} would exceed the upper bound)")
+    elif lower is not None and not 0 < lower <= upper:
+        problems.append(f"{key}rollout_rs_threshold_lower={lower!r} must be in (0, rollout_rs_threshold={upper!r}]")
+    veto = rc.rollout_token_veto_threshold
+    if veto is not None and not veto > 0:
+        problems.append(f"{key}rollout_token_veto_threshold={veto!r} must be > 0, or null (no veto)")
+    if rc.rollout_rs is not None or veto is not None:
+        if rc.bypass_mode:
+            problems.append(f"{key}rollout_rs / rollout_token_veto_threshold reject by the ratio pi_old / pi_rollout, "
+                            f"which bypass mode fixes at 1: set {key}bypass_mode=false")
+        if known_algorithm(cfg) and algorithm_spec(cfg.algorithm).estimator is None:
+            problems.append(f"{key}rollout_rs / rollout_token_veto_threshold apply to the policy-gradient loss; "
+                            f"algorithm.objective={cfg.algorithm.objective!r} has its own: set them to null")
     return problems
 
 

@@ -40,16 +40,17 @@ class FilterGroupsConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Truncated importance sampling from the rollout engine's policy to the trainer's (portrl.algo.rollout_correction,
-    verl's algorithm.rollout_correction in decoupled mode). The rollout-vs-trainer probability gap is logged
-    every step either way (training/rollout_probs_diff_mean / _max)."""
+    """verl's algorithm.rollout_correction (semantics: portrl.algo.rollout_correction): truncated IS weights
+    (decoupled PPO with the vanilla loss), rejection of tokens / sequences outside [lower, upper], bypass mode."""
 
-    rollout_is: Optional[str] = None  # null (off) | token | sequence
-    rollout_is_threshold: float = 2.0  # upper truncation of the weights
-    # verl's bypass mode: old_log_probs = the rollout engine's (no old-log-prob forward); the actor loss is
-    # bypass_mode (portrl.algo.policy_losses_bypass) with loss_type ppo_clip (PPO ratio to the rollout policy) or
-    # reinforce (REINFORCE with the truncated IS weights of rollout_is)
-    bypass_mode: bool = False
+    rollout_is: Optional[str] = None  # null (off) | token | sequence: loss x min(pi_old / pi_rollout, threshold)
+    rollout_is_threshold: float = 2.0  # upper truncation of the weights, > 0
+    rollout_is_batch_normalize: bool = False  # divide the step's weights by their mean (token / sequence level)
+    rollout_rs: Optional[str] = None  # null (off) | token | sequence | geometric: reject ratios outside the bounds
+    rollout_rs_threshold: Optional[float] = None  # upper bound (> 0), required with rollout_rs
+    rollout_rs_threshold_lower: Optional[float] = None  # lower bound in (0, upper]; null = 1 / rollout_rs_threshold
+    rollout_token_veto_threshold: Optional[float] = None  # reject a sequence with a token ratio below it (> 0)
+    bypass_mode: bool = False  # old = rollout log-probs; loss bypass_mode (portrl.algo.policy_losses_bypass)
     loss_type: str = "ppo_clip"  # ppo_clip | reinforce (bypass mode only)
 
 

@@ -33,6 +33,8 @@ from portrl.models.export import export_pretrained
 from portrl.models.multimodal import batch_image_inputs, freeze_vision_tower
 from portrl.rollout import choose_engine, engine_capabilities, make_engine
 from portrl.rollout.weights import load_named_tensors
+from portrl.workers.actor_correction import (UNREJECTED_MASK, apply_rejection, correction_stats_of,
+                                             normalize_is_weights, proximal_before_update)
 from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
@@ -45,6 +47,7 @@ from portrl.workers.training import (
     all_reduce_sum,
     inference_micro_batches,
     rng_state,
+    rollout_corr_metrics,
     rollout_gap_metrics,
     set_rng_state,
     shares_prompts,
@@ -246,13 +249,18 @@ class ActorRolloutWorker(TrainedModelWorker):
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
-        docstring for the loss). Returns ``actor/*`` metrics and the rollout gap (``training/*``)."""
+        docstring for the loss). Returns ``actor/*`` metrics, the rollout gap (``training/*``) and rollout
+        correction's ``rollout_corr/*`` metrics."""
         settings = self.loop_settings()
+        # rollout correction (portrl/workers/actor_correction.py): rejected tokens leave the loss; normalised weights
+        batch = apply_rejection(self.cfg, batch)
+        batch, normalized = normalize_is_weights(self.cfg, batch, self.world_size)
         use_old = "old_log_probs" in batch
         # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
         # weights without bumping their version counters, so the tape's own check cannot see that step)
         tape, self._tape = self._tape, None
         gaps: List[Dict[str, float]] = []  # rollout engine vs trainer on the same tokens (portrl.algo.rollout_correction)
+        corr: List[Dict[str, float]] = []  # and the rollout_corr/* statistics
 
         def policy_loss(micro: Batch, counts: Dict[str, Any], pos: Position):
             if tape is not None and pos.steps_done == 0:
@@ -261,7 +269,9 @@ class ActorRolloutWorker(TrainedModelWorker):
                                       tape=tape if pos.steps_done == 0 else None)
             if pos.epoch == 0 and "rollout_log_probs" in micro:  # every row once, before its first step
                 old = micro.tensors["old_log_probs"] if use_old else logp
-                gaps.append(rollout_diff_stats(old, micro.tensors["rollout_log_probs"], micro.tensors["response_mask"]))
+                full = micro.get(UNREJECTED_MASK, micro.tensors["response_mask"])
+                gaps.append(rollout_diff_stats(old, micro.tensors["rollout_log_probs"], full))
+                corr.append(correction_stats_of(self.cfg, micro, old))
             return actor_loss(self.cfg, micro, logp, ent, counts, use_old=use_old)
 
         def preference_pairs(mini: Batch) -> Dict[str, Any]:  # online DPO: valid pairs of the mini-batch, all ranks
@@ -273,6 +283,7 @@ class ActorRolloutWorker(TrainedModelWorker):
                                   extra_counts=preference_pairs)
         self.update_count += 1
         out.update(rollout_gap_metrics(gaps, self.world_size))
+        out.update(rollout_corr_metrics(corr, self.world_size), **normalized)
         return out
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
@@ -339,11 +350,15 @@ class ActorRolloutWorker(TrainedModelWorker):
 def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
     """Whether the step computes ``old_log_probs``: when the algorithm reads them (its record's
     ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline) or Σπ²
-    (``needs_sum_pi_squared``), or when the old policy may differ from the current one at the update. It provably
-    equals it with one PPO epoch and all ``num_rows`` rows of the step in one mini-batch (one optimizer step): then
-    the update uses ``old = logp.detach()`` (no extra forward) and gets exactly the same loss and gradient."""
+    (``needs_sum_pi_squared``), or rollout correction decides before the update which tokens it rejects or how it
+    normalises its IS weights (``portrl.workers.actor_correction``), or when the old policy may differ from the
+    current one at the update. It provably equals it with one PPO epoch and all ``num_rows`` rows of the step in one
+    mini-batch (one optimizer step): then the update uses ``old = logp.detach()`` (no extra forward) and gets
+    exactly the same loss and gradient."""
     spec = algorithm_spec(cfg.algorithm)
     if spec.needs_old_log_probs or spec.needs_sum_pi_squared:  # Σπ² comes from the same pass
+        return True
+    if proximal_before_update(cfg):  # rollout correction's rejection mask / normalised IS weights come first
         return True
     mini = int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
     return not (int(cfg.actor.ppo_epochs) == 1 and num_rows <= mini)

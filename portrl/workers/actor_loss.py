@@ -6,6 +6,9 @@ the policy loss, SPPO or online DPO, ``portrl/algo/objectives.py``). Every term 
 ``agg_loss`` with the mini-batch's global counts (``info``), so summing micro-batch losses gives the
 mini-batch loss exactly. The metrics named in ``ADDITIVE_METRICS`` are such partial sums: add them over
 micro-batches, average them over data-parallel ranks.
+
+Rollout correction's rejection sampling has masked the rejected tokens out of ``response_mask`` before the update
+(``portrl/workers/actor_correction.py``); a mini-batch whose every token was rejected has a zero loss.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from portrl.algo import agg_loss, algorithm_spec, kl_penalty, positive_lm_loss
+from portrl.workers.actor_correction import rejection_on
 from portrl.workers.batch import Batch
 
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/positive_lm_loss"})
@@ -35,6 +39,8 @@ def actor_loss(cfg: Any, micro: Batch, logp: torch.Tensor, entropy: Optional[tor
     mode = str(a.loss_agg_mode)
     mask = micro.tensors["response_mask"]
     counts = {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")}
+    if not info["batch_num_tokens"] and rejection_on(cfg):  # every token of the mini-batch rejected: nothing to learn
+        return (logp * 0).sum(), {}
     old = micro.tensors["old_log_probs"] if use_old else logp.detach()
     loss, m = algorithm_spec(cfg.algorithm).loss(a, cfg.algorithm, micro.tensors, logp, old, info)
     metrics = _prefixed(m)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from portrl.algo.rollout_correction import correction_metrics
 from portrl.workers.batch import Batch
 from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) gradients alike
 
@@ -227,3 +228,17 @@ def rollout_gap_metrics(gaps: List[Dict[str, float]], world_size: int) -> Dict[s
     return {"training/rollout_probs_diff_mean": sums[0] / sums[2], "training/rollout_probs_diff_max": maxes[0],
             "training/rollout_log_probs_diff_mean": sums[1] / sums[2],
             "training/rollout_log_probs_diff_max": maxes[1]}
+
+
+def rollout_corr_metrics(parts: List[Dict[str, float]], world_size: int) -> Dict[str, float]:
+    """verl's ``rollout_corr/*`` metrics over every response token of the step on every rank, from per-micro-batch
+    partial statistics (:func:`portrl.algo.rollout_correction.correction_stats`: keys ending in ``_max`` combine by
+    maximum, the others by sum). Every rank calls it (collectives); empty when there were none."""
+    if not parts:
+        return {}
+    keys = sorted(parts[0])
+    maxed = [k for k in keys if k.endswith("_max")]
+    summed = [k for k in keys if k not in maxed]
+    sums = all_reduce_sum([sum(p[k] for p in parts) for k in summed], world_size)
+    maxes = all_reduce_max([max(p[k] for p in parts) for k in maxed], world_size)
+    return correction_metrics({**dict(zip(summed, sums)), **dict(zip(maxed, maxes))})
