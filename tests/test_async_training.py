@@ -141,3 +141,25 @@ def test_sigkill_and_resume_train_every_prompt_batch_once(tiny_model, tmp_path):
     assert [x["step"] for x in rows if x["step"] > 0] == list(range(1, 9))
     # 48 rows / 4 per batch: 12 batches an epoch; 8 steps train batches 0..7, each once, across the kill
     assert sum(_trained_batches(rows), []) == list(range(8))
+
+
+@pytest.mark.slow  # two separated async runs (~25 s each)
+def test_async_with_dynamic_sampling_and_with_a_critic(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    # DAPO's dynamic sampling: the overlong penalty makes rewards differ within groups; a step may take several
+    # generation batches, each from the requests in flight, still within the bound and each batch once
+    dapo, _ = _fit(_overrides(tiny_model, tmp_path / "dapo", **{
+        "trainer.mode": "async", "async_training.max_staleness": 1, "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.metric": "seq_reward", "reward.overlong_buffer.enable": True,
+        "reward.overlong_buffer.len": 4, "data.max_response_length": 6, "trainer.test_freq": 0}))
+    steps = [r for r in dapo if r["step"] > 0]
+    assert all(r["async/staleness_max"] <= 1 for r in steps if "async/staleness_max" in r)
+    used = sum(_trained_batches(dapo), [])
+    assert used == list(range(len(used))) and sum(r["train/num_gen_batches"] for r in steps) == len(used)
+    # PPO: the critic trains on the same stale batches (values from the current critic, GAE)
+    ppo, _ = _fit(_overrides(tiny_model, tmp_path / "ppo", **{
+        "trainer.mode": "async", "async_training.max_staleness": 1, "algorithm.adv_estimator": "gae",
+        "trainer.total_steps": 3, "trainer.test_freq": 0}))
+    steps = [r for r in ppo if r["step"] > 0]
+    assert [r["async/staleness_max"] for r in steps] == [0, 1, 1]
+    assert all(r["critic/vf_loss"] == r["critic/vf_loss"] for r in steps)  # finite, present

