@@ -229,6 +229,8 @@ class RolloutConfig:
     placement: str = "colocated"  # colocated (actor and rollout in one process) | separated
     num_rollout_workers: int = 1  # separated placement only
     weight_sync_bucket_mb: int = 64
+    weight_sync_mode: str = "bucketed"  # full | bucketed | delta (portrl/workers/weight_transport.py)
+    weight_transport: str = "auto"  # auto (the backend's first that fits) | broadcast | shared_memory
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
 
 

@@ -68,6 +68,7 @@ from portrl.workers.group import WorkerGroup
 from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.setup import setup_process, worker_backend
+from portrl.workers.weight_transport import sync_metrics
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     m.update(self.actor.metrics("update_actor", batch))
                 with timer("sync"):
-                    self.sync_weights()
+                    m.update(self.sync_weights(step))
         elapsed = time.perf_counter() - t0
         m.update(data_metrics(batch, int(cfg.data.max_response_length)))
         m.update(timer.metrics())
@@ -194,13 +195,13 @@ class RLTrainer:
         """Accuracy and score per data source on the validation prompts (portrl.trainer.validation)."""
         return validate(self.cfg, self.gen, self.reward, self.val_prompts, step)
 
-    def sync_weights(self) -> None:
-        """The policy to the engines: colocated ones (``sync_weights`` on the actors) or the separated
-        rollout workers (bucketed broadcast over ``weight_link``)."""
+    def sync_weights(self, version: int) -> Dict[str, float]:
+        """The policy (``version``: its step) to the engines: colocated ones (``sync_weights`` on the actors) or the
+        separated rollout workers (``weight_link``, whose sync's seconds and bytes are returned as metrics)."""
         if self.weight_link is not None:
-            self.weight_link.sync()
-        else:
-            self.actor.run("sync_weights")
+            return sync_metrics(self.weight_link.sync(version))
+        self.actor.run("sync_weights")
+        return {}
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Optional[Path]:
@@ -251,7 +252,7 @@ class RLTrainer:
         if self.use_ref and resume is None:
             self.actor.run("init_reference")
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
-            self.weight_link.sync()
+            self.weight_link.sync(self.global_step)
         if self.critic is not None and resume is None and int(cfg.critic.pretrain_steps) > 0:
             summary.update(pretrain_critic(cfg, self.critic, self._rollout))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
