@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import asdict
 
 import pytest
@@ -108,6 +109,8 @@ def _receive(backend, spec, port: int, rank: int) -> dict:
                 else:
                     state[name] = t.to("cpu", copy=True)
                 del t  # the caller's part of "one bucket at a time" (weight_transport's bucketed mode)
+                if rank == 2:  # a slow loader: the sender must wait for it before reusing a buffer
+                    time.sleep(0.003)
         except BaseException as exc:  # re-raised by the main thread
             errors.append(exc)
 
@@ -249,3 +252,44 @@ def test_delta_moves_only_what_changed_and_ends_equal_to_full(run):
     for rank in (1, 2):
         assert run[rank]["delta"]["syncs"][1]["stats"]["tensors"] == len(CHANGED)
         assert run[rank]["delta"]["weights"] == run[rank]["full"]["weights"]
+
+
+# ------------------------------------------------------------------- choosing a transport, the config, the metrics
+def test_the_backend_chooses_the_transport():
+    from portrl.errors import UserError
+    from portrl.workers.weight_transport import choose_transport
+
+    cpu, cuda = get_backend("cpu"), get_backend("cuda")
+    assert choose_transport(cpu, "auto", same_node=True).name == cpu.weight_transports[0] == "shared_memory"
+    assert choose_transport(cpu, "auto", same_node=False).name == "broadcast"  # shared memory is one node only
+    assert choose_transport(cpu, "broadcast", same_node=True).name == "broadcast"
+    assert choose_transport(cuda, "auto", same_node=True).name == "broadcast"  # over cuda's dist_backend (nccl)
+    with pytest.raises(UserError, match="needs the trainer and the rollout workers on one node"):
+        choose_transport(cpu, "shared_memory", same_node=False)
+    with pytest.raises(UserError, match="'shared_memory' is not offered by backend 'cuda'; it offers: auto, broadcast"):
+        choose_transport(cuda, "shared_memory", same_node=True)
+    for name in BACKENDS:  # every backend offers transports that exist, the broadcast among them
+        offered = get_backend(name).weight_transports
+        assert "broadcast" in offered and all(choose_transport(get_backend(name), t, True).name == t for t in offered)
+
+
+@pytest.mark.parametrize("overrides, phrase", [
+    (["rollout.weight_sync_mode=fast"], "rollout.weight_sync_mode='fast' is not one of 'full', 'bucketed', 'delta'"),
+    (["rollout.weight_transport=nccl"], "rollout.weight_transport='nccl' is not one of 'auto', 'broadcast'"),
+    (["rollout.weight_transport=shared_memory", "device.name=cuda"],
+     "rollout.weight_transport='shared_memory' is not offered by backend 'cuda'; it offers: auto, broadcast"),
+])
+def test_a_bad_mode_or_transport_is_one_line_exit_2(overrides, phrase, capsys):
+    from portrl.cli import main
+
+    assert main(["--log-level", "WARNING", "config", "show", *overrides]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and phrase in err[0] and err[0].startswith("portrl config: error: "), err
+
+
+def test_sync_stats_become_step_metrics():
+    from portrl.workers.weight_transport import SyncStats, sync_metrics
+
+    stats = asdict(SyncStats(tensors=10, buckets=3, bytes=4096, seconds=0.25, mode="delta", version=7))
+    assert sync_metrics(stats) == {"perf/weight_sync_s": 0.25, "perf/weight_sync_bytes": 4096.0,
+                                   "perf/weight_sync_buckets": 3.0, "perf/weight_sync_tensors": 10.0}
