@@ -85,7 +85,8 @@ def check_choices(cfg) -> list[str]:
     engines = ["auto", *engine_names()]
     if cfg.rollout.engine not in engines:
         problems.append(f"rollout.engine={cfg.rollout.engine!r} is not one of {', '.join(map(repr, engines))}")
-    transports = ["auto", *transport_names()]
+    offered = [t for b in all_backends() for t in b.weight_transports]  # a backend registers its own on import
+    transports = ["auto", *dict.fromkeys([*transport_names(), *offered])]
     if cfg.rollout.weight_transport not in transports:
         problems.append(f"rollout.weight_transport={cfg.rollout.weight_transport!r} is not one of "
                         f"{', '.join(map(repr, transports))}")
