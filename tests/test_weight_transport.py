@@ -293,3 +293,18 @@ def test_sync_stats_become_step_metrics():
     stats = asdict(SyncStats(tensors=10, buckets=3, bytes=4096, seconds=0.25, mode="delta", version=7))
     assert sync_metrics(stats) == {"perf/weight_sync_s": 0.25, "perf/weight_sync_bytes": 4096.0,
                                    "perf/weight_sync_buckets": 3.0, "perf/weight_sync_tensors": 10.0}
+
+
+def test_a_full_dev_shm_is_a_clear_error_not_a_sigbus(tmp_path, monkeypatch):
+    import errno
+
+    from portrl.workers import weight_shm
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = tmp_path / "segment"
+    with pytest.raises(RuntimeError, match="cannot reserve a 64 MiB segment .* rollout.weight_transport=broadcast"):
+        weight_shm._Mapping(str(path), 64 * 2**20, create=True)
+    assert not path.exists()  # nothing left behind

@@ -57,6 +57,22 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Give the new segment ``size`` bytes of the shared-memory filesystem now: a write past what a small
+    /dev/shm holds (a container's default is 64 MiB) would kill the process with SIGBUS instead."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        stat = os.statvfs(os.path.dirname(path))
+        raise RuntimeError(f"weight sync: cannot reserve a {size / 2**20:.0f} MiB segment in {SHM_DIR} "
+                           f"({stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free: {exc.strerror}); give the "
+                           "machine or container more shared memory (docker --shm-size), lower "
+                           "rollout.weight_sync_bucket_mb, or use rollout.weight_transport=broadcast") from exc
+
+
 class _Mapping:
     """A segment file mapped read-write, with a flat uint8 tensor over it."""
 
@@ -65,8 +81,12 @@ class _Mapping:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                _reserve(fd, path, size)
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                _unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path, self.size = path, size
