@@ -9,7 +9,8 @@ One sender (trainer rank 0, group rank 0) and R receivers (the rollout workers, 
   ``last_stats`` and ``last_version`` describe the sync. A yielded tensor belongs to the caller (no transport
   reuses its memory), so an engine may keep it. ``receive`` assumes nothing of the thread it runs on: a
   listener thread of the rollout worker may call it in a loop while the main thread generates (one caller at
-  a time per receiver).
+  a time per receiver). It waits for the next sync at most the transport's ``timeout_s`` (600 s by default),
+  then raises; a stream left undrained stalls the sender, which waits for every receiver.
 
 Modes (``rollout.weight_sync_mode``, :data:`SYNC_MODES`), the same on every transport:
 
