@@ -156,7 +156,7 @@ def test_weight_broadcast_in_buckets_between_ray_actors(cfg, dp_group):
         trained = dict(dp_group.rank0("named_weights"))  # FSDP2 shards, updated by the test above
         before = dict(rollout.rank0("named_weights"))
         assert any(not torch.equal(before[k], trained[k]) for k in trained)
-        link = WeightSyncLink(dp_group, rollout, bucket_mb=1536 / 2**20)  # 1.5 KiB buckets
+        link = WeightSyncLink(dp_group, rollout, bucket_mb=1536 / 2**20, transport="broadcast")  # 1.5 KiB buckets
         stats = link.sync()
         sizes = sorted(t.numel() * 4 for t in trained.values())
         assert sizes[-1] > 1536 and sizes[0] < 768  # some tensors span a bucket alone, small ones share

@@ -1,7 +1,9 @@
 """rollout.placement=separated across Ray actors: the trainer's actor worker trains without an engine, a
-RolloutWorker in its own resource pool generates, and after an update the bucketed broadcast over gloo
-leaves the rollout worker with the trainer's exact weights and log-probs; the two sides run on disjoint cores
-(portrl/workers/placement.py, the split rule: tests/test_compute_split.py). One module-scoped local Ray."""
+RolloutWorker in its own resource pool generates, and after an update the bucketed weight sync (over the CPU's
+first weight transport, shared memory; tests/test_distributed_ray.py runs the gloo broadcast between Ray actors,
+tests/test_weight_transport.py both in every mode) leaves the rollout worker with the trainer's exact weights and
+log-probs; the two sides run on disjoint cores (portrl/workers/placement.py, the split rule:
+tests/test_compute_split.py). One module-scoped local Ray."""
 
 import json
 import logging
@@ -69,6 +71,9 @@ def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, 
         summary = trainer.fit()  # generation (train and validation) went through the rollout worker
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert summary["steps"] == 2 and "val/acc/mean" in rows[-1] and rows[-1]["timing_s/sync"] > 0
+        assert trainer.weight_link.transport.name == "shared_memory"  # the CPU's first, all on one node
+        assert rows[-1]["perf/weight_sync_bytes"] > 0 and rows[-1]["perf/weight_sync_s"] > 0
+        assert rows[-1]["perf/weight_sync_tensors"] == len(actor.full_weights())
         _same(rollout.full_weights(), actor.full_weights())
 
         # one more update with random advantages (the policy surely moves), then one sync
@@ -83,6 +88,7 @@ def test_separated_rollout_worker_gets_the_policy_after_each_update(tiny_model, 
         assert any(not torch.equal(before[k], after[k]) for k in after)
         stats = trainer.weight_link.sync()
         assert stats["tensors"] == len(after) and stats["buckets"] >= 1  # bucket splitting: test_distributed_ray
+        assert stats["version"] == 3 and stats["mode"] == "bucketed"  # after the 2 steps' versions
         _same(rollout.full_weights(), after)
         b2 = rollout.concat("generate_from", prompts, sampling)
         lp = actor.concat("compute_log_probs", b2)["old_log_probs"]

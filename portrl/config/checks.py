@@ -1,6 +1,7 @@
 """Checks of a composed config that types alone cannot express.
 
-* choices: names that must come from a fixed set (truncation, scheduler, loggers, registered rollout engines);
+* choices: names that must come from a fixed set (truncation, scheduler, loggers, registered rollout engines,
+  the weight sync's mode and registered transports);
 * registries: ``algorithm.objective``, ``algorithm.adv_estimator``, ``actor.policy_loss.loss_mode``,
   ``actor.loss_agg_mode``, ``actor.kl_loss_type`` and ``algorithm.kl_penalty`` must be registered in
   ``portrl.algo`` (an estimator another package registered counts);
@@ -17,7 +18,8 @@
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
   is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
-  ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``.
+  ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``;
+  ``rollout.weight_transport`` is ``auto`` or one the backend offers (``weight_transports``).
   Whether an implementation *runs* on a given machine is decided at run time (``portrl.ops``).
 
 All problems are collected and raised together as one :class:`ConfigError`.
@@ -41,6 +43,7 @@ from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
 from portrl.rollout.registry import engine_names
 from portrl.workers.placement import placement_names, placement_needs_ray
+from portrl.workers.weight_transport import SYNC_MODES, transport_names
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -50,6 +53,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "critic.optim.scheduler": ("constant", "cosine", "linear"),
     "actor.strategy": ("auto", "fsdp", "ddp"),
     "rollout.placement": placement_names(),
+    "rollout.weight_sync_mode": SYNC_MODES,
     "reward.on_timeout": ("error", "zero"),
     "model.dtype": (None, "float32", "bfloat16", "float16"),
     "device.dtype": (None, "float32", "bfloat16", "float16"),
@@ -86,6 +90,11 @@ def check_choices(cfg) -> list[str]:
     engines = ["auto", *engine_names()]
     if cfg.rollout.engine not in engines:
         problems.append(f"rollout.engine={cfg.rollout.engine!r} is not one of {', '.join(map(repr, engines))}")
+    offered = [t for b in all_backends() for t in b.weight_transports]  # a backend registers its own on import
+    transports = ["auto", *dict.fromkeys([*transport_names(), *offered])]
+    if cfg.rollout.weight_transport not in transports:
+        problems.append(f"rollout.weight_transport={cfg.rollout.weight_transport!r} is not one of "
+                        f"{', '.join(map(repr, transports))}")
     bad = [x for x in cfg.trainer.loggers if x not in LOGGERS]
     if bad:
         problems.append(f"trainer.loggers has {bad}; valid loggers: {', '.join(LOGGERS)}")
@@ -319,6 +328,10 @@ def check_backend(cfg) -> list[str]:
         return [str(exc)]
     prefs = backend.kernel_preferences()
     problems = []
+    transport = cfg.rollout.weight_transport
+    if transport != "auto" and transport in transport_names() and transport not in backend.weight_transports:
+        problems.append(f"rollout.weight_transport={transport!r} is not offered by backend {name!r}; it offers: "
+                        f"auto, {', '.join(backend.weight_transports)}")
     attention = prefs.get("attention_varlen", ())
     for key in ("device.attn_impl", "model.attn_impl"):
         value = _get(cfg, key)

@@ -7,7 +7,7 @@ constructing a backend or calling :meth:`Backend.probe` never initialises a devi
 Method families:
 
 * identity: ``name``, ``device_type``, ``dist_backend``, ``ray_resource``,
-  ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``
+  ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``, ``weight_transports``
 * probe: :meth:`probe` -> :class:`ProbeResult`
 * device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
   :meth:`synchronize`, :meth:`configure_allocator`, :meth:`empty_cache`, :meth:`memory_stats`,
@@ -138,6 +138,9 @@ class Backend:
     visible_devices_env: ClassVar[str | None] = None  # variable that Ray sets for each worker
     ray_noset_env: ClassVar[tuple[str, ...]] = ()  # opt-outs that stop Ray setting the variable
     detect_priority: ClassVar[int] = 0  # higher is tried first by detection ("auto")
+    #: weight transports to separated rollout workers this backend offers, best first (names registered in
+    #: portrl/workers/weight_transport.py; ``broadcast`` runs over ``dist_backend``)
+    weight_transports: ClassVar[tuple[str, ...]] = ("broadcast",)
     #: distributions whose versions `portrl devices` and `doctor` report
     version_packages: ClassVar[tuple[str, ...]] = ("torch",)
     #: version rows this backend is known to work with (newest first)

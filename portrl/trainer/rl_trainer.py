@@ -69,6 +69,7 @@ from portrl.workers.group import WorkerGroup
 from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.setup import setup_process, worker_backend
+from portrl.workers.weight_transport import sync_metrics
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class RLTrainer:
             self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.reward = RewardScorer(cfg, self.tokenizer)
-        # generation requests, asked for at the step or ahead of it (trainer.mode; portrl/trainer/rollout_pipeline.py)
-        self.pipeline = RolloutPipeline(cfg, self.gen, self._next_prompts, self.train_ds.state_dict)
+        self.pipeline = RolloutPipeline(cfg, self.gen, self._next_prompts, self.train_ds.state_dict)  # trainer.mode
         if self.pipeline.plan.overlaps and self.weight_link is None:
             raise UserError(f"trainer.mode={cfg.trainer.mode} overlaps rollout and training on disjoint resources: "
                             f"set rollout.placement=separated")
@@ -181,7 +181,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     m.update(self.actor.metrics("update_actor", batch))
                 with timer("sync"):
-                    self.sync_weights(step)
+                    m.update(self.sync_weights(step))
         elapsed = time.perf_counter() - t0
         m.update(data_metrics(batch, int(cfg.data.max_response_length)))
         m.update(timer.metrics())
@@ -197,14 +197,14 @@ class RLTrainer:
         extra = {"min_version": self.sent_version} if self.pipeline.plan.overlaps else None
         return validate(self.cfg, self.gen, self.reward, self.val_prompts, step, extra)
 
-    def sync_weights(self, version: int) -> None:
-        """The policy (version ``version``: the step of its update) to the engines: colocated ones
-        (``sync_weights`` on the actors) or the separated rollout workers (bucketed broadcast over ``weight_link``)."""
-        if self.weight_link is not None:
-            self.weight_link.sync(version)
-        else:
-            self.actor.run("sync_weights")
+    def sync_weights(self, version: int) -> Dict[str, float]:
+        """The policy (``version``: its step) to the engines: colocated ones (``sync_weights`` on the actors) or the
+        separated rollout workers (``weight_link``, whose sync's seconds and bytes are returned as metrics)."""
         self.sent_version = version
+        if self.weight_link is not None:
+            return sync_metrics(self.weight_link.sync(version))
+        self.actor.run("sync_weights")
+        return {}
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Optional[Path]:

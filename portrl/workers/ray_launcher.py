@@ -24,7 +24,8 @@ from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
-from portrl.workers.weight_sync import WeightReceiver, WeightSender
+from portrl.workers.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
+                                             transport_spec)
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
@@ -43,7 +44,7 @@ class WorkerHost:
     def __init__(self, role: str, rank: int, world_size: int, backend: Backend):
         self.role, self.rank, self.world_size, self.backend = role, rank, world_size, backend
         self.worker: Any = None  # the worker class's instance, built by start()
-        self._sync: WeightSender | WeightReceiver | None = None
+        self._sync: TransportSender | TransportReceiver | None = None
 
     def node_info(self) -> Dict[str, Any]:
         import ray
@@ -93,20 +94,24 @@ class WorkerHost:
         """``worker.named_weights()`` as full CPU tensors (sharded ones all-gathered: call it on every rank)."""
         return {n: _full(t).detach().cpu() for n, t in self.worker.named_weights()}
 
-    # weight sync (separated placement, see portrl.workers.weight_sync)
-    def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float) -> None:
-        self._sync = (WeightSender(self.backend, addr, port, group_size, bucket_mb) if group_rank == 0
-                      else WeightReceiver(self.backend, addr, port, group_rank, group_size))
+    # weight sync (separated placement, see portrl.workers.weight_transport)
+    def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float,
+                         transport: str = "broadcast", mode: str = "bucketed") -> None:
+        spec = transport_spec(transport)
+        # a receiver waits for the next sync as long as a step lasts (its listener thread waits between steps, and
+        # the driver's own time limit on the workers covers a trainer that stops answering): a day, not 600 s
+        self._sync = (make_sender(spec, self.backend, addr, port, group_size, bucket_mb, mode) if group_rank == 0
+                      else make_receiver(spec, self.backend, addr, port, group_rank, group_size, timeout_s=86400.0))
 
-    def push_weights(self, version: int = 0) -> Optional[Dict[str, int]]:
-        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends them as
-        policy ``version``."""
+    def push_weights(self, version: int = 0) -> Optional[Dict[str, Any]]:
+        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends them
+        as policy ``version`` and returns its stats."""
         named = [(n, _full(t)) for n, t in self.worker.named_weights()]
-        return asdict(self._sync.send(named, version)) if isinstance(self._sync, WeightSender) else None
+        return asdict(self._sync.send(named, version)) if isinstance(self._sync, TransportSender) else None
 
-    def pull_weights(self) -> Dict[str, int]:
-        """``worker.update_weights(...)`` with the received tensors (drained fully, so the broadcast completes)."""
-        if not isinstance(self._sync, WeightReceiver):
+    def pull_weights(self) -> Dict[str, Any]:
+        """``worker.update_weights(...)`` with the received tensors (drained fully, so the sync completes)."""
+        if not isinstance(self._sync, TransportReceiver):
             raise RuntimeError("pull_weights: this rank has not joined a weight sync as a receiver")
         stream = self._sync.receive()
         self.worker.update_weights(stream)
@@ -121,7 +126,7 @@ class WorkerHost:
         version)`` while the worker generates (the asynchronous modes, portrl.workers.partial_rollout); a failure
         is kept for the worker's next wait (``worker.weights.fail``)."""
         receiver = self._sync
-        if not isinstance(receiver, WeightReceiver):
+        if not isinstance(receiver, TransportReceiver):
             raise RuntimeError("start_weight_listener: this rank has not joined a weight sync as a receiver")
 
         def listen() -> None:

@@ -2,10 +2,12 @@
 
 Separated placement: the actor workers train (no engine), ``rollout.num_rollout_workers`` RolloutWorkers in a
 resource pool of their own generate. After every actor update (and after a resume or SFT warm start) the
-policy reaches them through :class:`~portrl.workers.weight_sync.WeightSyncLink`: trainer rank 0 broadcasts
-full tensors (LoRA deltas merged, base names) in buckets of ``rollout.weight_sync_bucket_mb`` MiB over a
-process group of the backend's collective (gloo on the CPU), and each RolloutWorker loads them into its
-engine with ``update_weights``.
+policy reaches them through :class:`~portrl.workers.weight_sync.WeightSyncLink`: trainer rank 0 sends full
+tensors (LoRA deltas merged, base names) over the transport the backend chooses (``rollout.weight_transport``:
+a broadcast over the backend's collective, or shared memory on one CPU node) in the mode
+``rollout.weight_sync_mode`` (``full``, ``bucketed`` in buckets of ``rollout.weight_sync_bucket_mb`` MiB, or
+``delta``; portrl/workers/weight_transport.py), and each RolloutWorker loads them into its engine with
+``update_weights``.
 
 :func:`generate_batch` (engine + tokenizer -> rollout Batch) is shared with the colocated
 :class:`~portrl.workers.actor.ActorRolloutWorker`.
@@ -152,5 +154,6 @@ def separated_rollout(cfg: Any, backend: Backend, actor_group: Any) -> Tuple[Any
     if n < 1:
         raise ValueError(f"rollout.num_rollout_workers must be >= 1 with rollout.placement=separated, got {n}")
     group = WorkerGroup(RolloutWorker, cfg, n, backend, role="rollout")  # Ray (separated placement), a pool of its own
-    link = WeightSyncLink(actor_group, group, float(cfg.rollout.weight_sync_bucket_mb))
+    link = WeightSyncLink(actor_group, group, float(cfg.rollout.weight_sync_bucket_mb),
+                          str(cfg.rollout.weight_transport), str(cfg.rollout.weight_sync_mode))
     return group, link
