@@ -163,3 +163,35 @@ def test_async_with_dynamic_sampling_and_with_a_critic(tiny_model, tmp_path, mon
     steps = [r for r in ppo if r["step"] > 0]
     assert [r["async/staleness_max"] for r in steps] == [0, 1, 1]
     assert all(r["critic/vf_loss"] == r["critic/vf_loss"] for r in steps)  # finite, present
+
+
+@pytest.mark.slow  # a separated async run whose rollout worker is killed at step 2 (~20 s)
+def test_a_rollout_worker_that_dies_with_requests_in_flight_is_named(tiny_model, tmp_path, monkeypatch):
+    from portrl.trainer.resources import settle_config
+    from portrl.trainer.rl_trainer import RLTrainer
+    from portrl.trainer.rollout_pipeline import RolloutPipeline
+    from portrl.workers.group import WorkerDiedError
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    cfg = default_config()
+    for k, v in _overrides(tiny_model, tmp_path / "run", **{"trainer.mode": "async",
+                                                             "async_training.max_staleness": 2}).items():
+        OmegaConf.update(cfg, k, v)
+    init_ray(cfg, get_backend("cpu"), num_cpus=3)
+    trainer = RLTrainer(settle_config(cfg))
+    pid = trainer.rollout.info[0]["pid"]
+    take = RolloutPipeline.take
+
+    def take_after_a_crash(self, step, version, extra=None):  # the real take, once the worker is gone at step 2
+        if step == 2:
+            os.kill(pid, signal.SIGKILL)
+        return take(self, step, version, extra)
+
+    monkeypatch.setattr(RolloutPipeline, "take", take_after_a_crash)
+    try:
+        with pytest.raises(WorkerDiedError) as err:
+            trainer.fit()
+        assert f"rollout rank 0 on node 127.0.0.1 (node id" in str(err.value) and f"pid {pid}" in str(err.value)
+        assert len(_metrics(tmp_path / "run")) == 2  # validation before training and step 1
+    finally:
+        trainer.shutdown_workers()

@@ -113,18 +113,25 @@ def _limit(items: Sequence[tuple], timeout_s: Optional[float]) -> Optional[float
     return min(limits) if limits else None
 
 
-def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, method: str = "") -> List[Any]:
+def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, method: str = "",
+                 watch: Sequence[tuple] = ()) -> List[Any]:
     """Results of ``(group, rank, ObjectRef)`` items, in order. The first dead actor raises WorkerDiedError
     naming it (its group is shut down: the others' collectives cannot complete); the first failing call
     re-raises the worker's error with the worker named in a note. Past the time limit (module docstring)
-    :class:`WorkerTimeoutError` names the workers still missing (``method`` names the call in the message)."""
+    :class:`WorkerTimeoutError` names the workers still missing (``method`` names the call in the message).
+    ``watch``: more ``(group, rank, ObjectRef)`` of calls that never return while their worker lives (a rollout
+    worker's weight listener): not waited for, but one that ends (its worker died, or it raised) is raised the same
+    way, and one that returns is an error."""
     import ray
 
-    pending = {ref: i for i, (_, _, ref) in enumerate(items)}
-    results: List[Any] = [None] * len(items)
+    everything = list(items) + list(watch)
+    pending = {ref: i for i, (_, _, ref) in enumerate(everything)}
+    results: List[Any] = [None] * len(everything)
     limit = _limit(items, timeout_s)
     deadline = None if limit is None else time.monotonic() + limit
-    while pending:
+    items = everything
+    waiting = len(everything) - len(watch)  # results still missing among the calls waited for
+    while waiting:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S if left is None else min(left, POLL_S))
         if not ready and deadline is not None and limit is not None and time.monotonic() >= deadline:
@@ -140,6 +147,9 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
             group, rank, _ = items[i]
             try:
                 results[i] = ray.get(ref)
+                if i >= len(items) - len(watch):
+                    raise RuntimeError(f"the weight listener of {group.describe(rank)} ended")
+                waiting -= 1
             except ray.exceptions.RayActorError as exc:
                 died = WorkerDiedError(group.describe(rank), exc)
                 _shutdown_all(items)
@@ -152,7 +162,7 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
                 if hasattr(exc, "add_note"):
                     exc.add_note(f"raised by worker {group.describe(rank)}")
                 raise
-    return results
+    return results[:len(items) - len(watch)]
 
 
 #: how long a failed call waits for the other calls to show whether a peer died (Ray notices a dead actor in ms)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
@@ -31,6 +30,8 @@ if TYPE_CHECKING:
     from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
+
+LISTENER = "listener"  # the concurrency group of WorkerHost.listen_for_weights
 
 
 def _full(t: Any) -> Any:
@@ -121,23 +122,22 @@ class WorkerHost:
         self.worker.set_weights_version(self._sync.last_version)
         return asdict(self._sync.last_stats)
 
-    def start_weight_listener(self) -> None:
-        """A daemon thread that receives every later sync and stages it with ``worker.stage_weights(named,
-        version)`` while the worker generates (the asynchronous modes, portrl.workers.partial_rollout); a failure
-        is kept for the worker's next wait (``worker.weights.fail``)."""
+    def listen_for_weights(self) -> None:
+        """Receive every later sync and stage it with ``worker.stage_weights(named, version)`` while the worker
+        generates (the asynchronous modes, portrl.workers.partial_rollout). Called in the ``listener``
+        concurrency group (its own thread; the worker's other calls still run one at a time), it returns only by
+        raising: its pending result is how the driver sees this worker alive (WeightSyncLink). A failure is also
+        kept for the worker's next generation (``worker.weights.fail``), which raises it."""
         receiver = self._sync
         if not isinstance(receiver, TransportReceiver):
-            raise RuntimeError("start_weight_listener: this rank has not joined a weight sync as a receiver")
-
-        def listen() -> None:
-            try:
-                while True:
-                    named = list(receiver.receive())
-                    self.worker.stage_weights(named, receiver.last_version)
-            except BaseException as exc:  # noqa: BLE001  (kept for the worker's next wait, which raises it)
-                self.worker.weights.fail(exc)
-
-        threading.Thread(target=listen, name="portrl-weight-listener", daemon=True).start()
+            raise RuntimeError("listen_for_weights: this rank has not joined a weight sync as a receiver")
+        try:
+            while True:
+                named = list(receiver.receive())
+                self.worker.stage_weights(named, receiver.last_version)
+        except BaseException as exc:
+            self.worker.weights.fail(exc)
+            raise
 
 
 class RayLauncher:
@@ -174,7 +174,9 @@ class RayLauncher:
         bundle = self.pool.bundle()
         res = backend.ray_resource
         env = worker_env(cfg, backend, share_devices=self.share_devices)
-        remote = ray.remote(WorkerHost)
+        # "listener": one more thread for a rollout worker's weight listener (listen_for_weights); every other
+        # call runs in the default group, one at a time
+        remote = ray.remote(concurrency_groups={LISTENER: 1})(WorkerHost)  # type: ignore[call-overload]  # Ray's stubs omit it
         for rank in range(self.num_workers):
             opts = dict(num_cpus=bundle["CPU"] / share, scheduling_strategy=self.pool.scheduling(rank),
                         runtime_env={"env_vars": env}, max_restarts=0)

@@ -18,7 +18,7 @@ added) is :mod:`portrl.workers.weight_transport`. Here:
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,7 @@ class WeightSyncLink:
         items += [(rollout, r, a.join_weight_sync.remote(addr, port, r + 1, size, bucket_mb, name, mode))
                   for r, a in enumerate(receivers)]
         wait_results(items)
-        self.listening = False
+        self.listeners: List[Tuple[Any, int, Any]] = []  # (group, rank, pending listen_for_weights) per rollout rank
 
     def sync(self, version: Optional[int] = None) -> Dict[str, Any]:
         """One sync of the trainer's current policy as ``version`` (default: one more than the last); waits until
@@ -152,13 +152,16 @@ class WeightSyncLink:
         self.version = self.version + 1 if version is None else int(version)
         items = [(self.trainer, r, a.push_weights.remote(self.version))
                  for r, a in enumerate(self.trainer.launcher.actors)]
-        if not self.listening:
+        if not self.listeners:
             items += [(self.rollout, r, a.pull_weights.remote()) for r, a in enumerate(self.rollout.launcher.actors)]
-        return wait_results(items)[0]
+        # a listener's result only comes when it fails or its worker dies: then the sync cannot complete, and the
+        # error names that rollout worker instead of the sender that waits for it
+        return wait_results(items, watch=self.listeners)[0]
 
     def start_listeners(self) -> None:
         """From now on each rollout worker receives every sync in a thread of its own while it generates
-        (portrl.workers.partial_rollout.StagedWeights)."""
-        wait_results([(self.rollout, r, a.start_weight_listener.remote())
-                      for r, a in enumerate(self.rollout.launcher.actors)])
-        self.listening = True
+        (``WorkerHost.listen_for_weights``; portrl.workers.partial_rollout.StagedWeights)."""
+        from portrl.workers.ray_launcher import LISTENER
+
+        self.listeners = [(self.rollout, r, a.listen_for_weights.options(concurrency_group=LISTENER).remote())
+                          for r, a in enumerate(self.rollout.launcher.actors)]
