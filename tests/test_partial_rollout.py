@@ -124,3 +124,19 @@ def test_image_prompts_continue_with_their_images(tmp_path):
         more = SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
         want = direct.generate([pb.prompt_ids[r] + row[:2]], more, multi_modal=[pb.multi_modal[r]]).response_ids[0]
         assert row[2:] == want
+
+
+def test_rows_decoded_in_chunks_continue_each_from_where_it_stopped(model_path):
+    """With max_batch_rows the hf engine decodes prompts in chunks: the first chunk stops after 3 tokens, the next
+    (the new weights still waiting) after its first; each continues with its own token budget."""
+    tok = load_tokenizer(model_path)
+    engine = HFEngine(model_path=model_path, tokenizer=tok, max_batch_rows=2)
+    staged = StagedWeights(version=3)
+    staged.arrived = ArriveOnCheck(staged, after=3, version=4, named=_perturbed(engine))
+    params = SamplingParams(n=2, max_new_tokens=10, seed=7)
+    ids, lps, reasons, versions = generate_versioned(engine, staged, [[5, 6, 7], [8, 9]], params, partial=True)
+    assert FINISH_ABORT not in reasons and all(len(r) <= 10 for r in ids)
+    for r, row in enumerate(ids):
+        k = min(3 if r < 2 else 1, len(row))
+        assert versions[r][:k] == [3] * k and set(versions[r][k:]) <= {4}, (r, versions[r])
+    assert any(len(row) > 3 for row in ids[2:])

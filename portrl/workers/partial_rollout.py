@@ -103,17 +103,20 @@ def generate_versioned(engine: Any, staged: StagedWeights, prompt_ids: Sequence[
         while watch and FINISH_ABORT in reasons:
             version = staged.apply(load)
             segment += 1
-            rows = [r for r, why in enumerate(reasons) if why == FINISH_ABORT]
-            done = len(ids[rows[0]])  # rows stopped together (one interrupt) have the same length
             seed = None if params.seed is None else params.seed + 7919 * segment
-            more = replace(params, n=1, max_new_tokens=params.max_new_tokens - done, seed=seed)
-            cont = _generate(engine, [list(prompt_ids[r // params.n]) + ids[r] for r in rows], more,
-                             None if images is None else [images[r // params.n] for r in rows])
-            for r, new_ids, new_lps, why in zip(rows, cont.response_ids, cont.logprobs, cont.finish_reasons):
-                ids[r] = ids[r] + list(new_ids)
-                lps[r] = lps[r] + list(new_lps)
-                versions[r] = versions[r] + [version] * len(new_ids)
-                reasons[r] = why
+            stopped = [r for r, why in enumerate(reasons) if why == FINISH_ABORT]
+            # rows stopped by one interrupt have one length; an engine that decodes in chunks stops each chunk's
+            # rows at another length: each length continues with its own token budget
+            for done in sorted({len(ids[r]) for r in stopped}):
+                rows = [r for r in stopped if len(ids[r]) == done]
+                more = replace(params, n=1, max_new_tokens=params.max_new_tokens - done, seed=seed)
+                cont = _generate(engine, [list(prompt_ids[r // params.n]) + ids[r] for r in rows], more,
+                                 None if images is None else [images[r // params.n] for r in rows])
+                for r, new_ids, new_lps, why in zip(rows, cont.response_ids, cont.logprobs, cont.finish_reasons):
+                    ids[r] = ids[r] + list(new_ids)
+                    lps[r] = lps[r] + list(new_lps)
+                    versions[r] = versions[r] + [version] * len(new_ids)
+                    reasons[r] = why
     finally:
         if watch:
             engine.set_interrupt(None)

@@ -119,7 +119,9 @@ class WorkerHost:
         for _ in stream:
             pass
         assert self._sync.last_stats is not None  # set once the stream is drained
-        self.worker.set_weights_version(self._sync.last_version)
+        set_version = getattr(self.worker, "set_weights_version", None)  # a worker that tags its rollouts with it
+        if set_version is not None:
+            set_version(self._sync.last_version)
         return asdict(self._sync.last_stats)
 
     def listen_for_weights(self) -> None:

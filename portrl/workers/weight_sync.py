@@ -6,7 +6,7 @@ added) is :mod:`portrl.workers.weight_transport`. Here:
 
 * :class:`WeightSender` / :class:`WeightReceiver`, the ``broadcast`` transport: the sender (trainer rank 0,
   group rank 0) and the receivers (rollout workers, group ranks 1..R) form their own process group of the
-  backend's collective (``backend.dist_backend``: gloo on the CPU, NCCL / RCCL / HCCL as the cuda / rocm / npu
+  backend's collective (``backend.dist_backend``: gloo on the CPU, NCCL / RCCL / HCCL as the accelerator
   backends name it), created beside whatever default group each process already has. One sync broadcasts the
   header (version, mode, metadata, bucket plan) as an object, then each bucket as one flat buffer. Buffers
   live on the CPU for gloo and on the process's current device for the accelerator collectives (only hardware
