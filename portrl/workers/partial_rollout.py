@@ -12,7 +12,8 @@ sends each version to the rollout workers with the weight transport (portrl/work
   ``arrived``: new weights stop the generations in flight after the token being sampled; each row keeps its tokens
   and per-token log-probs, the worker loads the new weights and continues the row from prompt + tokens so far
   (token ids in, token ids out: nothing is decoded and re-encoded), until every row stopped or reached
-  ``max_new_tokens``. Every response token records the version that produced it (``rollout_versions``, (B, T)).
+  ``max_new_tokens``. Rows stopped with prefixes of different lengths (vLLM: requests still queued) continue in one
+  call per length. Every response token records the version that produced it (``rollout_versions``, (B, T)).
   A continuation samples with seed ``seed + 7919 * k`` for its k-th segment.
 
 The staged copy costs one extra copy of the weights in the rollout worker's memory.
@@ -103,17 +104,19 @@ def generate_versioned(engine: Any, staged: StagedWeights, prompt_ids: Sequence[
         while watch and FINISH_ABORT in reasons:
             version = staged.apply(load)
             segment += 1
-            rows = [r for r, why in enumerate(reasons) if why == FINISH_ABORT]
-            done = len(ids[rows[0]])  # rows stopped together (one interrupt) have the same length
+            aborted = [r for r, why in enumerate(reasons) if why == FINISH_ABORT]
             seed = None if params.seed is None else params.seed + 7919 * segment
-            more = replace(params, n=1, max_new_tokens=params.max_new_tokens - done, seed=seed)
-            cont = _generate(engine, [list(prompt_ids[r // params.n]) + ids[r] for r in rows], more,
-                             None if images is None else [images[r // params.n] for r in rows])
-            for r, new_ids, new_lps, why in zip(rows, cont.response_ids, cont.logprobs, cont.finish_reasons):
-                ids[r] = ids[r] + list(new_ids)
-                lps[r] = lps[r] + list(new_lps)
-                versions[r] = versions[r] + [version] * len(new_ids)
-                reasons[r] = why
+            # one call per prefix length: the hf engine stops all rows at one length, vLLM's queued rows have fewer
+            for done in sorted({len(ids[r]) for r in aborted}):
+                rows = [r for r in aborted if len(ids[r]) == done]
+                more = replace(params, n=1, max_new_tokens=params.max_new_tokens - done, seed=seed)
+                cont = _generate(engine, [list(prompt_ids[r // params.n]) + ids[r] for r in rows], more,
+                                 None if images is None else [images[r // params.n] for r in rows])
+                for r, new_ids, new_lps, why in zip(rows, cont.response_ids, cont.logprobs, cont.finish_reasons):
+                    ids[r] = ids[r] + list(new_ids)
+                    lps[r] = lps[r] + list(new_lps)
+                    versions[r] = versions[r] + [version] * len(new_ids)
+                    reasons[r] = why
     finally:
         if watch:
             engine.set_interrupt(None)
