@@ -129,10 +129,14 @@ def from_partial_outputs(completions: Sequence[Sequence[Any | None]]) -> Rollout
     result = RolloutOutput()
     for i, samples in enumerate(completions):
         for comp in samples:
-            reason = FINISH_ABORT if comp is None or comp.finish_reason in (None, FINISH_ABORT) else comp.finish_reason
-            if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
-                raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
-            ids, lps = ([], []) if comp is None else _completion_row(i, comp)
+            ids: list[int] = []
+            lps: list[float] = []
+            reason = FINISH_ABORT
+            if comp is not None:
+                ids, lps = _completion_row(i, comp)
+                if comp.finish_reason not in (None, FINISH_ABORT, FINISH_STOP, FINISH_LENGTH):
+                    raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {comp.finish_reason!r}")
+                reason = comp.finish_reason or FINISH_ABORT
             result.response_ids.append(ids)
             result.logprobs.append(lps)
             result.finish_reasons.append(reason)
