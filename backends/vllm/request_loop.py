@@ -11,10 +11,10 @@ once it is set the loop stops and aborts the requests not finished. A sample kee
 reported; a token being sampled in that moment is dropped with its request.
 
 Prompts are rendered by ``LLM._preprocess_cmpl_one`` where the LLM has it (vLLM 0.32: what ``LLM.generate`` itself
-does with a prompt; ``add_request`` deprecates raw prompts there); without it the prompt dict goes to ``add_request``. The request ids
-(``portrl-<call>-<prompt>``) cannot collide with ``LLM.generate``'s numeric ones; ``n`` > 1 fans out into vLLM's
-child requests as in ``LLM.generate`` (the same seeds: ``seed + sample index``), so that a call never interrupted
-samples what ``LLM.generate`` would.
+does with a prompt; ``add_request`` deprecates raw prompts there); without it the prompt dict goes to
+``add_request``. The request ids (``portrl-<call>-<prompt>``) cannot collide with ``LLM.generate``'s numeric ones;
+``n`` > 1 fans out into vLLM's child requests as in ``LLM.generate`` (the same seeds: ``seed + sample index``), so
+that a call never interrupted samples what ``LLM.generate`` would.
 """
 
 from __future__ import annotations

@@ -134,9 +134,9 @@ def from_partial_outputs(completions: Sequence[Sequence[Any | None]]) -> Rollout
             reason = FINISH_ABORT
             if comp is not None:
                 ids, lps = _completion_row(i, comp)
-                if comp.finish_reason not in (None, FINISH_ABORT, FINISH_STOP, FINISH_LENGTH):
-                    raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {comp.finish_reason!r}")
                 reason = comp.finish_reason or FINISH_ABORT
+                if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
+                    raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
             result.response_ids.append(ids)
             result.logprobs.append(lps)
             result.finish_reasons.append(reason)
