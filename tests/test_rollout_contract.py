@@ -169,8 +169,8 @@ def test_hook_sees_translated_settings_and_keywords_and_has_the_last_word(tiny):
 # --- capabilities -----------------------------------------------------------------------------------
 def test_hf_engine_declares_and_answers(tiny):
     assert engine_capabilities("hf") == EngineCapabilities(in_process_weights=True, forward_recording=True,
-                                                           sleep_wake=True)
-    assert VLLMEngine.capabilities == EngineCapabilities(sleep_wake=True)
+                                                           sleep_wake=True, interruptible=True)
+    assert VLLMEngine.capabilities == EngineCapabilities(sleep_wake=True, interruptible=True)
     model = load_causal_lm(tiny, backend="cpu")
     shared = make_engine("hf", model=model, backend="cpu")
     assert shared.shares_module(model) and not shared.shares_module(load_causal_lm(tiny, backend="cpu"))

