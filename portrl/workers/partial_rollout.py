@@ -12,8 +12,8 @@ sends each version to the rollout workers with the weight transport (portrl/work
   ``arrived``: new weights stop the generations in flight after the token being sampled; each row keeps its tokens
   and per-token log-probs, the worker loads the new weights and continues the row from prompt + tokens so far
   (token ids in, token ids out: nothing is decoded and re-encoded), until every row stopped or reached
-  ``max_new_tokens``. Rows stopped with prefixes of different lengths (vLLM: requests still queued) continue in one
-  call per length. Every response token records the version that produced it (``rollout_versions``, (B, T)).
+  ``max_new_tokens``. Rows stopped with prefixes of different lengths (an engine's requests still queued, or
+  chunks decoded one after another) continue in one call per length. Every response token records the version that produced it (``rollout_versions``, (B, T)).
   A continuation samples with seed ``seed + 7919 * k`` for its k-th segment.
 
 The staged copy costs one extra copy of the weights in the rollout worker's memory.
