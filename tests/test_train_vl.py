@@ -136,3 +136,28 @@ def _train_two_ray_workers(model_dir, mixed, files, out):
                  "rollout.n=2", "actor.ppo_mini_batch_size=4", "trainer.total_steps=1", "trainer.test_freq=0",
                  "trainer.num_workers=2", "device.num_threads=1", "trainer.progress_bar=false", "trainer.plot=false",
                  "trainer.export_hf=false", f"trainer.output_dir={out}"]) == 0
+
+
+@pytest.mark.slow  # three async GRPO steps of the tiny vision-language model on a separated Ray rollout worker (~60 s)
+def test_async_grpo_with_image_prompts_on_a_separated_rollout_worker(tmp_path):
+    """trainer.mode=async on the vision-language path: the rollout worker generates image prompts ahead of the
+    trainer, new weights stop and continue them (partial rollout) with their images, and the steps train on
+    tokens at most max_staleness versions old."""
+    pytest.importorskip("ray")
+    model_dir = write_tiny_vl_model(tmp_path / "qwen25vl", initializer_range=0.2)
+    files = write_geo3k_parquet(tmp_path / "geo3k", n=6, n_test=2)
+    out = tmp_path / "run"
+    try:
+        assert main(["--log-level", "WARNING", "train", "data=geo3k", f"model.path={model_dir}",
+                     f"data.train_files=[{files['train']}]", f"data.val_files=[{files['test']}]",
+                     "data.max_prompt_length=256", "data.max_response_length=8", "data.train_batch_size=2",
+                     "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.optim.lr=1e-3", "trainer.total_steps=3",
+                     "trainer.test_freq=3", "rollout.placement=separated", "trainer.mode=async",
+                     "async_training.max_staleness=1", "device.num_threads=1", "trainer.progress_bar=false",
+                     "trainer.plot=false", "trainer.export_hf=false", f"trainer.output_dir={out}"]) == 0
+    finally:
+        shutdown_ray()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["async/staleness_max"] for r in steps] == [0, 1, 1] and "val/acc/mean" in rows[-1]
+    assert all(math.isfinite(v) for r in steps for v in r.values() if isinstance(v, float))
