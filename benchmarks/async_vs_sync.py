@@ -10,7 +10,8 @@ problems) with the medium benchmark model (benchmarks/_common.py CONFIGS: Qwen2 
 layers, arith vocabulary; 12.7M parameters), float32 on the CPU. A model that knows nothing of the task gets no
 reward, so every run starts from one SFT warm start of that model (``portrl sft``: ``--sft-steps`` steps of
 ``--sft-batch`` examples at ``--sft-lr``, stopped early once P(answer) reaches ``--sft-target-p``, as the
-default run's warm start does), written once into ``--model-cache`` and shared by every mode and seed. Each RL run:
+default run's warm start does), written once into ``--model-cache`` and shared by every mode and seed
+(``--warm-start DIR``: start from that model folder instead, e.g. an SFT made by hand). Each RL run:
 ``--prompts`` prompts x ``--samples`` samples a step, one optimizer step per batch, constant lr ``--lr``,
 ``--steps`` steps, validation before the first step and after the last only.
 
@@ -79,6 +80,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sft-target-p", type=float, default=0.45,
                    help="stop the SFT once P(answer) reaches this (default 0.45; <= 0: run the whole schedule)")
     p.add_argument("--model-cache", default=None, help="folder that keeps the model and its SFT between runs")
+    p.add_argument("--warm-start", default=None,
+                   help="start every run from this model folder instead (no SFT here; e.g. an earlier portrl sft)")
     p.add_argument("--quick", action="store_true", help="smoke: small model, 3 steps, seed 0, 4 x 2 samples")
     p.add_argument("--json", default=None, help="write every run's figures to this file")
     p.add_argument("--verbose", action="store_true", help="show each run's output")
@@ -96,6 +99,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--modes: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(MODES)}")
     if not args.seeds or args.steps < 2 or min(args.prompts, args.samples, args.sft_steps, args.sft_batch) < 1:
         p.error("--seeds needs one seed or more, --steps >= 2, --prompts / --samples / --sft-steps / --sft-batch >= 1")
+    if args.warm_start and not (Path(args.warm_start) / "config.json").is_file():
+        p.error(f"--warm-start {args.warm_start}: not a model folder (no config.json)")
     if args.sft_target_p is not None and args.sft_target_p <= 0:
         args.sft_target_p = None
     return args
@@ -152,7 +157,8 @@ def summarize(records: List[dict], sequences_per_step: int) -> dict:
     """One run's figures from its ``metrics.jsonl`` records (``{"step": k, ...}``; step 0: validation before
     training): ``samples_per_s`` over steps 2..S (see the module docstring), ``acc_before`` / ``acc_after`` (the
     last ``val/acc/mean``), ``phases`` (median seconds of each ``timing_s/<phase>`` over steps 2..S, the
-    validation's excluded) and the staleness means of the steps that log it."""
+    validation's excluded), the staleness means of the steps that log it, and the seconds of all steps (``step_s``) and
+    of the validations (``val_s``)."""
     steps = sorted((r for r in records if int(r.get("step", 0)) >= 1), key=lambda r: int(r["step"]))
     timed = [r for r in steps[1:] if "timing_s/step" in r]
     if not timed:
@@ -160,12 +166,16 @@ def summarize(records: List[dict], sequences_per_step: int) -> dict:
     vals = [r["val/acc/mean"] for r in sorted(records, key=lambda r: int(r.get("step", 0))) if "val/acc/mean" in r]
     names = {k.split("/", 1)[1] for r in timed for k in r if k.startswith("timing_s/") and k != "timing_s/val"}
     phases = {n: _common.median([r[f"timing_s/{n}"] for r in timed if f"timing_s/{n}" in r]) for n in names}
-    stale = {k: _common.median([r[k] for r in timed if k in r]) for k in ("async/staleness_mean", "async/staleness_max")}
+    stale = {k: _common.median([r[k] for r in timed if k in r])
+             for k in ("async/staleness_mean", "async/staleness_max")}
     return {
         "samples_per_s": sequences_per_step * len(timed) / sum(r["timing_s/step"] for r in timed),
         "acc_before": vals[0] if len(vals) > 1 else None, "acc_after": vals[-1] if vals else None,
-        "phases": phases, "staleness_mean": stale["async/staleness_mean"], "staleness_max": stale["async/staleness_max"],
+        "phases": phases, "staleness_mean": stale["async/staleness_mean"],
+        "staleness_max": stale["async/staleness_max"],
         "dropped": sum(r.get("async/dropped_samples", 0.0) for r in steps), "steps": len(steps),
+        "step_s": sum(r.get("timing_s/step", 0.0) for r in steps),
+        "val_s": sum(r.get("timing_s/val", 0.0) for r in records),
     }
 
 
@@ -223,14 +233,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     cache_tmp = None if args.model_cache else tempfile.TemporaryDirectory(prefix="portrl-async-bench-model-")
     cache = Path(args.model_cache or cache_tmp.name)
     cache.mkdir(parents=True, exist_ok=True)
-    model = warm_start(args, cache)
+    model = Path(args.warm_start) if args.warm_start else warm_start(args, cache)
     runs: List[dict] = []
     for seed in args.seeds:
         for mode in args.modes:
             r = one_run(args, model, mode, seed)
             runs.append(r)
             print(f"{mode} seed {seed}: {r['samples_per_s']:.2f} samples/s, val acc {_pct(r['acc_before'])} -> "
-                  f"{_pct(r['acc_after'])} %, {r['wall_s']:.0f} s wall", flush=True)
+                  f"{_pct(r['acc_after'])} %, {r['wall_s']:.0f} s wall ({r['step_s']:.0f} s steps, {r['val_s']:.0f} s "
+                  f"validation)", flush=True)
             if args.json:
                 _common.write_result(args.json, {"args": {k: v for k, v in vars(args).items()}, "runs": runs})
     print(f"\n{args.config} model, arith, {args.prompts} prompts x {args.samples} samples, {args.steps} steps, "
