@@ -32,7 +32,8 @@ second: trained response sequences (prompts x samples per step) over the summed 
 last step, so after the same number of samples in every mode. Printed per mode: the medians over the seeds (range
 in brackets), the ratios of the medians to ``sync`` and ``sync-colocated``, the median phase times of a step
 (``timing_s/<phase>``: in the overlapped modes ``gen`` is the time the trainer waited for its batch) and the
-batches' mean / max staleness (``async/staleness_*``). ``--json PATH`` writes every run's figures.
+batches' mean / max staleness (``async/staleness_*``). ``--json PATH`` writes every run's figures; ``--table
+PATH ...`` prints the table of the runs of such files, pooled (seeds run in separate invocations).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="start every run from this model folder instead (no SFT here; e.g. an earlier portrl sft)")
     p.add_argument("--quick", action="store_true", help="smoke: small model, 3 steps, seed 0, 4 x 2 samples")
     p.add_argument("--json", default=None, help="write every run's figures to this file")
+    p.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: print the table of the runs in these --json files, pooled (e.g. seeds run apart)")
     p.add_argument("--verbose", action="store_true", help="show each run's output")
     args = p.parse_args(argv)
     if args.quick:
@@ -228,8 +231,17 @@ def table(runs: List[dict], modes: List[str]) -> str:
     return "\n".join(lines)
 
 
+def pooled_table(paths: List[str]) -> str:
+    """The table() of the runs saved in ``paths`` (--json files), modes in MODES order."""
+    runs = [r for path in paths for r in json.loads(Path(path).read_text())["runs"]]
+    return table(runs, [m for m in MODES if any(r["mode"] == m for r in runs)])
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        print(pooled_table(args.table))
+        return 0
     cache_tmp = None if args.model_cache else tempfile.TemporaryDirectory(prefix="portrl-async-bench-model-")
     cache = Path(args.model_cache or cache_tmp.name)
     cache.mkdir(parents=True, exist_ok=True)

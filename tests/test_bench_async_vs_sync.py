@@ -88,4 +88,17 @@ def test_quick_smoke_prints_the_table(tmp_path):
                            "--model-cache", str(tmp_path)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [x for x in proc.stdout.splitlines() if x.startswith("| ")]
-    assert [r.split(" | ")[0].strip("| ") for r in rows[2:]] == list(bench.MODES)
+    assert [r.split(" | ")[0].strip("| ") for r in rows[1:]] == list(bench.MODES)
+
+
+def test_table_pools_runs_saved_apart(tmp_path, capsys):
+    import json
+
+    for seed in (0, 1):
+        runs = [{"mode": m, "seed": seed, **bench.summarize(_records([9, 2.0 * (seed + 1), 2.0]), 8)}
+                for m in ("async-s2", "sync")]
+        (tmp_path / f"{seed}.json").write_text(json.dumps({"runs": runs}))
+    assert bench.main(["--table", str(tmp_path / "0.json"), str(tmp_path / "1.json")]) == 0
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")][1:]  # less the header
+    assert [r.split(" | ")[0] for r in rows] == ["| sync", "| async-s2"]  # MODES order
+    assert all(r.split(" | ")[1] == "2" for r in rows)  # both seeds pooled
