@@ -5,13 +5,13 @@
     python benchmarks/async_vs_sync.py --quick        # a short smoke of the wiring (small model, 3 steps)
 
 Workload: GRPO (the ``grpo`` preset: group advantages, KL loss against the reference) on the arith task
-(``data=arith``: 2-digit sums, answers of a few tokens, at most 16 new tokens; greedy validation on its 200 test
-problems) with the medium benchmark model (benchmarks/_common.py CONFIGS: Qwen2 architecture, hidden 512, 4
-layers, arith vocabulary; 12.7M parameters), float32 on the CPU. A model that knows nothing of the task gets no
-reward, so every run starts from one SFT warm start of that model (``portrl sft``: ``--sft-steps`` steps of
-``--sft-batch`` examples at ``--sft-lr``, stopped early once P(answer) reaches ``--sft-target-p``, as the
-default run's warm start does), written once into ``--model-cache`` and shared by every mode and seed
-(``--warm-start DIR``: start from that model folder instead, e.g. an SFT made by hand). Each RL run:
+(``data=arith``, difficulty 1: a number below 100 plus or minus one digit, answers of a few tokens, at most 16 new
+tokens; greedy validation on its 200 test problems) with the medium benchmark model (benchmarks/_common.py CONFIGS:
+Qwen2 architecture, hidden 512, 4 layers, arith vocabulary; 15.4M parameters), float32 on the CPU. A model that
+knows nothing of the task gets no reward, so every run starts from one SFT warm start of that model (``portrl sft``:
+``--sft-steps`` steps of ``--sft-batch`` examples at ``--sft-lr``, stopped early once P(answer) reaches
+``--sft-target-p``, as the default run's warm start does), written once into ``--model-cache`` and shared by every
+mode and seed (``--warm-start DIR``: start from that model folder instead, e.g. an SFT made by hand). Each RL run:
 ``--prompts`` prompts x ``--samples`` samples a step, one optimizer step per batch, constant lr ``--lr``,
 ``--steps`` steps, validation before the first step and after the last only.
 
