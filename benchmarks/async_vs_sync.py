@@ -102,6 +102,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--modes: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(MODES)}")
     if not args.seeds or args.steps < 2 or min(args.prompts, args.samples, args.sft_steps, args.sft_batch) < 1:
         p.error("--seeds needs one seed or more, --steps >= 2, --prompts / --samples / --sft-steps / --sft-batch >= 1")
+    missing = [t for t in args.table or [] if not Path(t).is_file()]
+    if missing:
+        p.error(f"--table: no such file {', '.join(missing)} (give files written by --json)")
     if args.warm_start and not (Path(args.warm_start) / "config.json").is_file():
         p.error(f"--warm-start {args.warm_start}: not a model folder (no config.json)")
     if args.sft_target_p is not None and args.sft_target_p <= 0:

@@ -40,6 +40,8 @@ def test_defaults_and_quick():
     (["--modes", "sync,later"], "unknown later; valid: sync-colocated"),
     (["--seeds", "a"], "comma-separated integers"),
     (["--steps", "1"], "--steps >= 2"),
+    (["--table", "/nonexistent/run.json"], "--table: no such file /nonexistent/run.json"),
+    (["--warm-start", "/nonexistent"], "not a model folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as exc:
