@@ -25,6 +25,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -215,10 +216,18 @@ class Tracker:
             log.info("step %d%s %s", step, total, " ".join(f"{k}={v}" for k, v in shown.items()))
 
     def close(self) -> None:
+        """Close every logger. Called while an error ends the run (a ``finally``), a close that fails for the same
+        cause (a full disk: the last buffered line cannot be written) is a warning, so that the run's own one-line
+        error is what the user sees."""
         self._jsonl_pending = False
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
+            try:
+                jsonl.close()
+            except OSError as exc:
+                if sys.exc_info()[0] is None:
+                    raise
+                log.warning("metrics.jsonl could not be closed: %s", exc)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
