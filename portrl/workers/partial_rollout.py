@@ -40,7 +40,7 @@ class StagedWeights:
         self.arrived = threading.Event()  # set while a newer version is staged
         self._cond = threading.Condition()
         self._staged: Optional[Tuple[int, Named]] = None
-        self.error: Optional[BaseException] = None  # the listener's failure, raised to the next waiter
+        self.error: Optional[BaseException] = None  # the listener thread's failure, raised by the next wait_for
 
     def stage(self, version: int, named: Named) -> None:
         """Keep ``named`` as version ``version`` (a newer staged version replaces an older one)."""
