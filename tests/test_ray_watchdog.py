@@ -103,3 +103,50 @@ def test_watchdog_exits_once_the_ray_it_saw_has_ended(tmp_path):
     driver, watchdog, raylet, agent, other, stranger = _start(tmp_path, end_raylet=True)
     _gone_within([raylet, agent, watchdog], 10)  # the raylet's orphaned agent goes with it; the watchdog exits
     assert driver.poll() is None and _running(other) and stranger.poll() is None
+
+
+QUICK_RAYLET = textwrap.dedent("""
+    import os, subprocess, sys
+    session = f"session_2026-12-04_07-00-00_123456_{os.getppid()}"  # Ray's name for the driver's session
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--session-dir=/tmp/{session}"])
+    with open(sys.argv[1], "w") as fh:
+        fh.write(str(agent.pid))
+""")  # ends at once: before the watchdog's first poll, so the agent is an orphan it never recorded
+
+
+def test_an_agent_orphaned_before_the_first_poll_goes_too(tmp_path):
+    """A raylet that ends right after starting its agents (a Ctrl-C while Ray starts) leaves orphans the watchdog
+    never saw below the driver (its first poll is 0.5 s after it starts): the session name in their arguments
+    (``..._<driver pid>``) gives them away. A process naming another driver's session is left alone."""
+    ray_dir = tmp_path / "site-packages" / "ray"
+    ray_dir.mkdir(parents=True)
+    (ray_dir / "raylet.py").write_text(QUICK_RAYLET)
+    pid_file = tmp_path / "agent.pid"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    driver_code = DRIVER.replace("raylet = subprocess.Popen", "raylet = subprocess.run").replace("raylet.pid", "0")
+    driver = subprocess.Popen([sys.executable, "-c", driver_code, str(ray_dir), str(pid_file), "0"],
+                              stdout=subprocess.PIPE, text=True)
+    watchdog, _, other = (int(p) for p in driver.stdout.readline().split())
+    _STARTED.extend([driver.pid, watchdog, other])
+    agent = int(pid_file.read_text())
+    _STARTED.append(agent)
+    stranger = subprocess.Popen(sleeper + [f"--session-name=session_2026-12-04_07-00-00_123456_{driver.pid + 1}"])
+    _STARTED.append(stranger.pid)
+    assert _running(agent)
+    driver.kill()
+    driver.wait()
+    took = _gone_within([agent, watchdog], 10)
+    assert took < 5, took
+    assert _running(other) and stranger.poll() is None
+
+
+def test_session_processes_are_this_drivers_and_started_since():
+    from portrl.workers.ray_watchdog import _stat, session_processes
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                             "--session_dir=/tmp/ray/session_2026-12-04_07-00-00_123456_99999999/"])
+    _STARTED.append(proc.pid)
+    started = _stat(proc.pid)[1]
+    assert session_processes(99999999, started) == {proc.pid: started}
+    assert session_processes(9999999, 0) == {}  # another driver's (a suffix of this one's pid is not a match)
+    assert session_processes(99999999, started + 1) == {}  # started before the watchdog

@@ -15,6 +15,12 @@ end-of-file or the watchdog's parent changes (the driver ended), or once every o
 ended while the driver lives (``ray.shutdown``, or a signal sent to them), it sends SIGTERM to each recorded
 process still running, SIGKILL to those left after :data:`GRACE_S`, and exits.
 
+A raylet that ends between two polls (a Ctrl-C to the process group while Ray starts) leaves orphans the watchdog
+never recorded: agents it had just started, still importing, which notice the raylet gone only once they run.
+Those are found by name: Ray calls a local session ``session_<date>_<pid of the driver>`` and passes that name to
+every process it starts (``--session-name=``, ``--session-dir=``, ``--session_dir=``); at the end the watchdog also
+ends this user's processes started after it whose arguments name a session of its driver (:func:`session_processes`).
+
 Nothing else is touched: a Ray the driver joined (``trainer.ray_address``, a cluster built with ``ray start``)
 gets no watchdog, and its processes are not the driver's children anyway. Linux only (``/proc``); elsewhere
 :func:`start` starts nothing.
@@ -92,6 +98,39 @@ def _program(argv: List[str]) -> List[str]:
     return argv[:1] + [a for a in argv[1:] if not a.startswith("-")][:1]
 
 
+_SESSION_ARGS = ("--session-name=", "--session-dir=", "--session_dir=")
+
+
+def _names_session_of(argv: List[str], driver: int) -> bool:
+    """Whether an argument names a Ray session of ``driver`` (``session_<date>_<driver pid>``, the name itself or
+    a folder of that name)."""
+    for arg in argv:
+        if arg.startswith(_SESSION_ARGS):
+            name = os.path.basename(arg.split("=", 1)[1].rstrip("/"))
+            if name.startswith("session_") and name.endswith(f"_{driver}"):
+                return True
+    return False
+
+
+def session_processes(driver: int, since: int) -> Dict[int, int]:
+    """This user's live processes started at or after ``since`` (clock ticks since boot) whose arguments name a
+    Ray session of ``driver``: pid -> start time (module docstring)."""
+    out: Dict[int, int] = {}
+    uid = os.getuid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        st = _stat(pid)
+        try:
+            mine = os.stat(f"/proc/{pid}").st_uid == uid
+        except OSError:
+            continue
+        if st is not None and st[0] != "Z" and st[1] >= since and mine and _names_session_of(_argv(pid), driver):
+            out[pid] = st[1]
+    return out
+
+
 def ray_roots(driver: int, ray_dir: str) -> List[int]:
     """The driver's children that Ray started: their executable or script is in ``ray_dir``."""
     prefix = ray_dir.rstrip("/") + "/"
@@ -153,6 +192,8 @@ def _driver_ended(driver: int, pipe: int, timeout_s: float) -> bool:
 
 def watch(driver: int, ray_dir: str, pipe: int = 0) -> None:
     """The watchdog's loop (module docstring)."""
+    own = _stat(os.getpid())
+    since = own[1] if own else 0
     known: Dict[int, int] = {}
     roots: Set[int] = set()
     while not _driver_ended(driver, pipe, POLL_S):
@@ -161,7 +202,7 @@ def watch(driver: int, ray_dir: str, pipe: int = 0) -> None:
         known = _alive(known) | _with_descendants(new_roots)
         if roots and not _alive({r: known[r] for r in roots if r in known}):
             break  # the Ray the driver started has ended
-    end_processes(known)
+    end_processes(known | session_processes(driver, since))
 
 
 def main(argv: List[str]) -> int:
