@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from portrl.config.schema_agent import MultiTurnConfig
 from portrl.config.schema_trainer import AsyncTrainingConfig, TrainerConfig
 
 
@@ -237,6 +238,7 @@ class RolloutConfig:
     weight_sync_mode: str = "bucketed"  # full | bucketed | delta (portrl/workers/weight_transport.py)
     weight_transport: str = "auto"  # auto (the backend's first that fits) | broadcast | shared_memory
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agentic rollouts (portrl/agent/)
 
 
 # --------------------------------------------------------------------------- ref / critic / reward
