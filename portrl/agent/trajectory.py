@@ -42,9 +42,12 @@ class Trajectory:
         return len(self.turn_ends)
 
     def add_model_tokens(self, ids: List[int], logprobs: List[float]) -> None:
-        """Append a model turn's tokens (mask 1) and close the turn."""
+        """Append a model turn's tokens (mask 1) and close the turn (an empty turn, an engine interrupted before its
+        first token, is not a turn)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} model tokens but {len(logprobs)} log-probs")
+        if not ids:
+            return
         self.response_ids += ids
         self.response_mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]

@@ -14,7 +14,8 @@
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
   max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps >= 1 or 0 (off), KL
   coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
-* asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py);
+* asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py); multi-turn
+  rollouts: ``rollout.multi_turn`` (portrl/config/checks_agent.py);
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
   is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
@@ -37,6 +38,7 @@ from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
 from portrl.algo.rollout_correction import LEVELS, RS_LEVELS
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
+from portrl.config.checks_agent import check_multi_turn
 from portrl.config.checks_async import check_async
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
@@ -351,6 +353,7 @@ def check_backend(cfg) -> list[str]:
 def validate(cfg, *, registries: bool = True, backend: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it is valid."""
     problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg) + check_async(cfg)
+    problems += check_multi_turn(cfg)
     if registries:
         problems += check_registries(cfg)
     if backend:

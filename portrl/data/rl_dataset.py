@@ -51,6 +51,7 @@ class PromptBatch:
     uid: list[str]  # unique per prompt per epoch: "e{epoch}-r{row}"
     messages: list[list[dict]]  # the chat messages, for logging
     multi_modal: list[dict | None] | None = None  # per prompt: None (text) or images, raw_prompt_ids, inputs
+    agent_name: list[str | None] | None = None  # per prompt: verl's agent_name column (multi-turn rollouts), or None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -90,9 +91,10 @@ def pad_token_id(tokenizer) -> int:
     raise ValueError("the tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token")
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of chat messages through the chat template, ending with the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat messages through the chat template, ending with the generation prompt; ``tools`` (the
+    OpenAI function schemas of a multi-turn run's tools) go to the template, which lists them where it does."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -102,7 +104,7 @@ class RLDataset:
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer, max_prompt_length: int = 1024,
                  filter_overlong_prompts: bool = True, truncation: str = "error", shuffle: bool = True,
                  seed: int = 0, prompt_key: str = "prompt", pad_to_max_length: bool = False, processor=None,
-                 image_key: str = IMAGE_KEY):
+                 image_key: str = IMAGE_KEY, tools: list[dict] | None = None):
         if truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {', '.join(TRUNCATIONS)}, got {truncation!r}")
         if max_prompt_length <= 0:
@@ -117,6 +119,7 @@ class RLDataset:
         self.processor = processor
         self._rows: list[tuple[list[int], str, str, dict, list[dict]]] = []
         self._images: dict[int, tuple[list, str, list[int]]] = {}  # row -> (stored images, text, raw_prompt_ids)
+        self._agent_names: dict[int, str] = {}  # row -> its agent_name column (multi-turn rollouts), when set
         dropped = 0
         for path in self.files:
             try:
@@ -141,7 +144,7 @@ class RLDataset:
                     self._images[len(self._rows)] = (images, prompt.text, prompt.raw_prompt_ids)
                     self._rows.append((ids, source, truth, extra, messages))
                     continue
-                ids = encode_messages(tokenizer, messages)
+                ids = encode_messages(tokenizer, messages, tools)
                 if len(ids) > self.max_prompt_length:
                     if filter_overlong_prompts:
                         dropped += 1
@@ -150,6 +153,8 @@ class RLDataset:
                         raise DataError(f"{path}: row {i}: prompt has {len(ids)} tokens > max_prompt_length "
                                         f"{self.max_prompt_length} (set filter_overlong_prompts or truncation)")
                     ids = ids[-self.max_prompt_length:] if truncation == "left" else ids[:self.max_prompt_length]
+                if rec.get("agent_name") is not None:
+                    self._agent_names[len(self._rows)] = str(rec["agent_name"])
                 self._rows.append((ids, source, truth, extra, messages))
         if dropped:
             log.info("RLDataset: dropped %d prompts longer than %d tokens", dropped, self.max_prompt_length)
@@ -214,6 +219,7 @@ class RLDataset:
             extra_info=[dict(r[3]) for r in rows], uid=[f"e{epoch}-r{i}" for i in picked],
             messages=[r[4] for r in rows],
             multi_modal=[self._multi_modal(i) for i in picked] if self._images else [None] * len(rows),
+            agent_name=[self._agent_names.get(i) for i in picked] if self._agent_names else None,
         )
 
     def state_dict(self) -> dict:

@@ -11,7 +11,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from portrl.agent.rollout import prompt_tools
 from portrl.algo import algorithm_spec
+from portrl.data.rl_dataset import RLDataset
 from portrl.trainer.group_filter import group_filter_enabled, keep_groups
 from portrl.trainer.metrics import Timer
 from portrl.workers.batch import Batch, concat_rollouts
@@ -32,12 +34,25 @@ def generation_seed(cfg: Any, step: int, k: int) -> int:
     return (int(cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
 
 
+def run_dataset(cfg: Any, files: List[str], tokenizer: Any, processor: Any, shuffle: bool, seed: int) -> Any:
+    """The RLDataset of ``files`` with the run's ``data`` settings; with ``rollout.multi_turn.enable`` the prompts
+    list the run's tools where the chat template does (their schemas from ``tool_config_path``)."""
+    d = cfg.data
+    return RLDataset(files, tokenizer, max_prompt_length=int(d.max_prompt_length),
+                     filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
+                     shuffle=shuffle, seed=seed, processor=processor, tools=prompt_tools(cfg))
+
+
 def prompt_batch(pb: Any) -> Batch:
     """A PromptBatch as a Batch of per-prompt meta (the form generate_from takes); ``multi_modal`` only when
-    some prompt has images (portrl/data/rl_dataset.py)."""
-    images = {"multi_modal": pb.multi_modal} if any(m is not None for m in pb.multi_modal or ()) else {}
+    some prompt has images, ``agent_name`` only when some row names its agent loop (portrl/data/rl_dataset.py);
+    ``messages``: the prompt's chat messages (a multi-turn trajectory's trace starts with them)."""
+    extra = {"multi_modal": pb.multi_modal} if any(m is not None for m in pb.multi_modal or ()) else {}
+    if getattr(pb, "agent_name", None):
+        extra["agent_name"] = pb.agent_name
     return Batch(meta={"prompt_ids": pb.prompt_ids, "uid": pb.uid, "data_source": pb.data_source,
-                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info, **images})
+                       "ground_truth": pb.ground_truth, "extra_info": pb.extra_info, "messages": pb.messages,
+                       **extra})
 
 
 class StepGeneration:

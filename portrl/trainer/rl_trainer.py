@@ -39,14 +39,14 @@ import torch
 
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
-from portrl.data import PromptBatch, RLDataset
+from portrl.data import PromptBatch
 from portrl.errors import RunStopped, UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, old_policy_phase
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
-from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch
+from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch, run_dataset
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.plot import plot_run
@@ -98,10 +98,8 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.processor = load_processor(cfg.model.path)  # a vision-language model's; None for a text model
         d = cfg.data
-        self.train_ds = RLDataset([str(f) for f in d.train_files], self.tokenizer,
-                                  max_prompt_length=int(d.max_prompt_length),
-                                  filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
-                                  shuffle=bool(d.shuffle), seed=int(d.seed), processor=self.processor)
+        self.train_ds = run_dataset(cfg, [str(f) for f in d.train_files], self.tokenizer, self.processor,
+                                    shuffle=bool(d.shuffle), seed=int(d.seed))
         self.val_prompts = validation_prompts(cfg, [str(f) for f in d.val_files], self.tokenizer, self.processor)
         self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         # a placement whose actor holds no engine (separated): its own rollout workers and a weight link

@@ -8,9 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from portrl.data import RLDataset
 from portrl.rewards import per_source_metrics
-from portrl.trainer.generation import generation_seed, prompt_batch, sampling_params
+from portrl.trainer.generation import generation_seed, prompt_batch, run_dataset, sampling_params
 from portrl.workers.batch import Batch
 
 
@@ -20,9 +19,7 @@ def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: An
     if not files or int(cfg.trainer.test_freq) <= 0 and not cfg.trainer.val_before_train:
         return None
     d = cfg.data
-    ds = RLDataset(files, tokenizer, max_prompt_length=int(d.max_prompt_length),
-                   filter_overlong_prompts=bool(d.filter_overlong_prompts), truncation=str(d.truncation),
-                   shuffle=False, seed=0, processor=processor)
+    ds = run_dataset(cfg, files, tokenizer, processor, shuffle=False, seed=0)
     n = ds.num_rows if d.max_val_samples is None else min(ds.num_rows, int(d.max_val_samples))
     return prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
 

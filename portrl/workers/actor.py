@@ -40,6 +40,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import load_dtype
 from portrl.workers.placement import placement_of
+from portrl.agent.rollout import AgentRollout, agent_rollout
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
 from portrl.workers.tape_budget import tape_budget
@@ -133,7 +134,14 @@ class ActorRolloutWorker(TrainedModelWorker):
         return (bool(m.reuse_rollout_forward) and self.world_size == 1 and self.train_module is self.module
                 and self.engine is not None and self.engine.shares_module(self.module)
                 and self.engine.can_record_forward()
-                and bool(m.use_packing) and bool(m.share_prompts))
+                and bool(m.use_packing) and bool(m.share_prompts)
+                and not bool(self.cfg.rollout.multi_turn.enable))  # a trajectory is many generate calls
+
+    def _agent(self) -> Optional[AgentRollout]:
+        """The multi-turn rollouts (rollout.multi_turn.enable; tools loaded once), else None."""
+        if not hasattr(self, "_agent_rollout"):
+            self._agent_rollout = agent_rollout(self.cfg, self.tokenizer)
+        return self._agent_rollout
 
     def _tape_budget(self) -> Optional[int]:
         """Most bytes a recorded rollout forward may hold now (portrl.workers.tape_budget; None: no limit)."""
@@ -177,7 +185,7 @@ class ActorRolloutWorker(TrainedModelWorker):
             self.engine.start_recording(max_bytes=self._tape_budget())
         try:
             batch = generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
-                                   sleep_after=bool(self.cfg.rollout.enable_sleep_mode))
+                                   sleep_after=bool(self.cfg.rollout.enable_sleep_mode), agent=self._agent())
         finally:
             if record:
                 self._tape = self.engine.stop_recording()

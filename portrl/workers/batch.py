@@ -237,10 +237,14 @@ def build_rollout_batch(
     pad_token_id: int = 0,
     n: int = 1,
     meta: Optional[Mapping[str, Sequence[Any]]] = None,
+    response_masks: Optional[Sequence[Sequence[int]]] = None,
 ) -> Batch:
     """A rollout Batch from token lists: ``len(prompt_ids) * n`` rows, prompt-major (row ``i*n+j`` is
     sample ``j`` of prompt ``i``). Prompts are left-padded to the longest prompt, responses
     right-padded to the longest response; ``meta`` lists (one entry per prompt) are repeated ``n`` times.
+    ``response_masks`` (multi-turn rollouts, one per response): 1 on the model's tokens, 0 on the tool and
+    environment tokens between its turns; ``response_mask`` takes it, ``attention_mask`` stays 1 on every
+    response token (the model reads the tool tokens). Default: 1 on every response token.
 
     Tensors: prompts, responses, input_ids, attention_mask, response_mask (and rollout_log_probs).
     """
@@ -258,12 +262,18 @@ def build_rollout_batch(
             pmask[i, P - len(p):] = 1
     responses = torch.full((B, T), pad_token_id, dtype=torch.long)
     rmask = torch.zeros((B, T), dtype=torch.long)
+    model_mask = torch.zeros((B, T), dtype=torch.long) if response_masks is not None else rmask
     lps = torch.zeros((B, T), dtype=torch.float32) if logprobs is not None else None
     for r, ids in enumerate(response_ids):
         k = len(ids)
         if k:
             responses[r, :k] = torch.as_tensor(list(ids), dtype=torch.long)
             rmask[r, :k] = 1
+            if response_masks is not None:
+                if len(response_masks[r]) != k:
+                    raise ValueError(f"build_rollout_batch: row {r} has {k} response tokens but "
+                                     f"{len(response_masks[r])} response-mask entries")
+                model_mask[r, :k] = torch.as_tensor(list(response_masks[r]), dtype=torch.long)
             if lps is not None and logprobs is not None:
                 lps[r, :k] = torch.as_tensor(list(logprobs[r]), dtype=torch.float32)
     prompts = prompts.repeat_interleave(n, 0)
@@ -273,7 +283,7 @@ def build_rollout_batch(
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], 1),
         "attention_mask": torch.cat([pmask, rmask], 1),
-        "response_mask": rmask,
+        "response_mask": model_mask,
     }
     if lps is not None:
         tensors["rollout_log_probs"] = lps

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from portrl.agent.rollout import AgentRollout, agent_rollout, trajectory_meta
 from portrl.errors import UserError
 from portrl.device.backend import Backend
 from portrl.device.split import ROLLOUT
@@ -35,7 +36,8 @@ from portrl.workers.weight_sync import WeightSyncLink
 @torch.no_grad()
 def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
                    meta: Optional[Mapping[str, Sequence[Any]]] = None, sleep_after: bool = False,
-                   staged: Optional[StagedWeights] = None, partial: bool = False, min_version: int = 0) -> Batch:
+                   staged: Optional[StagedWeights] = None, partial: bool = False, min_version: int = 0,
+                   agent: Optional[AgentRollout] = None) -> Batch:
     """Sample ``sampling["n"]`` responses per prompt with ``engine`` (the tokenizer's EOS added to the stop ids)
     -> a rollout Batch (rows prompt-major; ``meta`` lists, one entry per prompt, repeated for each sample;
     ``meta["finish_reason"]``; ``info["pad_token_id"]`` so a group can merge ranks' batches of other widths).
@@ -44,7 +46,10 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     when some prompt has images; the rollout rows then carry their prompt's entry like every meta list.
     ``staged`` (a separated rollout worker's :class:`~portrl.workers.partial_rollout.StagedWeights`): wait for
     ``min_version``, load the newest staged weights first, with ``partial`` continue rows that new weights stopped,
-    and tag every token with its policy version (``rollout_versions``; portrl/workers/partial_rollout.py)."""
+    and tag every token with its policy version (``rollout_versions``; portrl/workers/partial_rollout.py).
+    ``agent`` (``rollout.multi_turn.enable``): every row runs its agent loop (portrl/agent/rollout.py) instead of one
+    ``generate``; the Batch's ``response_mask`` is 0 on tool tokens and its meta carries the trajectories' turns,
+    tool calls and traces. New weights reach a multi-turn rollout between requests only (no partial rollout)."""
     params = SamplingParams(**dict(sampling))
     stop = tuple(params.stop_token_ids)
     eos = tokenizer.eos_token_id
@@ -60,8 +65,22 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
                             "use rollout.engine=hf (or an engine that takes multi_modal prompts)")
     else:
         images = None
-    versions = None
-    if staged is not None:
+    versions, masks, agent_meta = None, None, None
+    if agent is not None:
+        if images is not None:
+            raise UserError("multi-turn rollouts (rollout.multi_turn.enable) of image prompts are not supported yet; "
+                            "use text prompts or set rollout.multi_turn.enable=false")
+        version = 0
+        if staged is not None:
+            staged.wait_for(min_version)
+            version = staged.apply(engine.update_weights)
+        trajs = agent.generate(engine, prompt_ids, params, meta)
+        ids, lps = [t.response_ids for t in trajs], [t.logprobs for t in trajs]
+        reasons, masks = [t.finish_reason for t in trajs], [t.response_mask for t in trajs]
+        agent_meta = trajectory_meta(trajs)
+        if staged is not None:
+            versions = [[version] * len(r) for r in ids]
+    elif staged is not None:
         ids, lps, reasons, versions = generate_versioned(engine, staged, prompt_ids, params, images, partial, min_version)
     else:
         out = (engine.generate([list(p) for p in prompt_ids], params, multi_modal=list(images)) if images is not None
@@ -70,8 +89,10 @@ def generate_batch(engine: Any, tokenizer: Any, prompt_ids: Sequence[Sequence[in
     if sleep_after and sleeps:
         engine.sleep()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = build_rollout_batch(prompt_ids, ids, lps, pad_token_id=pad, n=params.n, meta=meta)
+    batch = build_rollout_batch(prompt_ids, ids, lps, pad_token_id=pad, n=params.n, meta=meta, response_masks=masks)
     batch.meta["finish_reason"] = list(reasons)
+    for key, column in (agent_meta or {}).items():
+        batch.meta[key] = column
     batch.info["pad_token_id"] = pad
     if versions is not None:
         batch["rollout_versions"] = versions_tensor(versions, batch.tensors["responses"].shape[1])
@@ -112,13 +133,14 @@ class RolloutWorker:
                                   num_params=lambda: count_parameters(self.model_path))
         self.weights = StagedWeights()  # the engine's policy version and the newest one received (partial_rollout)
         self.partial = str(cfg.trainer.mode) == "async" and bool(cfg.async_training.partial_rollout)
+        self.agent = agent_rollout(cfg, self.tokenizer)  # multi-turn rollouts (rollout.multi_turn.enable), else None
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: Mapping[str, Any],
                  meta: Optional[Mapping[str, Sequence[Any]]] = None, min_version: int = 0) -> Batch:
         """See :func:`generate_batch`: tokens tagged with their policy version, after ``min_version`` arrived."""
         return generate_batch(self.engine, self.tokenizer, prompt_ids, sampling, meta,
                               sleep_after=bool(self.cfg.rollout.enable_sleep_mode), staged=self.weights,
-                              partial=self.partial, min_version=min_version)
+                              partial=self.partial, min_version=min_version, agent=self.agent)
 
     def generate_from(self, prompts: Batch, sampling: Mapping[str, Any], min_version: int = 0) -> Batch:
         """:meth:`generate` for a prompt Batch (``meta["prompt_ids"]`` plus per-prompt meta), the form a group

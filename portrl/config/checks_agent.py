@@ -1,0 +1,48 @@
+"""Checks of multi-turn agentic rollouts (``rollout.multi_turn``; portrl/agent/), before any model loads.
+
+* ranges: ``max_assistant_turns`` null or >= 1, ``max_parallel_calls`` >= 1, ``max_tool_response_length`` >= 1,
+  ``tool_timeout_s`` > 0; ``tool_response_truncate_side`` and ``tokenization_sanity_check_mode`` among their values;
+* with ``enable``: ``format`` names a tool-call parser (portrl/agent/parsers.py), and ``tool_config_path`` (when set)
+  is a tool config that loads: the file exists, its schemas are well formed, its tools import
+  (portrl/agent/tools/config.py says what is wrong in one line).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES
+from portrl.errors import UserError
+
+
+def check_multi_turn(cfg: Any) -> List[str]:
+    """Every problem of ``cfg.rollout.multi_turn``, one line each."""
+    m = cfg.rollout.multi_turn
+    problems: List[str] = []
+    if m.max_assistant_turns is not None and int(m.max_assistant_turns) < 1:
+        problems.append(f"rollout.multi_turn.max_assistant_turns={m.max_assistant_turns} must be >= 1 (or null: "
+                        "until data.max_response_length runs out)")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        if int(m[key]) < 1:
+            problems.append(f"rollout.multi_turn.{key}={m[key]} must be >= 1")
+    if not float(m.tool_timeout_s) > 0:
+        problems.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} must be > 0 (seconds)")
+    for key, valid in (("tool_response_truncate_side", TRUNCATE_SIDES),
+                       ("tokenization_sanity_check_mode", SANITY_CHECK_MODES)):
+        if m[key] not in valid:
+            problems.append(f"rollout.multi_turn.{key}={m[key]!r} is not one of {', '.join(map(repr, valid))}")
+    if not bool(m.enable):
+        return problems
+    from portrl.agent.parsers import get_parser  # noqa: PLC0415  (the agent package only where it is used)
+    from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
+
+    try:
+        get_parser(str(m.format))
+    except UserError as exc:
+        problems.append(str(exc))
+    if m.tool_config_path:
+        try:
+            load_tool_config(str(m.tool_config_path))
+        except UserError as exc:
+            problems.append(str(exc))
+    return problems
