@@ -19,7 +19,7 @@ from portrl.agent.trajectory import META_NUM_TURNS, META_TURN_ENDS, META_TURN_RE
 from portrl.algo import compute_value_loss, get_kl_controller
 from portrl.config.composition import compose
 from portrl.models.tokenizer import build_char_tokenizer
-from portrl.rewards.manager import place_turn_rewards
+from portrl.rewards.manager import place_turn_rewards, turn_extra_infos
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages
 from portrl.trainer.metrics import data_metrics
 from portrl.trainer.reward_scoring import RewardScorer, decode_responses
@@ -110,6 +110,17 @@ def test_batch_layout_and_lengths():
     assert response_lengths(BATCH).tolist() == [7, 4, 8, 5]  # all valid tokens, tool tokens too
     assert torch.equal(response_valid_mask(BATCH), BATCH.tensors["attention_mask"][:, -8:])
     assert BATCH.meta[META_TURN_ENDS] == [[2, 6], [3], [1, 7], [4]]
+    no_attention = Batch({k: BATCH.tensors[k] for k in ("responses", "response_mask")})
+    assert torch.equal(response_valid_mask(no_attention), BATCH.tensors["response_mask"])  # the fallback
+
+
+def test_turn_extra_infos_copies():
+    rows = [{"a": 1}, None, "text"]
+    out = turn_extra_infos(rows, [2, 1, 3], [[0.5, 0], [1], [0, 0, 0]])
+    assert out == [{"a": 1, "num_turns": 2, "turn_rewards": [0.5, 0.0]}, {"num_turns": 1, "turn_rewards": [1.0]},
+                   "text"]
+    assert rows[0] == {"a": 1} and out[0] is not rows[0]
+    assert turn_extra_infos(rows, None, None) == rows  # a single-turn batch: unchanged
 
 
 def run_actor_loss(cfg, mask: torch.Tensor, t: dict):
