@@ -9,6 +9,10 @@ GAE (Schulman et al. 2016, arXiv 1506.02438), verl's masked form, backwards over
     A_t  = last
 
 ``returns = A + V`` (unwhitened) and ``A ← masked_whiten(A, m)`` over all valid tokens of the batch.
+Multi-turn rollouts: the tool / environment tokens between the model's turns have ``m = 0``, so they are no time
+steps (nextV and the running advantage are carried across them, as in verl): A and returns on the model's tokens
+equal GAE on the response with the tool tokens removed (tests/test_agent_mask.py); the critic's values and any
+reward on a tool token are not used.
 Decisions: both outputs are 0 at masked positions (verl leaves whitened and carried values there);
 a batch with fewer than 2 valid tokens cannot be whitened (ValueError). ``lam``/``gamma`` may be a
 float or a ``(B,)`` tensor (per sequence).

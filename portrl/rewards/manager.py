@@ -5,6 +5,8 @@ spawned processes when the batch has at least ``parallel_threshold`` rows and ``
 A result is a float (acc = score > 0) or a dict with "score" (and optionally "acc"; other keys are
 returned in ``RewardResult.extra`` as lists with None where a row lacks them). With
 ``overlong_buffer.enable`` the DAPO overlong reward (portrl.algo.overlong_penalty) is added to the score.
+Multi-turn rollouts: :func:`turn_extra_infos` gives the reward function each row's ``num_turns`` and
+``turn_rewards``, :func:`place_turn_rewards` puts the turns' rewards on their end tokens.
 
 ``timeout_s`` limits the wall-clock time of scoring one batch (``reward.timeout_s``; how, and what can be
 interrupted: portrl.rewards.time_limit). Past it, ``on_timeout="error"`` raises :class:`RewardTimeoutError`
@@ -233,6 +235,62 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     has = last >= 0
     rows = torch.nonzero(has).squeeze(1)
     out[rows, last[rows]] = scores[rows].to(out.dtype)
+    return out
+
+
+def place_turn_rewards(token_level_scores: torch.Tensor, response_mask: torch.Tensor,
+                       turn_ends: Sequence[Sequence[int]], turn_rewards: Sequence[Sequence[float]]) -> torch.Tensor:
+    """``token_level_scores`` with each model turn's reward added at that turn's end token (a new tensor).
+
+    For row ``i`` and turn ``k`` with end position ``e_ik`` (``turn_ends``) and reward ``R_ik`` (``turn_rewards``)::
+
+        out[i, τ(e_ik)] += R_ik,    τ(e) = max{t ≤ e : m_it = 1}
+
+    ``τ(e) = e`` when ``e`` is a model token (``response_mask`` 1), as the agent loop records it; an empty turn,
+    whose end falls on a tool token, gives its reward to the model token before it, or, when there is none, to
+    the row's last model token. A row without any model token gets nothing. The outcome score already in
+    ``token_level_scores`` (on the last model token, :func:`place_on_last_token`) stays. An end outside the row's
+    ``T`` positions, or a row whose ends and rewards differ in number, is a ValueError (broken bookkeeping).
+    """
+    B, T = token_level_scores.shape
+    if response_mask.shape != (B, T) or len(turn_ends) != B or len(turn_rewards) != B:
+        raise ValueError(f"place_turn_rewards: scores {(B, T)}, mask {tuple(response_mask.shape)}, "
+                         f"{len(turn_ends)} rows of turn ends and {len(turn_rewards)} of turn rewards")
+    out = token_level_scores.clone()
+    mask = response_mask.to(torch.bool).cpu()
+    for i, (ends, rewards) in enumerate(zip(turn_ends, turn_rewards)):
+        ends, rewards = list(ends or []), list(rewards or [])
+        if len(ends) != len(rewards):
+            raise ValueError(f"place_turn_rewards: row {i} has {len(ends)} turn ends but {len(rewards)} turn rewards")
+        model = torch.nonzero(mask[i]).squeeze(1).tolist()
+        for e, r in zip(ends, rewards):
+            if not 0 <= int(e) < T:
+                raise ValueError(f"place_turn_rewards: row {i} has a turn ending at {e}, outside its {T} positions")
+            if not model or float(r) == 0.0:
+                continue
+            before = [t for t in model if t <= int(e)]
+            out[i, before[-1] if before else model[-1]] += float(r)
+    return out
+
+
+def turn_extra_infos(extra_infos: Sequence[Any], num_turns: Sequence[int] | None,
+                     turn_rewards: Sequence[Sequence[float]] | None) -> list:
+    """The rows' ``extra_info`` for the reward function, with ``num_turns`` and ``turn_rewards`` (a list) added
+    where the rollout has them (a multi-turn batch). Each dict is a copy: the batch's own are not changed. A row
+    whose ``extra_info`` is None gets a new dict; one that is not a mapping is passed on as it is."""
+    if num_turns is None and turn_rewards is None:
+        return list(extra_infos)
+    out = []
+    for i, extra in enumerate(extra_infos):
+        if extra is not None and not isinstance(extra, Mapping):
+            out.append(extra)
+            continue
+        row = dict(extra or {})
+        if num_turns is not None:
+            row["num_turns"] = int(num_turns[i])
+        if turn_rewards is not None:
+            row["turn_rewards"] = [float(r) for r in turn_rewards[i]]
+        out.append(row)
     return out
 
 

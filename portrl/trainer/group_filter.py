@@ -8,7 +8,8 @@ Filters, each on when its key says so; a group must pass every filter that is on
 * verl's accuracy filter of recipe/prime (``data.filter_accuracy``): the group's mean accuracy is within
   ``[data.accuracy_lower_bound, data.accuracy_upper_bound]`` (``portrl.algo.implicit_prm.accuracy_band_keep``);
 * verl's truncation filter (``data.filter_truncate``): no response of the group reached
-  ``data.max_response_length − 1`` tokens.
+  ``data.max_response_length − 1`` tokens (all its valid tokens: a multi-turn response's tool tokens count,
+  portrl.workers.batch.response_lengths).
 
 verl's recipe samples ``data.oversample_factor`` times the prompts at once and fills the batch with failing groups
 when too few pass; here more batches are generated (up to ``algorithm.filter_groups.max_num_gen_batches``) and the
@@ -24,7 +25,7 @@ import torch
 from portrl.algo import filter_groups
 from portrl.algo.implicit_prm import accuracy_band_keep, untruncated_keep
 from portrl.trainer.advantage_phase import seq_metric
-from portrl.workers.batch import Batch
+from portrl.workers.batch import Batch, response_lengths
 
 
 def group_filter_enabled(cfg: Any) -> bool:
@@ -42,5 +43,5 @@ def keep_groups(cfg: Any, batch: Batch) -> torch.Tensor:
         keep &= accuracy_band_keep(uid, batch.tensors["acc"], float(d.accuracy_lower_bound),
                                    float(d.accuracy_upper_bound))
     if d.filter_truncate:
-        keep &= untruncated_keep(uid, batch.tensors["response_mask"].sum(-1), int(d.max_response_length))
+        keep &= untruncated_keep(uid, response_lengths(batch), int(d.max_response_length))
     return keep

@@ -5,7 +5,11 @@ Data metrics: ``critic/score/{mean,max,min}`` (sequence score from the reward), 
 ``critic/vf_explained_var`` (when a critic runs; the values are the critic's before this step's update,
 so it is measured on data the critic has not trained on; left out when every response scored the
 same), ``critic/acc/mean`` and per data source ``critic/score/<src>``, ``critic/acc/<src>``,
-``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max,min}``. Throughput:
+``response_length/{mean,max,min,clip_ratio}``, ``prompt_length/{mean,max,min}``. As verl's, a response's length is
+all its valid tokens (portrl.workers.batch.response_lengths): in a multi-turn rollout the tool / environment tokens
+between the model's turns count, as they count against ``data.max_response_length`` (``clip_ratio``: the share of
+responses that reached it); a multi-turn batch (meta ``num_turns``) adds ``response_length/model_mean``, the tokens
+the model wrote. Advantages, returns and values are over the model's tokens (``response_mask``). Throughput:
 ``perf/tokens_per_s`` (prompt + response tokens of the step / step time),
 ``perf/gen_tokens_per_s`` (response tokens / generation time). Per phase: ``timing_s/<phase>`` and, when the
 workers run in the trainer's process, ``memory/peak_gib/<phase>`` (:class:`Timer`).
@@ -21,7 +25,8 @@ from typing import Any, Dict, Iterator, List
 import torch
 
 from portrl.algo import explained_variance
-from portrl.workers.batch import Batch
+from portrl.agent.trajectory import META_NUM_TURNS
+from portrl.workers.batch import Batch, response_lengths
 
 
 def _stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
@@ -34,7 +39,7 @@ def _stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
 def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
     t = batch.tensors
     mask = t["response_mask"].bool()
-    resp_len = mask.sum(-1).float()
+    resp_len = response_lengths(batch).float()
     P = t["prompts"].shape[1]
     prompt_len = t["attention_mask"][:, :P].sum(-1).float()
     out: Dict[str, float] = {}
@@ -63,6 +68,8 @@ def data_metrics(batch: Batch, max_response_length: int) -> Dict[str, float]:
                 out[f"critic/acc/{s}"] = float(t["acc"][ix].float().mean())
     out.update(_stats("response_length", resp_len))
     out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    if META_NUM_TURNS in batch.meta:
+        out["response_length/model_mean"] = float(mask.sum(-1).float().mean())
     out.update(_stats("prompt_length", prompt_len))
     return out
 

@@ -10,7 +10,7 @@ import torch
 
 from portrl.rewards import per_source_metrics
 from portrl.trainer.generation import generation_seed, prompt_batch, run_dataset, sampling_params
-from portrl.workers.batch import Batch
+from portrl.workers.batch import Batch, response_lengths
 
 
 def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: Any) -> Optional[Batch]:
@@ -42,7 +42,7 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
         sources += [str(s) for s in b.meta["data_source"]]
         acc.append(r.tensors["acc"].float())
         score.append(r.tensors["seq_scores"].float())
-        lens.append(b.tensors["response_mask"].sum(-1).float())
+        lens.append(response_lengths(b).float())  # all valid tokens, as response_length/* (metrics.py)
     a, s = torch.cat(acc), torch.cat(score)
     out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
     out["val/acc/mean"] = float(a.mean())

@@ -292,3 +292,25 @@ def build_rollout_batch(
         if len(v) != len(prompt_ids):
             raise ValueError(f"build_rollout_batch: meta[{key!r}] has {len(v)} entries for {len(prompt_ids)} prompts")
     return Batch(tensors, rows)
+
+
+def response_valid_mask(batch: Batch) -> torch.Tensor:
+    """``(B,T)`` mask of a rollout's *valid* response tokens: every response token that is not padding, the
+    model's tokens and, in a multi-turn rollout, the tool / environment tokens between its turns (the response
+    part of ``attention_mask``, verl's ``compute_response_mask``). ``response_mask`` marks the model's tokens
+    only (what is trained on); for a single-turn rollout the two are equal. A batch without ``attention_mask``
+    falls back to ``response_mask``.
+
+    Use it to decode a response (rewards, traces) and for its length against ``data.max_response_length``
+    (overlong shaping, truncation); every loss, entropy, KL, advantage and value aggregation uses
+    ``response_mask``."""
+    T = batch.tensors["responses"].shape[1] if "responses" in batch else batch.tensors["response_mask"].shape[1]
+    if "attention_mask" not in batch:
+        return batch.tensors["response_mask"]
+    mask = batch.tensors["attention_mask"]
+    return mask[:, mask.shape[1] - T:]
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """``(B,)`` int64: the number of valid response tokens of each row (:func:`response_valid_mask`)."""
+    return (response_valid_mask(batch) != 0).sum(-1)
