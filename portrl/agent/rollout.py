@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from portrl.agent.loop import AgentLimits, AgentRow, ToolAgentLoop
 from portrl.agent.parsers import get_parser
 from portrl.agent.tools.config import load_tool_config, tool_schemas
-from portrl.agent.tools.execute import merge_tool_kwargs
+from portrl.agent.tools.execute import merge_tools_kwargs
 from portrl.agent.trajectory import (META_NUM_TURNS, META_TOOL_CALLS, META_TOOL_ERRORS, META_TRACE, META_TURN_ENDS,
                                      META_TURN_REWARDS, Trajectory)
 from portrl.errors import UserError
@@ -54,7 +54,7 @@ class AgentRollout:
             if name not in self.loops:
                 raise UserError(f"a data row has agent_name={name!r}, which is not an agent loop; valid: "
                                 f"{', '.join(AGENT_NAMES)}")
-            kwargs = merge_tool_kwargs((extras[i] or {}).get("tools_kwargs"))
+            kwargs = merge_tools_kwargs((extras[i] or {}).get("tools_kwargs"))
             for _ in range(n):
                 groups.setdefault(name, []).append(len(rows))
                 rows.append(AgentRow(list(ids), list(messages[i] or []), kwargs))
