@@ -220,22 +220,47 @@ def test_config_ranges(key, value, phrase):
     assert any(p.startswith(phrase) for p in check_ranges(cfg))
 
 
-def test_training_writes_traces_every_step(tiny_model, tmp_path, capsys):
+def _train_cfg(model, out, **extra):
     from portrl.config.schema import default_config
-    from portrl.trainer import run_training
 
     cfg = default_config()
-    over = {"device.name": "cpu", "device.num_threads": 1, "model.path": tiny_model, "trainer.output_dir":
-            str(tmp_path / "run"), "data.arith.num_train": 32, "data.arith.num_test": 4, "data.train_batch_size": 2,
+    over = {"device.name": "cpu", "device.num_threads": 1, "model.path": model, "trainer.output_dir": str(out),
+            "data.arith.num_train": 32, "data.arith.num_test": 4, "data.train_batch_size": 2,
             "data.max_response_length": 4, "rollout.n": 2, "actor.ppo_mini_batch_size": 4, "trainer.total_steps": 2,
             "trainer.test_freq": 0, "trainer.val_before_train": False, "trainer.progress_bar": False,
             "trainer.loggers": ["jsonl"], "trainer.plot": False, "trainer.export_hf": False,
-            "trainer.save_final": False, "trainer.trace_freq": 1, "trainer.trace_rows": 3}
+            "trainer.save_final": False, "trainer.trace_freq": 1, "trainer.trace_rows": 3, **extra}
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
-    run_training(cfg)
+    return cfg
+
+
+def test_training_writes_traces_every_step(tiny_model, tmp_path, capsys):
+    from portrl.trainer import run_training
+
+    run_training(_train_cfg(tiny_model, tmp_path / "run"))
     recs = read_traces(tmp_path / "run" / TRACES_FILE)
     assert [(r["step"], r["row"]) for r in recs] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     assert all(r["data_source"] and r["messages"][0]["role"] == "assistant" and r["prompt"] for r in recs)
     assert main(["trace", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.count("=== step 2 | row") == 3
+
+
+def test_a_resumed_run_keeps_one_trace_per_step(tiny_model, tmp_path):
+    """Killed after step 3 was logged but before its checkpoint: the continuation from step 2 traces step 3 again,
+    and the file holds the new run's step 3 only, as metrics.jsonl does."""
+    import shutil
+
+    from portrl.trainer import run_training
+
+    out = tmp_path / "run"
+    run_training(_train_cfg(tiny_model, out, **{"trainer.total_steps": 3, "trainer.save_freq": 1}))
+    shutil.rmtree(out / "checkpoints" / "global_step_3")
+    first = read_traces(out / TRACES_FILE)
+    run_training(_train_cfg(tiny_model, out, **{"trainer.total_steps": 3, "trainer.save_freq": 1,
+                                                "trainer.trace_rows": 1}))
+    recs = read_traces(out / TRACES_FILE)
+    assert [(r["step"], r["row"]) for r in recs] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0)]
+    assert recs[:6] == first[:6]
+    metrics_steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics_steps == [1, 2, 3]

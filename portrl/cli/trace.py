@@ -30,9 +30,9 @@ INDENT = "    "
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a run's output directory (trainer.output_dir)")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="the traced step to show (default: the last traced step)")
+    which.add_argument("--step", type=int, metavar="N", help="the traced step to show (default: the last traced step)")
     which.add_argument("--last", action="store_true", help="the last traced step (the default)")
-    parser.add_argument("--rows", type=int, help="show the first K trajectories of the step (default: all traced)")
+    parser.add_argument("--rows", type=int, metavar="K", help="show the first K trajectories of the step (default: all traced)")
 
 
 def _load(run_dir: Path) -> List[Dict[str, Any]]:
