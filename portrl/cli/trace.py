@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, metavar="N", help="the traced step to show (default: the last traced step)")
     which.add_argument("--last", action="store_true", help="the last traced step (the default)")
-    parser.add_argument("--rows", type=int, metavar="K", help="show the first K trajectories of the step (default: all traced)")
+    parser.add_argument("--rows", type=int, metavar="K",
+                        help="show the first K trajectories of the step (default: all traced)")
 
 
 def _load(run_dir: Path) -> List[Dict[str, Any]]:
