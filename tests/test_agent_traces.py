@@ -87,6 +87,37 @@ def test_no_tool_call_gives_a_zero_error_rate():
     assert m["agent/turn_reward/mean"] == 0.0 and m["agent/num_turns/mean"] == 1.0
 
 
+def test_validation_logs_val_agent_metrics_over_its_chunks():
+    """validate() gathers agent metrics over every chunk of the validation prompts, prefixed val/."""
+    from portrl.config.schema import default_config
+    from portrl.trainer.validation import validate
+    from portrl.workers.batch import Batch
+
+    rollout = _multi_turn()
+
+    class Gen:  # each chunk of 2 prompts is answered by the next 2 hand-built trajectories
+        def __init__(self):
+            self.at = 0
+
+        def concat(self, method, chunk, params, **extra):
+            assert method == "generate_from" and len(chunk) == 2
+            self.at += 2
+            return rollout.slice(self.at - 2, self.at)
+
+    class Reward:
+        def compute_reward(self, b):
+            return Batch({"acc": b.tensors["acc"], "seq_scores": b.tensors["token_level_scores"].sum(-1)})
+
+    cfg = default_config()
+    OmegaConf.update(cfg, "data.val_batch_size", 2)
+    out = validate(cfg, Gen(), Reward(), Batch(meta={"uid": list("abcd")}), step=3)
+    assert {k: v for k, v in out.items() if "/agent/" in k} == agent_metrics(rollout, prefix="val/")
+    assert out["val/acc/mean"] == 0.5
+    single = validate(cfg, type("G", (), {"concat": lambda self, *a, **k: _single_turn(2, (1.0, 0.0))})(), Reward(),
+                      Batch(meta={"uid": list("ab")}), step=3)
+    assert not [k for k in single if "agent" in k]
+
+
 # -------------------------------------------------------------------------------------------- writer
 def test_single_turn_records_decode_prompt_and_response():
     b = _single_turn()
