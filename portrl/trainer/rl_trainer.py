@@ -41,8 +41,8 @@ from portrl.data import PromptBatch, RLDataset
 from portrl.errors import RunStopped, UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
-from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, old_policy_phase
+from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch
