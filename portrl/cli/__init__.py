@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                  "rows: qa) or the arith task into verl parquet"),
     "config": ("config", "print the resolved run config (defaults + presets + --config + overrides) or list presets"),
     "plot": ("plot", "write PNG curves (reward, accuracy, KL, entropy, length) from a run's metrics.jsonl"),
+    "trace": ("trace", "show the decoded turns a run traced (trainer.trace_freq) in the terminal"),
     "parity": ("parity", "cross-hardware parity: ops vs float64, golden record/replay, e2e envelope, compare matrix"),
 }
 

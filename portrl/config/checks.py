@@ -12,8 +12,8 @@
   in portrl/config/checks_algorithm.py);
 * ranges: every numeric knob with a valid range says it (:func:`check_ranges`): learning rates > 0 (0 only
   with ``optim.freeze=true``), clip ratios >= 0 with low <= high, ppo_epochs / total_steps / num_workers (or null) /
-  max_ckpt_to_keep >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps >= 1 or 0 (off), KL
-  coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
+  max_ckpt_to_keep / trace_rows >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps / trace_freq
+  >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py); multi-turn
   rollouts: ``rollout.multi_turn`` (portrl/config/checks_agent.py);
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
@@ -260,6 +260,8 @@ def _run_ranges(cfg, p: _Problems) -> None:
            "must be > 0 (seconds), or 0 / null (no limit)")
     p.need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps",
            "must be >= 1 (stop after that many steps in a row with a non-finite loss or gradient), or 0 (never stop)")
+    p.need(t.trace_freq >= 0, "trainer.trace_freq", "must be >= 1 (write traces every k steps), or 0 (never)")
+    p.need(t.trace_rows >= 1, "trainer.trace_rows", "must be >= 1 (trajectories traced per traced step)")
     code = cfg.reward.code
     p.need(code.timeout_s > 0, "reward.code.timeout_s", "must be > 0 (seconds per test case)")
     p.need(code.memory_mb >= 64, "reward.code.memory_mb", "must be >= 64 (the interpreter itself needs ~30 MB)")

@@ -71,3 +71,7 @@ class TrainerConfig:
     # counted in <role>/nonfinite_skipped); after this many steps in a row with a skipped update the run stops with
     # one line naming the last good checkpoint (portrl.trainer.divergence); 0 = never stop
     max_nonfinite_steps: int = 3
+    # every trace_freq steps the decoded turns of the batch's first trace_rows trajectories go to
+    # <output_dir>/traces.jsonl (portrl/trainer/traces.py; shown by `portrl trace RUN`); 0 = never
+    trace_freq: int = 0
+    trace_rows: int = 4

@@ -29,12 +29,10 @@ or a policy whose logits are not finite; a checkpoint is never written from non-
 from __future__ import annotations
 
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
-import numpy as np
 import torch
 
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
@@ -44,6 +42,7 @@ from portrl.errors import RunStopped, UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, old_policy_phase
+from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch, run_dataset
@@ -60,6 +59,7 @@ from portrl.trainer.run_dir import prepare_run_dir
 from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
+from portrl.trainer.traces import TraceWriter
 from portrl.trainer.validation import validate, validation_prompts
 from portrl.trainer.value_pretrain import pretrain_critic
 from portrl.workers.actor import ActorRolloutWorker
@@ -68,16 +68,10 @@ from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
 from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
-from portrl.workers.setup import setup_process, worker_backend
+from portrl.workers.setup import seed_all, setup_process, worker_backend
 from portrl.workers.weight_transport import sync_metrics
 
 log = logging.getLogger(__name__)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class RLTrainer:
@@ -93,7 +87,7 @@ class RLTrainer:
         self.cfg = cfg
         self.backend = worker_backend(cfg)
         setup_process(cfg, self.backend)
-        _seed_all(int(cfg.trainer.seed))
+        seed_all(int(cfg.trainer.seed))
         self.out_dir = Path(str(cfg.trainer.output_dir))  # created by fit(): validate() alone (eval) writes nothing
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         self.processor = load_processor(cfg.model.path)  # a vision-language model's; None for a text model
@@ -156,6 +150,8 @@ class RLTrainer:
             if batch is None:
                 m["train/skipped"] = 1.0
                 return {**m, **timer.metrics()}
+            m.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, tool errors (else nothing)
+            self.traces.observe(step, batch)  # trainer.trace_freq: decoded turns to traces.jsonl
             m.update(old_policy_phase(cfg, self.actor, batch, timer))  # old log-probs (or the rollout's)
             if self.use_ref:
                 with timer("ref"):
@@ -261,6 +257,7 @@ class RLTrainer:
             summary.update(pretrain_critic(cfg, self.critic, self._rollout))
         tracker = Tracker(str(self.out_dir), loggers=tuple(t.loggers), config=cfg, total_steps=int(t.total_steps),
                           progress_bar=bool(t.progress_bar), resume_step=self.global_step)
+        self.traces = TraceWriter(self.out_dir, int(t.trace_freq), int(t.trace_rows), self.tokenizer, self.global_step)
         # a resumed run's summary covers the whole run: its earlier steps come back from metrics.jsonl
         earlier = read_metrics_up_to(self.out_dir, self.global_step) if resume is not None else []
         if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:

@@ -48,7 +48,7 @@ ON_EXISTING = outputs.ON_EXISTING
 RUN_MARKERS = (RUN_FILE, "metrics.jsonl", "hf_model")
 #: what else a run (or ``portrl sft``'s default output, ``<output_dir>/sft``) writes there; a fresh start refuses a
 #: folder holding anything but these (a user's files are not mixed with a run's)
-RUN_ENTRIES = (*RUN_MARKERS, "checkpoints", "plots", "tensorboard", "wandb", "mlruns", "sft")
+RUN_ENTRIES = (*RUN_MARKERS, "checkpoints", "plots", "tensorboard", "wandb", "mlruns", "sft", "traces.jsonl")
 _TEMP = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]{8}")  # portrl.user_files.temp_name, left by a killed writer
 
 

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from portrl.rewards import per_source_metrics
+from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.generation import generation_seed, prompt_batch, run_dataset, sampling_params
 from portrl.workers.batch import Batch, response_lengths
 
@@ -27,18 +28,19 @@ def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: An
 def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: int,
              extra: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
     """``val/*`` metrics of ``prompts`` generated on ``gen`` and scored by ``reward`` in chunks of
-    ``data.val_batch_size``; {} without prompts. ``extra``: keyword arguments of the generate calls (the
-    asynchronous modes' ``min_version``: validation sees the current policy)."""
+    ``data.val_batch_size`` (with multi-turn rollouts also ``val/agent/*``); {} without prompts. ``extra``: keyword
+    arguments of the generate calls (the asynchronous modes' ``min_version``: validation sees the current policy)."""
     if prompts is None:
         return {}
     t0 = time.perf_counter()
     size = cfg.data.val_batch_size or len(prompts)
     sources: List[str] = []
-    acc, score, lens = [], [], []
+    acc, score, lens, generated = [], [], [], []
     for i, chunk in enumerate(prompts.split(int(size))):
         b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i), greedy=True),
                        **(extra or {}))
         r = reward.compute_reward(b)
+        generated.append(Batch(meta=b.meta))  # its meta alone: what agent_metrics reads
         sources += [str(s) for s in b.meta["data_source"]]
         acc.append(r.tensors["acc"].float())
         score.append(r.tensors["seq_scores"].float())
@@ -48,5 +50,6 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
     out["val/acc/mean"] = float(a.mean())
     out["val/score/mean"] = float(s.mean())
     out["val/response_length/mean"] = float(torch.cat(lens).mean())
+    out.update(agent_metrics(generated, prefix="val/"))  # multi-turn rollouts only (portrl.trainer.agent_metrics)
     out["timing_s/val"] = time.perf_counter() - t0
     return out

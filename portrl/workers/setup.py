@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
@@ -107,6 +109,13 @@ def setup_process(cfg: Any, backend: Backend, rank: int = 0) -> None:
         torch.use_deterministic_algorithms(True, warn_only=False)
     registry.choose(dict(cfg.device.kernels or {}))
     hf_logging.disable_progress_bar()  # per-load "Loading weights" bars would drown the training console
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global random generators with ``seed`` (numpy's modulo 2**32)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def resolve_dtype(cfg: Any, backend: Backend) -> str:
