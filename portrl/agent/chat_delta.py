@@ -113,9 +113,11 @@ def check_running_ids(tokenizer: Any, messages: Messages, tools: Optional[Sequen
     if expected == running:
         return
     pos = next((i for i, (a, b) in enumerate(zip(expected, running)) if a != b), min(len(expected), len(running)))
+    ids = ", ".join(f"{side} id {seq[pos]}" if pos < len(seq) else f"{side} ends" for side, seq in
+                    (("template", expected), ("running", running)))
     raise TokenizationMismatch(
-        f"multi-turn tokenization mismatch at token {pos} (template {len(expected)} ids, running {len(running)} "
-        f"ids): the chat template gives {_context(tokenizer, expected, pos)} but the trajectory holds "
+        f"multi-turn tokenization mismatch at token {pos} ({ids}; {len(expected)} vs {len(running)} ids): the chat "
+        f"template gives {_context(tokenizer, expected, pos)} but the trajectory holds "
         f"{_context(tokenizer, running, pos)} (a model turn re-encodes differently from the tokens sampled, or the "
         "template renders it differently from what the model wrote); set "
         "rollout.multi_turn.tokenization_sanity_check_mode=disable to skip the check")
