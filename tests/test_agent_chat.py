@@ -23,7 +23,8 @@ OLD_TINY = ("{%- for message in messages %}"
 OLD_QWEN = ("{%- if messages[0]['role'] == 'system' %}"
             "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
             "{%- else %}"
-            "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+            "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+            "<|im_end|>\\n' }}"
             "{%- endif %}"
             "{%- for message in messages %}"
             "{%- if not (loop.first and message['role'] == 'system') %}"
@@ -157,12 +158,12 @@ def test_registry_unknown_name_custom_parser_and_bad_registrations(monkeypatch):
 
 @pytest.mark.parametrize("messages", NON_TOOL_CONVERSATIONS)
 @pytest.mark.parametrize("generation_prompt", [False, True])
-def test_non_tool_conversations_render_as_before(tiny, qwen, messages, generation_prompt):
-    for tok, old in ((tiny, OLD_TINY), (qwen, OLD_QWEN)):
-        new = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        was = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                      chat_template=old)
-        assert new == was
+@pytest.mark.parametrize("name, old", [("tiny", OLD_TINY), ("qwen", OLD_QWEN)])
+def test_non_tool_conversations_render_as_before(request, name, old, messages, generation_prompt):
+    tok = request.getfixturevalue(name)
+    new = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    was = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=old)
+    assert new == was
 
 
 TOOL_CONVERSATION = [
@@ -171,7 +172,8 @@ TOOL_CONVERSATION = [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "123*456"}}},
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "7"}}}]},
     {"role": "tool", "content": "56088"}, {"role": "tool", "content": "7"},
-    {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": {"expression": "56088+7"}}]},
+    {"role": "assistant", "content": "",  # a tool call without the "function" wrapper renders the same
+     "tool_calls": [{"name": "calculator", "arguments": {"expression": "56088+7"}}]},
     {"role": "tool", "content": "56095"},
     {"role": "assistant", "content": "56095"},
 ]
@@ -256,7 +258,8 @@ def test_running_ids_equal_the_full_template_tokenization(tok, tools):
 def test_delta_starts_after_the_eos_and_ends_with_the_generation_prompt(tok):
     delta = ChatDelta(tok)
     ids = delta.tool_turn_ids(["42"])
-    assert tok.decode(ids) == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
     assert tok.decode(delta.user_turn_ids("go on")) == "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="at least one"):
         delta.tool_turn_ids([])

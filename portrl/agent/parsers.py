@@ -105,7 +105,8 @@ def _read_call(body: str) -> ToolCall:
     except json.JSONDecodeError as exc:
         return ToolCall("", None, f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
     if not isinstance(obj, dict):
-        return ToolCall("", None, f"the tool call is a JSON {type(obj).__name__}, not an object with name and arguments")
+        return ToolCall("", None, f"the tool call is a JSON {type(obj).__name__}, not an object with a name and "
+                                  "arguments")
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall("", None, "the tool call has no \"name\" (a non-empty string)")
