@@ -30,6 +30,7 @@ from portrl.data.preprocess import write_split
 from portrl.errors import UserError
 from portrl.models import write_tiny_model
 from portrl.models.loader import check_model_dir
+from portrl.models.tokenizer import CHAT_TEMPLATE
 from portrl.tasks import Task, builtin_sft_task, data_task, generated_task, names_where
 from portrl.trainer.data_fit import fit_val_files
 from portrl.workers.setup import resolve_num_workers, worker_backend
@@ -62,10 +63,11 @@ TINY_VOCAB = "arith"
 
 
 def tiny_model_dir(cfg: Any) -> Path:
-    """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`)."""
+    """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`); the key
+    holds the sizes and the tokenizer's chat template (a model cached with an older template is built again)."""
     t = cast(dict, OmegaConf.to_container(cfg.model.tiny, resolve=True)) \
         if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
-    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key(t)}"
+    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key({**t, 'chat_template': CHAT_TEMPLATE})}"
 
 
 def resolve_model_path(cfg: Any) -> str:
