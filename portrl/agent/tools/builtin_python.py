@@ -1,0 +1,66 @@
+"""The built-in ``python`` tool: runs the model's code in the project's code sandbox (portrl.rewards.sandbox:
+its own file system, no network, limits) and gives back what it printed.
+
+Config (``{name: python, config: {...}}``): ``timeout_s`` (5), ``memory_mb`` (512). Each call is a fresh
+program (no state is kept between calls); a ``` fence around the code is removed.
+
+What the model reads: the program's stdout; when it failed, then the end of its stderr (the traceback, with the
+sandbox's temporary path shortened to ``main.py``); when it printed nothing, :data:`NO_OUTPUT`.
+``error=True`` (counted as a tool error) only when the tool could not do its work: the sandbox stopped the
+program at a limit (time, memory, output size) or could not start it. A program that raises or does not compile
+is a normal result (``error=False``): its traceback is the feedback the model learns from, as in ReTool.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict
+
+from portrl.agent.tools.base import Tool, ToolResult
+from portrl.rewards.sandbox import SandboxError, SandboxLimits, run_program
+
+NO_OUTPUT = "(no output: print() the values you want to see)"
+_LIMIT_MESSAGES = {"timeout": "the program ran past the time limit of {timeout_s:g} s",
+                   "memory": "the program ran out of memory (limit {memory_mb} MB)",
+                   "output_limit": "the program printed more than the output limit"}
+_SANDBOX_PATH = re.compile(r'"[^"\n]*portrl-sandbox-[^"\n/]*/main\.py"')
+_FENCE = re.compile(r"^\s*```[A-Za-z0-9_+-]*\s*\n(.*?)\n?```\s*$", re.DOTALL)
+
+
+class PythonTool(Tool):
+    """``python(code)``: run ``code`` in the sandbox (module docstring)."""
+
+    name = "python"
+
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512) -> None:
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if not isinstance(memory_mb, int) or isinstance(memory_mb, bool) or memory_mb < 32:
+            raise ValueError(f"memory_mb must be an integer >= 32, got {memory_mb!r}")
+        self.limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=memory_mb)
+        self.schema = {"type": "function", "function": {
+            "name": "python",
+            "description": "Run a Python program and return what it prints (stdout; the error when it fails). "
+                           "Each call starts fresh; print() the results you need.",
+            "parameters": {"type": "object", "properties": {
+                "code": {"type": "string", "description": "the Python program to run"}},
+                "required": ["code"]}}}
+
+    def call(self, arguments: Dict[str, Any], row_kwargs: Dict[str, Any]) -> ToolResult:
+        code = str(arguments["code"])
+        fenced = _FENCE.match(code)
+        if fenced:
+            code = fenced.group(1)
+        try:
+            result = run_program(code, "", self.limits)
+        except SandboxError as exc:
+            return ToolResult(text=f"Error: the sandbox could not run the program ({exc})", error=True)
+        text = result.stdout
+        if result.status in _LIMIT_MESSAGES:
+            message = _LIMIT_MESSAGES[result.status].format(timeout_s=self.limits.timeout_s,
+                                                            memory_mb=self.limits.memory_mb)
+            return ToolResult(text=(text + "\n" if text else "") + f"Error: {message}", error=True)
+        if result.status != "ok":
+            stderr = _SANDBOX_PATH.sub('"main.py"', result.stderr).strip()
+            text = (text + "\n" if text and not text.endswith("\n") else text) + stderr
+        return ToolResult(text=text if text.strip() else NO_OUTPUT)
