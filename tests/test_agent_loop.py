@@ -130,9 +130,9 @@ def test_limits_end_trajectories():
     (b,) = _loop(max_response_tokens=60).run(ScriptedEngine(script), [_row("A?")], SamplingParams(max_new_tokens=400))
     assert len(b.response_ids) == 60 and b.finish_reason == FINISH_LENGTH  # the budget covers tool tokens too
     long = {"A?": [call_text("calculator", expression="7**200"), "ok"]}
-    (c,) = _loop(max_tool_response_length=20, tool_response_truncate_side="right").run(
+    (c,) = _loop(max_tool_response_length=20, tool_response_truncate_side="left").run(
         ScriptedEngine(long), [_row("A?")], SamplingParams(max_new_tokens=400))
-    assert len(c.trace[2]["content"]) <= 20 + 40 and c.trace[2]["content"].startswith(str(7**200)[:5])
+    assert c.trace[2]["content"] == str(7**200)[:20] + "...(truncated)"  # left: the start is kept, as in verl
 
 
 def test_strict_mode_catches_a_template_mismatch(monkeypatch):

@@ -21,7 +21,7 @@ class MultiTurnConfig:
     max_assistant_turns: Optional[int] = None  # None: until the budget runs out
     max_parallel_calls: int = 1  # tool calls of one model turn that run; the rest get an error message
     max_tool_response_length: int = 256  # characters of a tool's output the model reads
-    tool_response_truncate_side: str = "middle"  # left | right | middle: the part of a long output that is cut
+    tool_response_truncate_side: str = "middle"  # keep of a long output: left (its start) | right (its end) | middle (both ends)
     tool_timeout_s: float = 10.0  # wall-time limit of one tool call
     # strict: after every tool turn, compare the running ids with the chat template's tokenization of the whole
     # conversation and stop with an error on a mismatch (slower; for checking a new model's template)
