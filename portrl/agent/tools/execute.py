@@ -71,7 +71,7 @@ def _call_problem(tools: Mapping[str, Tool], call: Any) -> Optional[str]:
     if getattr(call, "error", None):
         return f"the tool call could not be read: {call.error}"
     name = getattr(call, "name", None)
-    if name not in tools:
+    if not isinstance(name, str) or name not in tools:
         return f"unknown tool {name!r}; valid tools: {', '.join(sorted(tools)) or 'none'}"
     problem = argument_problem(tools[name].schema, call.arguments if call.arguments is not None else {})
     return f"tool {name!r}: {problem}" if problem else None
