@@ -15,7 +15,7 @@ import pytest
 
 from portrl.agent.tools import (
     Tool, ToolConfigError, ToolResult, ToolSchemaError, check_schema, load_tool_config, merge_tools_kwargs,
-    run_calls, tool, tool_schemas, truncate_text)
+    run_calls, run_calls_many, tool, tool_schemas, truncate_text)
 from portrl.agent.tools.builtin_calculator import MAX_DIGITS, CalculatorTool, evaluate
 from portrl.agent.tools.builtin_python import NO_OUTPUT, PythonTool
 from portrl.agent.tools.builtin_search import NO_MATCH, SearchTool
@@ -205,6 +205,7 @@ def test_config_loads_every_form(tmp_path, monkeypatch):
     ("tools: [{class_name: tools.py:shout, config: {a: 1}}]", "a function tool takes no config"),
     ("tools: [{name: python, config: {timeout_s: 0}}]", "timeout_s must be a number of seconds > 0"),
     ("tools: [{name: python, config: {type: mcp}}]", "config.type 'mcp' is not supported"),
+    ("tools: [{name: python, config: {max_concurrent: 0}}]", "max_concurrent must be an integer >= 1"),
     ("tools: [{name: search, config: {corpus_path: none.jsonl}}]", "search corpus"),
     ("tools: [{name: calculator, tool_schema: {type: function, function: {name: 'a b'}}}]", "is not a name"),
     ("tools: [{class_name: my.Bare}]", "tools[0] (my.Bare): no schema: the tool sets none"),
@@ -292,6 +293,20 @@ def test_run_calls_runs_up_to_max_parallel_calls_at_once():
     assert one[1].text.startswith("Error: at most 1 tool call(s)")
 
 
+def test_run_calls_many_runs_the_turns_of_many_rows_at_once():
+    barrier = threading.Barrier(2)
+    tools: Any = {"sleeper": Sleeper(threading.Event(), barrier), "lookup": lookup}
+    rows = [[Call("sleeper", {"n": 1}), Call("lookup", {"city": "Oslo"})],
+            [Call("sleeper", {"n": 2})], [], [Call("lookup", {"city": "Rome"})]]
+    kwargs = [{}, {}, {}, {"lookup": {"ground_truth": "2.8M"}}]
+    out = run_calls_many(tools, rows, kwargs, timeout_s=8, max_parallel=1)
+    assert [[r.text for r in row] for row in out] == [
+        ["met 1", "Error: at most 1 tool call(s) run per turn; call 2 ('lookup') was not run"], ["met 2"], [],
+        ["Rome/2024/2.8M"]]
+    with pytest.raises(ValueError, match="2 rows of calls but 1 rows of kwargs"):
+        run_calls_many(tools, [[], []], [{}])
+
+
 def test_merge_tools_kwargs_reads_verls_tools_kwargs():
     row = {"calc": {"create_kwargs": {"ground_truth": "3", "a": 1}, "execute_kwargs": {"a": 2},
                     "calc_reward_kwargs": {}}, "search": None, "python": {"create_kwargs": None}}
@@ -346,6 +361,11 @@ def test_python_tool_runs_code_in_the_sandbox():
     assert py.call({"code": "x = 1"}, {}).text == NO_OUTPUT
     slow = py.call({"code": "print('start', flush=True)\nwhile True: pass"}, {})
     assert slow.error and slow.text == "start\n\nError: the program ran past the time limit of 1 s"
+    one_slot = PythonTool(timeout_s=2.0, max_concurrent=1)
+    start = time.monotonic()
+    out = run_calls({"python": one_slot}, [Call("python", {"code": "import time; time.sleep(0.4)"})] * 2, {},
+                    max_parallel=2)
+    assert [r.text for r in out] == [NO_OUTPUT] * 2 and time.monotonic() - start >= 0.8  # one after the other
 
 
 def _corpus(tmp_path):

@@ -1,8 +1,10 @@
 """The built-in ``python`` tool: runs the model's code in the project's code sandbox (portrl.rewards.sandbox:
 its own file system, no network, limits) and gives back what it printed.
 
-Config (``{name: python, config: {...}}``): ``timeout_s`` (5), ``memory_mb`` (512). Each call is a fresh
-program (no state is kept between calls); a ``` fence around the code is removed.
+Config (``{name: python, config: {...}}``): ``timeout_s`` (5), ``memory_mb`` (512), ``max_concurrent`` (the CPU
+count: programs of this tool running at once, over all trajectories; a call waits for a free slot, and the wait
+counts in the agent loop's per-call timeout). Each call is a fresh program (no state is kept between calls); a
+``` fence around the code is removed.
 
 What the model reads: the program's stdout; when it failed, then the end of its stderr (the traceback, with the
 sandbox's temporary path shortened to ``main.py``); when it printed nothing, :data:`NO_OUTPUT`.
@@ -13,7 +15,9 @@ is a normal result (``error=False``): its traceback is the feedback the model le
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from typing import Any, Dict
 
 from portrl.agent.tools.base import Tool, ToolResult
@@ -32,12 +36,16 @@ class PythonTool(Tool):
 
     name = "python"
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512) -> None:
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_concurrent: "int | None" = None) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if not isinstance(memory_mb, int) or isinstance(memory_mb, bool) or memory_mb < 32:
             raise ValueError(f"memory_mb must be an integer >= 32, got {memory_mb!r}")
+        slots = max_concurrent if max_concurrent is not None else os.cpu_count() or 1
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"max_concurrent must be an integer >= 1, got {max_concurrent!r}")
         self.limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=memory_mb)
+        self.slots = threading.BoundedSemaphore(slots)
         self.schema = {"type": "function", "function": {
             "name": "python",
             "description": "Run a Python program and return what it prints (stdout; the error when it fails). "
@@ -52,7 +60,8 @@ class PythonTool(Tool):
         if fenced:
             code = fenced.group(1)
         try:
-            result = run_program(code, "", self.limits)
+            with self.slots:
+                result = run_program(code, "", self.limits)
         except SandboxError as exc:
             return ToolResult(text=f"Error: the sandbox could not run the program ({exc})", error=True)
         text = result.stdout
