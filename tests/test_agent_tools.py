@@ -355,12 +355,15 @@ def test_python_tool_runs_code_in_the_sandbox():
     py = PythonTool(timeout_s=1.0, memory_mb=256)
     ok = py.call({"code": "```python\nprint(sum(range(10 ** 6)))\n```"}, {})
     assert (ok.text, ok.error) == ("499999500000\n", False)
+    assert py.call({"code": "print('no newline', end='')"}, {}).text == "no newline"
     raised = py.call({"code": "print('before')\n1 / 0"}, {})
     assert not raised.error and raised.text.startswith("before\nTraceback (most recent call last):")
     assert 'File "main.py", line 2' in raised.text and raised.text.endswith("ZeroDivisionError: division by zero")
     assert py.call({"code": "x = 1"}, {}).text == NO_OUTPUT
+    assert py.call({"code": "import sys; print(1); sys.exit(3)"}, {}).text == (
+        "1\n(the program stopped with exit code 3)")
     slow = py.call({"code": "print('start', flush=True)\nwhile True: pass"}, {})
-    assert slow.error and slow.text == "start\n\nError: the program ran past the time limit of 1 s"
+    assert slow.error and slow.text == "start\nError: the program ran past the time limit of 1 s"
     one_slot = PythonTool(timeout_s=2.0, max_concurrent=1)
     start = time.monotonic()
     out = run_calls({"python": one_slot}, [Call("python", {"code": "import time; time.sleep(0.4)"})] * 2, {},

@@ -64,12 +64,12 @@ class PythonTool(Tool):
                 result = run_program(code, "", self.limits)
         except SandboxError as exc:
             return ToolResult(text=f"Error: the sandbox could not run the program ({exc})", error=True)
-        text = result.stdout
+        if result.status == "ok":
+            return ToolResult(text=result.stdout if result.stdout.strip() else NO_OUTPUT)
+        text = result.stdout if not result.stdout or result.stdout.endswith("\n") else result.stdout + "\n"
         if result.status in _LIMIT_MESSAGES:
             message = _LIMIT_MESSAGES[result.status].format(timeout_s=self.limits.timeout_s,
                                                             memory_mb=self.limits.memory_mb)
-            return ToolResult(text=(text + "\n" if text else "") + f"Error: {message}", error=True)
-        if result.status != "ok":
-            stderr = _SANDBOX_PATH.sub('"main.py"', result.stderr).strip()
-            text = (text + "\n" if text and not text.endswith("\n") else text) + stderr
-        return ToolResult(text=text if text.strip() else NO_OUTPUT)
+            return ToolResult(text=text + f"Error: {message}", error=True)
+        stderr = _SANDBOX_PATH.sub('"main.py"', result.stderr).strip()
+        return ToolResult(text=text + (stderr or f"(the program stopped with exit code {result.returncode})"))
