@@ -4,6 +4,7 @@ run_calls' error paths and limits, truncation, and the built-ins (calculator, py
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 import textwrap
 import threading
@@ -364,7 +365,7 @@ def test_python_tool_runs_code_in_the_sandbox():
         "1\n(the program stopped with exit code 3)")
     slow = py.call({"code": "print('start', flush=True)\nwhile True: pass"}, {})
     assert slow.error and slow.text == "start\nError: the program ran past the time limit of 1 s"
-    one_slot = PythonTool(timeout_s=2.0, max_concurrent=1)
+    one_slot = pickle.loads(pickle.dumps(PythonTool(timeout_s=2.0, max_concurrent=1)))
     start = time.monotonic()
     out = run_calls({"python": one_slot}, [Call("python", {"code": "import time; time.sleep(0.4)"})] * 2, {},
                     max_parallel=2)

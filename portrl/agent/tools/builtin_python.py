@@ -45,6 +45,7 @@ class PythonTool(Tool):
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise ValueError(f"max_concurrent must be an integer >= 1, got {max_concurrent!r}")
         self.limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=memory_mb)
+        self.max_concurrent = slots
         self.slots = threading.BoundedSemaphore(slots)
         self.schema = {"type": "function", "function": {
             "name": "python",
@@ -53,6 +54,16 @@ class PythonTool(Tool):
             "parameters": {"type": "object", "properties": {
                 "code": {"type": "string", "description": "the Python program to run"}},
                 "required": ["code"]}}}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Picklable (a Ray task may carry the tool): the semaphore travels as its size."""
+        state = dict(self.__dict__)
+        state["slots"] = self.max_concurrent
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.slots = threading.BoundedSemaphore(state["slots"])
 
     def call(self, arguments: Dict[str, Any], row_kwargs: Dict[str, Any]) -> ToolResult:
         code = str(arguments["code"])
