@@ -198,6 +198,7 @@ def test_config_loads_every_form(tmp_path, monkeypatch):
     ("tools: [3]", "tools[0]: an entry is a int"),
     ("tools: [{name: abacus}]", "tools[0] (abacus): unknown built-in tool 'abacus'; valid: calculator, python, search"),
     ("tools: [{name: calculator, class: x}]", "unknown key(s) 'class'"),
+    ("tools: [{name: calc, class_name: tools.py:Echo}]", "both name and class_name; give one"),
     ("tools: [{class_name: no_such_module.Tool}]", "cannot import 'no_such_module' (ModuleNotFoundError"),
     ("tools: [{class_name: tools.py:Missing}]", "'tools.py' defines no 'Missing'"),
     ("tools: [{class_name: nothere.py:Echo}]", "tool file"),

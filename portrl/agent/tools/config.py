@@ -107,6 +107,10 @@ def _entry_tool(entry: Any, where: str, folder: Path) -> Tool:
     if unknown:
         raise ToolConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
                               f"{', '.join(ENTRY_KEYS)}")
+    if "class_name" in entry and "name" in entry:
+        raise ToolConfigError(f"{where}: both name and class_name; give one: name for a built-in "
+                              f"({', '.join(BUILTINS)}), class_name for a Tool class or @tool function (the tool's "
+                              "name comes from its schema)")
     target = entry.get("class_name") or entry.get("name")
     if not isinstance(target, str) or not target:
         raise ToolConfigError(f"{where}: no class_name (a Tool class or @tool function) or name (a built-in: "
