@@ -12,9 +12,9 @@
 from portrl.agent.tools.base import Tool, ToolResult
 from portrl.agent.tools.config import BUILTINS, ToolConfigError, load_tool_config, tool_schemas
 from portrl.agent.tools.decorator import FunctionTool, tool
-from portrl.agent.tools.execute import merge_tools_kwargs, run_calls, truncate_text
+from portrl.agent.tools.execute import merge_tools_kwargs, run_calls, run_calls_many, truncate_text
 from portrl.agent.tools.schema import ToolSchemaError, argument_problem, check_schema
 
 __all__ = ["BUILTINS", "FunctionTool", "Tool", "ToolConfigError", "ToolResult", "ToolSchemaError",
-           "argument_problem", "check_schema", "load_tool_config", "merge_tools_kwargs", "run_calls", "tool",
-           "tool_schemas", "truncate_text"]
+           "argument_problem", "check_schema", "load_tool_config", "merge_tools_kwargs", "run_calls",
+           "run_calls_many", "tool", "tool_schemas", "truncate_text"]

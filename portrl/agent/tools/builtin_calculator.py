@@ -23,7 +23,7 @@ _LIMIT_BITS = _LIMIT.bit_length()
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Mod: operator.mod}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNARY = (ast.USub, ast.UAdd)
 
 
 class CalculatorError(ValueError):
@@ -49,10 +49,11 @@ def evaluate(expression: str) -> "int | float":
 
 
 def _eval(node: ast.AST) -> "int | float":
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return _checked(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))  # the operand is checked; its negation fits too
+        operand = _eval(node.operand)  # checked; its negation fits too
+        return -operand if isinstance(node.op, ast.USub) else +operand
     if isinstance(node, ast.BinOp):
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow):

@@ -1,8 +1,10 @@
 """The built-in ``python`` tool: runs the model's code in the project's code sandbox (portrl.rewards.sandbox:
 its own file system, no network, limits) and gives back what it printed.
 
-Config (``{name: python, config: {...}}``): ``timeout_s`` (5), ``memory_mb`` (512). Each call is a fresh
-program (no state is kept between calls); a ``` fence around the code is removed.
+Config (``{name: python, config: {...}}``): ``timeout_s`` (5), ``memory_mb`` (512), ``max_concurrent`` (the CPU
+count: programs of this tool running at once, over all trajectories; a call waits for a free slot, and the wait
+counts in the agent loop's per-call timeout). Each call is a fresh program (no state is kept between calls); a
+``` fence around the code is removed.
 
 What the model reads: the program's stdout; when it failed, then the end of its stderr (the traceback, with the
 sandbox's temporary path shortened to ``main.py``); when it printed nothing, :data:`NO_OUTPUT`.
@@ -13,7 +15,9 @@ is a normal result (``error=False``): its traceback is the feedback the model le
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from typing import Any, Dict
 
 from portrl.agent.tools.base import Tool, ToolResult
@@ -32,12 +36,17 @@ class PythonTool(Tool):
 
     name = "python"
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512) -> None:
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_concurrent: "int | None" = None) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if not isinstance(memory_mb, int) or isinstance(memory_mb, bool) or memory_mb < 32:
             raise ValueError(f"memory_mb must be an integer >= 32, got {memory_mb!r}")
+        slots = max_concurrent if max_concurrent is not None else os.cpu_count() or 1
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"max_concurrent must be an integer >= 1, got {max_concurrent!r}")
         self.limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=memory_mb)
+        self.max_concurrent = slots
+        self.slots = threading.BoundedSemaphore(slots)
         self.schema = {"type": "function", "function": {
             "name": "python",
             "description": "Run a Python program and return what it prints (stdout; the error when it fails). "
@@ -46,21 +55,32 @@ class PythonTool(Tool):
                 "code": {"type": "string", "description": "the Python program to run"}},
                 "required": ["code"]}}}
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Picklable (a Ray task may carry the tool): the semaphore travels as its size."""
+        state = dict(self.__dict__)
+        state["slots"] = self.max_concurrent
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.slots = threading.BoundedSemaphore(state["slots"])
+
     def call(self, arguments: Dict[str, Any], row_kwargs: Dict[str, Any]) -> ToolResult:
         code = str(arguments["code"])
         fenced = _FENCE.match(code)
         if fenced:
             code = fenced.group(1)
         try:
-            result = run_program(code, "", self.limits)
+            with self.slots:
+                result = run_program(code, "", self.limits)
         except SandboxError as exc:
             return ToolResult(text=f"Error: the sandbox could not run the program ({exc})", error=True)
-        text = result.stdout
+        if result.status == "ok":
+            return ToolResult(text=result.stdout if result.stdout.strip() else NO_OUTPUT)
+        text = result.stdout if not result.stdout or result.stdout.endswith("\n") else result.stdout + "\n"
         if result.status in _LIMIT_MESSAGES:
             message = _LIMIT_MESSAGES[result.status].format(timeout_s=self.limits.timeout_s,
                                                             memory_mb=self.limits.memory_mb)
-            return ToolResult(text=(text + "\n" if text else "") + f"Error: {message}", error=True)
-        if result.status != "ok":
-            stderr = _SANDBOX_PATH.sub('"main.py"', result.stderr).strip()
-            text = (text + "\n" if text and not text.endswith("\n") else text) + stderr
-        return ToolResult(text=text if text.strip() else NO_OUTPUT)
+            return ToolResult(text=text + f"Error: {message}", error=True)
+        stderr = _SANDBOX_PATH.sub('"main.py"', result.stderr).strip()
+        return ToolResult(text=text + (stderr or f"(the program stopped with exit code {result.returncode})"))

@@ -41,7 +41,7 @@ import yaml
 
 from portrl.agent.tools.base import Tool
 from portrl.agent.tools.decorator import FunctionTool, tool
-from portrl.agent.tools.schema import check_schema
+from portrl.agent.tools.schema import ToolSchemaError, check_schema
 from portrl.errors import UserError
 
 # portrl's built-in tools by short name ("module:class", imported when used)
@@ -71,17 +71,18 @@ def load_tool_config(path: "str | Path") -> Dict[str, Tool]:
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ToolConfigError(f"tool config {str(path)!r} has no 'tools' list; valid: tools: [{{class_name: ..., "
-                              "config: {...}, tool_schema: {...}}}, {name: calculator}, ...]")
+                              "config: {...}, tool_schema: {...}}, {name: calculator}, ...]")
     tools: Dict[str, Tool] = {}
     where_of: Dict[str, str] = {}
     for i, entry in enumerate(entries):
         where = f"tool config {str(path)!r}, tools[{i}]"
         made = _entry_tool(entry, where, file.resolve().parent)
-        where = f"{where} ({_label(entry)})"
+        entry_name = f"tools[{i}] ({_label(entry)})"
         if made.name in tools:
-            raise ToolConfigError(f"{where}: a second tool named {made.name!r} (the first: {where_of[made.name]}); "
-                                  "tool names must be unique (set another name in tool_schema)")
-        tools[made.name], where_of[made.name] = made, where
+            raise ToolConfigError(f"tool config {str(path)!r}, {entry_name}: a second tool named {made.name!r} (the "
+                                  f"first: {where_of[made.name]}); tool names must be unique (set another name in "
+                                  "tool_schema)")
+        tools[made.name], where_of[made.name] = made, entry_name
     return tools
 
 
@@ -106,6 +107,10 @@ def _entry_tool(entry: Any, where: str, folder: Path) -> Tool:
     if unknown:
         raise ToolConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
                               f"{', '.join(ENTRY_KEYS)}")
+    if "class_name" in entry and "name" in entry:
+        raise ToolConfigError(f"{where}: both name and class_name; give one: name for a built-in "
+                              f"({', '.join(BUILTINS)}), class_name for a Tool class or @tool function (the tool's "
+                              "name comes from its schema)")
     target = entry.get("class_name") or entry.get("name")
     if not isinstance(target, str) or not target:
         raise ToolConfigError(f"{where}: no class_name (a Tool class or @tool function) or name (a built-in: "
@@ -114,7 +119,14 @@ def _entry_tool(entry: Any, where: str, folder: Path) -> Tool:
     obj = _resolve(target, where, folder, builtin_only="class_name" not in entry)
     made = _build(obj, config, where, folder)
     schema = entry.get("tool_schema")
-    made.schema = check_schema(schema if schema is not None else made.schema, where)
+    if schema is None and not made.schema:
+        raise ToolConfigError(f"{where}: no schema: the tool sets none and the entry has no tool_schema; valid: "
+                              "tool_schema: {type: function, function: {name: ..., description: ..., parameters: "
+                              "{type: object, properties: {...}, required: [...]}}}")
+    try:
+        made.schema = check_schema(schema if schema is not None else made.schema, where)
+    except ToolSchemaError as exc:
+        raise ToolConfigError(str(exc)) from None
     made.name = made.schema["function"]["name"]
     return made
 

@@ -1,5 +1,5 @@
-"""Running the tool calls of one model turn: :func:`run_calls`; the row's kwargs per tool
-(:func:`merge_tools_kwargs`); cutting a long tool output (:func:`truncate_text`).
+"""Running the tool calls of one model turn: :func:`run_calls` (:func:`run_calls_many`: of many trajectories at
+once); the row's kwargs per tool (:func:`merge_tools_kwargs`); cutting a long tool output (:func:`truncate_text`).
 
 Every failure becomes a :class:`ToolResult` with ``error=True`` whose text tells the model what went wrong (and
 the run goes on): a call the parser could not read, an unknown tool (the message lists the valid names),
@@ -27,43 +27,53 @@ def _error(text: str) -> ToolResult:
 
 def run_calls(tools: Mapping[str, Tool], calls: Sequence[Any], row_kwargs: Optional[Mapping[str, Dict]] = None,
               timeout_s: Optional[float] = 10.0, max_parallel: int = 1) -> List[ToolResult]:
-    """One :class:`ToolResult` per call of ``calls``, in order.
+    """One :class:`ToolResult` per call of ``calls`` (one model turn's), in order.
 
     ``calls``: objects with ``.name``, ``.arguments`` (a dict, or None: no arguments) and ``.error`` (a message
     when the parser could not read the call, else None). ``row_kwargs``: {tool name: kwargs the row gives it}
     (:func:`merge_tools_kwargs`). The first ``max_parallel`` calls run, concurrently, each in a thread of its own;
     the later ones are not run and get an error saying the limit (as verl, which drops them).
 
-    ``timeout_s`` (None or <= 0: no limit) bounds the wall time of the turn's calls together (they run at the
-    same time). A Python thread cannot be killed: a call past the limit gets a timeout error, but its daemon
+    ``timeout_s`` (None or <= 0: no limit) bounds each call's wall time; the calls start together, so it bounds
+    the turn's too. A Python thread cannot be killed: a call past the limit gets a timeout error, but its daemon
     thread runs on until the function returns (its result is dropped), holding what it holds; a tool that can
     hang must bound itself (the python tool's sandbox kills its program at its own limit).
     """
-    row_kwargs = row_kwargs or {}
-    results: List[Optional[ToolResult]] = [None] * len(calls)
+    return run_calls_many(tools, [calls], [row_kwargs or {}], timeout_s, max_parallel)[0]
+
+
+def run_calls_many(tools: Mapping[str, Tool], calls_per_row: Sequence[Sequence[Any]],
+                   row_kwargs_per_row: Sequence[Optional[Mapping[str, Dict]]], timeout_s: Optional[float] = 10.0,
+                   max_parallel: int = 1) -> List[List[ToolResult]]:
+    """:func:`run_calls` for the current turn of many trajectories at once (all their calls start together):
+    ``calls_per_row[r]`` with ``row_kwargs_per_row[r]``; ``max_parallel`` counts per row."""
+    if len(calls_per_row) != len(row_kwargs_per_row):
+        raise ValueError(f"{len(calls_per_row)} rows of calls but {len(row_kwargs_per_row)} rows of kwargs")
+    results: List[List[Optional[ToolResult]]] = [[None] * len(calls) for calls in calls_per_row]
     running = []
-    for i, call in enumerate(calls):
-        if i >= max(1, int(max_parallel)):
-            results[i] = _error(f"at most {max_parallel} tool call(s) run per turn; call {i + 1} "
-                                f"({getattr(call, 'name', None)!r}) was not run")
-            continue
-        problem = _call_problem(tools, call)
-        if problem is not None:
-            results[i] = _error(problem)
-            continue
-        tool = tools[call.name]
-        running.append((i, call.name, _start(tool, dict(call.arguments or {}), dict(row_kwargs.get(call.name) or {}))))
+    for r, (calls, row_kwargs) in enumerate(zip(calls_per_row, row_kwargs_per_row)):
+        for i, call in enumerate(calls):
+            if i >= max(1, int(max_parallel)):
+                results[r][i] = _error(f"at most {max_parallel} tool call(s) run per turn; call {i + 1} "
+                                       f"({getattr(call, 'name', None)!r}) was not run")
+                continue
+            problem = _call_problem(tools, call)
+            if problem is not None:
+                results[r][i] = _error(problem)
+                continue
+            kwargs = dict((row_kwargs or {}).get(call.name) or {})
+            running.append((r, i, call.name, _start(tools[call.name], dict(call.arguments or {}), kwargs)))
     deadline = time.monotonic() + timeout_s if timeout_s and timeout_s > 0 else None
-    for i, name, (thread, box) in running:
+    for r, i, name, (thread, box) in running:
         thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
-            results[i] = _error(f"tool {name!r} timed out after {timeout_s:g} s")
+            results[r][i] = _error(f"tool {name!r} timed out after {timeout_s:g} s")
         elif "error" in box:
             exc = box["error"]
-            results[i] = _error(f"tool {name!r} raised {type(exc).__name__}: {exc}")
+            results[r][i] = _error(f"tool {name!r} raised {type(exc).__name__}: {exc}")
         else:
-            results[i] = _as_result(name, box.get("value"))
-    return [r if r is not None else _error("the call was not run") for r in results]
+            results[r][i] = _as_result(name, box.get("value"))
+    return [[x if x is not None else _error("the call was not run") for x in row] for row in results]
 
 
 def _call_problem(tools: Mapping[str, Tool], call: Any) -> Optional[str]:
@@ -71,7 +81,7 @@ def _call_problem(tools: Mapping[str, Tool], call: Any) -> Optional[str]:
     if getattr(call, "error", None):
         return f"the tool call could not be read: {call.error}"
     name = getattr(call, "name", None)
-    if name not in tools:
+    if not isinstance(name, str) or name not in tools:
         return f"unknown tool {name!r}; valid tools: {', '.join(sorted(tools)) or 'none'}"
     problem = argument_problem(tools[name].schema, call.arguments if call.arguments is not None else {})
     return f"tool {name!r}: {problem}" if problem else None

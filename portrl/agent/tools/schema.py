@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from portrl.errors import UserError
 
@@ -129,8 +129,8 @@ def argument_problem(schema: Dict[str, Any], arguments: Dict[str, Any]) -> Optio
     for key, value in arguments.items():
         prop = props.get(key) or {}
         types = prop.get("type")
-        listed = types if isinstance(types, list) else [types]
-        if types is not None and not any(_fits(value, t) for t in listed):
+        listed: List[str] = types if isinstance(types, list) else [types] if isinstance(types, str) else []
+        if listed and not any(_fits(value, t) for t in listed):
             return f"argument {key!r} must be of type {' or '.join(listed)}, got {json_type_of(value)}"
         if "enum" in prop and value not in prop["enum"]:
             return f"argument {key!r} must be one of {prop['enum']!r}, got {value!r}"
