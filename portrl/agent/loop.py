@@ -26,14 +26,13 @@ template's tokenization of the conversation so far and raises on the first misma
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from portrl.agent.chat_delta import ChatDelta, check_running_ids
 from portrl.agent.parsers import ToolCallParser
 from portrl.agent.tools.base import Tool
-from portrl.agent.tools.execute import run_calls, truncate_text
+from portrl.agent.tools.execute import run_calls_many, truncate_text
 from portrl.agent.trajectory import Trajectory
 from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
@@ -133,12 +132,10 @@ class ToolAgentLoop:
         if not calls_of:
             return
         lim = self.limits
-
-        def run(i: int) -> list:
-            return run_calls(self.tools, calls_of[i], rows[i].tool_kwargs, lim.tool_timeout_s, lim.max_parallel_calls)
-
-        with ThreadPoolExecutor(max_workers=min(16, len(calls_of))) as pool:
-            results = dict(zip(calls_of, pool.map(run, list(calls_of))))
+        rows_with_calls = list(calls_of)
+        results = dict(zip(rows_with_calls, run_calls_many(
+            self.tools, [calls_of[i] for i in rows_with_calls], [rows[i].tool_kwargs for i in rows_with_calls],
+            lim.tool_timeout_s, lim.max_parallel_calls)))
         for i, res in results.items():
             traj = trajs[i]
             texts = [truncate_text(r.text, lim.max_tool_response_length, lim.tool_response_truncate_side) for r in res]
