@@ -142,3 +142,28 @@ def test_strict_mode_catches_a_template_mismatch(monkeypatch):
     monkeypatch.setattr(loop.delta, "tool_turn_ids", lambda texts: real(texts)[1:])  # a delta missing a token
     with pytest.raises(Exception, match="tokenization_sanity_check_mode"):
         loop.run(engine, [_row("A?")], SamplingParams(max_new_tokens=400))
+
+
+def test_an_interaction_answers_turns_without_a_call_and_rewards_them(tmp_path):
+    """verl's interaction: a wrong answer gets feedback as a user turn (mask 0) and the turn's score as its reward;
+    a right one ends the trajectory. ``reward_feedback`` scores with the row's reward (gsm8k: ``#### N``)."""
+    from portrl.agent.interactions import load_interaction_config, row_interaction
+
+    config = tmp_path / "interaction.yaml"
+    config.write_text("interaction:\n  - name: check\n    class_name: reward_feedback\n"
+                      "    config: {feedback: Try again.}\n")
+    interactions = load_interaction_config(config)
+    picked = row_interaction(interactions, {"interaction_kwargs": {"name": "check", "ground_truth": "6"}}, "gsm8k")
+    engine = ScriptedEngine({"A?": ["#### 5", "#### 6"], "B?": ["#### 1", "#### 2", "#### 3"]})
+    rows = [_row("A?"), _row("B?")]
+    rows[0].interaction = rows[1].interaction = picked
+    a, b = _loop(max_user_turns=2).run(engine, rows, SamplingParams(max_new_tokens=400))
+    first, feedback = ids("#### 5") + [EOS], _loop().delta.user_turn_ids("Try again.")
+    assert a.response_ids == first + feedback + ids("#### 6") + [EOS]
+    assert a.response_mask == [1] * len(first) + [0] * len(feedback) + [1] * (len(ids("#### 6")) + 1)
+    assert a.turn_rewards == [0.0, 1.0] and a.finish_reason == FINISH_STOP
+    assert [m["role"] for m in a.trace] == ["user", "assistant", "user", "assistant"]
+    assert b.num_turns == 3 and b.turn_rewards == [0.0, 0.0, 0.0]  # max_user_turns=2: two replies, then it ends
+    assert [m["content"] for m in b.trace if m["role"] == "user"][1:] == ["Try again.", "Try again."]
+    with pytest.raises(Exception, match="interaction 'nope'; valid: check"):
+        row_interaction(interactions, {"interaction_kwargs": {"name": "nope"}}, "gsm8k")

@@ -27,9 +27,10 @@ template's tokenization of the conversation so far and raises on the first misma
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from portrl.agent.chat_delta import ChatDelta, check_running_ids
+from portrl.agent.interactions import Interaction
 from portrl.agent.parsers import ToolCallParser
 from portrl.agent.tools.base import Tool
 from portrl.agent.tools.execute import run_calls_many, truncate_text
@@ -50,6 +51,7 @@ class AgentLimits:
     tool_response_truncate_side: str = "middle"
     tool_timeout_s: float = 10.0
     strict: bool = False
+    max_user_turns: Optional[int] = None
 
     @classmethod
     def from_config(cls, multi_turn: Any, max_response_length: int) -> "AgentLimits":
@@ -60,6 +62,7 @@ class AgentLimits:
                    max_tool_response_length=int(multi_turn.max_tool_response_length),
                    tool_response_truncate_side=str(multi_turn.tool_response_truncate_side),
                    tool_timeout_s=float(multi_turn.tool_timeout_s),
+                   max_user_turns=None if multi_turn.max_user_turns is None else int(multi_turn.max_user_turns),
                    strict=str(multi_turn.tokenization_sanity_check_mode) == "strict")
 
 
@@ -71,6 +74,7 @@ class AgentRow:
     prompt_ids: List[int]
     messages: List[Dict[str, Any]]
     tool_kwargs: Dict[str, Dict[str, Any]]
+    interaction: Optional[Tuple[Interaction, Dict[str, Any]]] = None  # environment turns (portrl/agent/interactions)
 
 
 class ToolAgentLoop:
@@ -90,6 +94,7 @@ class ToolAgentLoop:
         """One trajectory per row (``params.n`` is ignored: repeat a row for more samples); rows in order."""
         trajs = [Trajectory(prompt_ids=list(r.prompt_ids), trace=[dict(m) for m in r.messages]) for r in rows]
         live = list(range(len(rows)))
+        user_turns = [0] * len(rows)
         turn = 0
         while live:
             budgets = {i: self.limits.max_response_tokens - len(trajs[i].response_ids) for i in live}
@@ -100,6 +105,7 @@ class ToolAgentLoop:
             step = replace(params, n=1, max_new_tokens=max(budgets[i] for i in live), seed=seed)
             out = engine.generate([trajs[i].prompt_ids + trajs[i].response_ids for i in live], step)
             calls_of: Dict[int, list] = {}
+            replies: List[int] = []
             for row, i in enumerate(live):
                 traj, budget = trajs[i], budgets[i]
                 ids, lps = list(out.response_ids[row][:budget]), list(out.logprobs[row][:budget])
@@ -115,13 +121,16 @@ class ToolAgentLoop:
                     traj.finish_reason = FINISH_LENGTH  # the engine's or the trajectory's budget ran out
                     continue
                 _, calls = self.parser.parse(text)
-                if not calls or (self.limits.max_assistant_turns is not None
-                                 and traj.num_turns >= self.limits.max_assistant_turns):
-                    continue  # an answer, or the last turn allowed: the trajectory ends here
-                traj.trace[-1]["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
-                calls_of[i] = calls
+                if self.limits.max_assistant_turns is not None and traj.num_turns >= self.limits.max_assistant_turns:
+                    continue  # the last turn allowed: its calls never run
+                if calls:
+                    traj.trace[-1]["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
+                    calls_of[i] = calls
+                elif rows[i].interaction is not None and user_turns[i] < (self.limits.max_user_turns or 10**9):
+                    replies.append(i)  # the environment answers this turn
+                    user_turns[i] += 1
             self._tool_turns(trajs, rows, calls_of)
-            live = list(calls_of)
+            live = sorted(list(calls_of) + self._user_turns(trajs, rows, replies))
             turn += 1
         for traj in trajs:
             traj.check()
@@ -143,16 +152,36 @@ class ToolAgentLoop:
             traj.tool_errors += sum(1 for r in res if r.error)
             traj.turn_rewards[-1] += sum(float(r.reward) for r in res if r.reward is not None)
             traj.trace += [{"role": "tool", "name": c.name, "content": t} for c, t in zip(calls_of[i], texts)]
-            ids = self.delta.tool_turn_ids(texts)
-            room = lim.max_response_tokens - len(traj.response_ids)
-            if len(ids) >= room:  # no room left for a model turn after it
-                traj.add_context_tokens(ids[:max(room, 0)])
-                traj.finish_reason = FINISH_LENGTH
+            self._append_context(traj, self.delta.tool_turn_ids(texts))
+
+    def _user_turns(self, trajs: List[Trajectory], rows: Sequence[AgentRow], replies: List[int]) -> List[int]:
+        """The environment's reply to every trajectory in ``replies`` (a turn without a tool call): the turn's reward,
+        then ``done`` ends it, or the reply is a user turn (mask 0). Returns the trajectories that go on."""
+        going = []
+        for i in replies:
+            traj, picked = trajs[i], rows[i].interaction
+            assert picked is not None  # only rows with an interaction are in replies
+            reply = picked[0].respond(_template_messages(traj.trace), picked[1])
+            traj.turn_rewards[-1] += float(reply.reward)
+            if reply.done:
                 continue
-            traj.add_context_tokens(ids)
-            if lim.strict:
-                check_running_ids(self.tokenizer, _template_messages(traj.trace), self.schemas,
-                                  traj.prompt_ids + traj.response_ids)
+            traj.trace.append({"role": "user", "content": reply.text})
+            self._append_context(traj, self.delta.user_turn_ids(reply.text))
+            going.append(i)
+        return going
+
+    def _append_context(self, traj: Trajectory, ids: List[int]) -> None:
+        """Append a tool or user turn's ids; one that leaves no room for a model turn is cut and ends the trajectory
+        (``length``); with ``strict`` the running ids are checked against the template."""
+        room = self.limits.max_response_tokens - len(traj.response_ids)
+        if len(ids) >= room:
+            traj.add_context_tokens(ids[:max(room, 0)])
+            traj.finish_reason = FINISH_LENGTH
+            return
+        traj.add_context_tokens(ids)
+        if self.limits.strict:
+            check_running_ids(self.tokenizer, _template_messages(traj.trace), self.schemas,
+                              traj.prompt_ids + traj.response_ids)
 
 
 def _template_messages(trace: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

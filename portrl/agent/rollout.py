@@ -4,7 +4,8 @@
 (the tools of ``tool_config_path`` loaded then). Each row runs the loop its ``agent_name`` column names (verl's
 column; absent: ``tool_agent``): ``tool_agent`` (portrl/agent/loop.py) or ``single_turn`` (the same loop limited
 to one model turn: a plain response). The row's ``extra_info.tools_kwargs`` (verl's, read unchanged) gives each tool
-its ``create_kwargs`` and ``execute_kwargs``.
+its ``create_kwargs`` and ``execute_kwargs``; its ``extra_info.interaction_kwargs`` picks the interaction of
+``interaction_config_path`` that answers its turns without a tool call (portrl/agent/interactions.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from portrl.agent.interactions import load_interaction_config, row_interaction
 from portrl.agent.loop import AgentLimits, AgentRow, ToolAgentLoop
 from portrl.agent.parsers import get_parser
 from portrl.agent.tools.config import load_tool_config, tool_schemas
@@ -32,6 +34,8 @@ class AgentRollout:
         path = multi_turn.tool_config_path
         self.tools = load_tool_config(str(path)) if path else {}
         self.schemas = tool_schemas(self.tools) if self.tools else None
+        path = multi_turn.interaction_config_path
+        self.interactions = load_interaction_config(str(path)) if path else {}
         parser = get_parser(str(multi_turn.format))
         limits = AgentLimits.from_config(multi_turn, max_response_length)
         self.loops = {
@@ -47,6 +51,7 @@ class AgentRollout:
         names = list(meta.get("agent_name") or [None] * len(prompt_ids))
         messages = list(meta.get("messages") or [[] for _ in prompt_ids])
         extras = list(meta.get("extra_info") or [{} for _ in prompt_ids])
+        sources = list(meta.get("data_source") or [""] * len(prompt_ids))
         groups: Dict[str, List[int]] = {}
         rows: List[AgentRow] = []
         for i, ids in enumerate(prompt_ids):
@@ -55,9 +60,10 @@ class AgentRollout:
                 raise UserError(f"a data row has agent_name={name!r}, which is not an agent loop; valid: "
                                 f"{', '.join(AGENT_NAMES)}")
             kwargs = merge_tools_kwargs((extras[i] or {}).get("tools_kwargs"))
+            interaction = row_interaction(self.interactions, extras[i], str(sources[i]))
             for _ in range(n):
                 groups.setdefault(name, []).append(len(rows))
-                rows.append(AgentRow(list(ids), list(messages[i] or []), kwargs))
+                rows.append(AgentRow(list(ids), list(messages[i] or []), kwargs, interaction))
         out: List[Optional[Trajectory]] = [None] * len(rows)
         for name, members in groups.items():
             for k, traj in zip(members, self.loops[name].run(engine, [rows[k] for k in members], params)):

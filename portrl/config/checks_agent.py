@@ -4,7 +4,8 @@
   ``tool_timeout_s`` > 0; ``tool_response_truncate_side`` and ``tokenization_sanity_check_mode`` among their values;
 * with ``enable``: ``format`` names a tool-call parser (portrl/agent/parsers.py), and ``tool_config_path`` (when set)
   is a tool config that loads: the file exists, its schemas are well formed, its tools import
-  (portrl/agent/tools/config.py says what is wrong in one line).
+  (portrl/agent/tools/config.py says what is wrong in one line); so is ``interaction_config_path``
+  (portrl/agent/interactions.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def check_multi_turn(cfg: Any) -> List[str]:
     if m.max_assistant_turns is not None and int(m.max_assistant_turns) < 1:
         problems.append(f"rollout.multi_turn.max_assistant_turns={m.max_assistant_turns} must be >= 1 (or null: "
                         "until data.max_response_length runs out)")
+    if m.max_user_turns is not None and int(m.max_user_turns) < 0:
+        problems.append(f"rollout.multi_turn.max_user_turns={m.max_user_turns} must be >= 0 (or null: no bound)")
     for key in ("max_parallel_calls", "max_tool_response_length"):
         if int(m[key]) < 1:
             problems.append(f"rollout.multi_turn.{key}={m[key]} must be >= 1")
@@ -40,9 +43,12 @@ def check_multi_turn(cfg: Any) -> List[str]:
         get_parser(str(m.format))
     except UserError as exc:
         problems.append(str(exc))
-    if m.tool_config_path:
-        try:
-            load_tool_config(str(m.tool_config_path))
-        except UserError as exc:
-            problems.append(str(exc))
+    from portrl.agent.interactions import load_interaction_config  # noqa: PLC0415
+
+    for path, load in ((m.tool_config_path, load_tool_config), (m.interaction_config_path, load_interaction_config)):
+        if path:
+            try:
+                load(str(path))
+            except UserError as exc:
+                problems.append(str(exc))
     return problems

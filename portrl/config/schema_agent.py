@@ -26,4 +26,8 @@ class MultiTurnConfig:
     # strict: after every tool turn, compare the running ids with the chat template's tokenization of the whole
     # conversation and stop with an error on a mismatch (slower; for checking a new model's template)
     tokenization_sanity_check_mode: str = "disable"
+    # environment turns: verl's interaction config (portrl/agent/interactions.py); a row's
+    # extra_info.interaction_kwargs.name picks one; max_user_turns bounds its replies (None: no bound)
+    interaction_config_path: Optional[str] = None
+    max_user_turns: Optional[int] = None
     place_turn_rewards: bool = False  # a turn's reward (tool or environment) as a token reward at the turn's end
