@@ -216,6 +216,18 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("train-output-users-files", ["train", "trainer.output_dir={user_folder}"], "holds files that are not a portrl "
                                                                                 "run (notes.txt)", {}),
     ("on-existing-bad", ["plot", "{bad_run}", "--on-existing", "overwrite"], "invalid choice: 'overwrite'", {}),
+    # ---------------------------------------------------------------- multi-turn rollouts (portrl/agent/)
+    ("tool-parser-unknown", ["train", "rollout.multi_turn.enable=true", "rollout.multi_turn.format=mistral"],
+     "rollout.multi_turn.format='mistral' is not a tool-call parser; valid: hermes", {}),
+    ("tool-config-missing", ["train", "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path={tmp}/no.yaml"],
+     "tool config '{tmp}/no.yaml' does not exist", {}),
+    ("tool-schema-malformed", ["train", "rollout.multi_turn.enable=true",
+                               "rollout.multi_turn.tool_config_path={bad_tool_schema}"], "tools[0]", {}),
+    ("interaction-config-missing", ["train", "rollout.multi_turn.enable=true",
+                                    "rollout.multi_turn.interaction_config_path={tmp}/none.yaml"],
+     "interaction config '{tmp}/none.yaml' does not exist", {}),
+    ("truncate-side-bad", ["train", "rollout.multi_turn.tool_response_truncate_side=top"],
+     "rollout.multi_turn.tool_response_truncate_side='top' is not one of 'left', 'right', 'middle'", {}),
 ]
 SUBPROCESS_IDS = ["device-npu-flag", "ground-truth-nan", "reward-import-raises", "ckpt-not-a-ckpt", "plot-missing",
                   "sft-output-not-empty",
@@ -285,6 +297,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     f["env_yaml"] = str(tmp / "env.yaml")
     (tmp / "npu.yaml").write_text("device:\n  name: npu\n")
     f["npu_yaml"] = str(tmp / "npu.yaml")
+    (tmp / "bad_tool_schema.yaml").write_text("tools:\n  - name: calculator\n    tool_schema: {type: function, "
+                                               "function: {name: calc, parameters: {type: array}}}\n")
+    f["bad_tool_schema"] = str(tmp / "bad_tool_schema.yaml")
     (tmp / "bad.jsonl").write_text('{"question": "1+1?"}\n')
     f["bad_jsonl"] = str(tmp / "bad.jsonl")
     (tmp / "bad_run").mkdir()
