@@ -212,3 +212,11 @@ def test_run_sft_loss_is_on_assistant_tokens_only(tiny_model):
     out = run_sft(None, model, tokenizer, rows, steps=1, lr=1e-6, batch_size=2, seed=0)
     assert out["sft/loss_first"] == pytest.approx(want, rel=1e-4)
     assert abs(want - every) > 1e-3  # the check tells the two masks apart
+
+
+def test_preprocess_writes_sft_conversations_that_sft_reads(tmp_path, tok):
+    from portrl.data.preprocess import preprocess
+
+    out = preprocess("arith_tool", tmp_path, n=20, sft=True)
+    ds = SFTDataset(out["sft_train"], tok, max_length=256)
+    assert len(ds) == 18 and all(0 in ex.loss_mask and ex.loss_mask[-1] == 1 for ex in ds.examples)
