@@ -43,8 +43,8 @@ Deliberate differences (each reward's docstring has the details):
   forms (mixed numbers "7 3/4", "million", functions other than sqrt/log/trig) can grade differently;
   math-verify, when installed, can only add right answers. Expressions with more than two unknown letters
   are compared as strings (as verl).
-* searchR1_* rows score as in verl, but portrl has no search tool: the multi-turn retrieval rollouts verl's
-  Search-R1 recipe trains with are not built; the ground truth struct is passed on as JSON text.
+* searchR1_* rows score as in verl; their multi-turn retrieval rollouts run with portrl's local search tool (BM25,
+  not verl's retrieval server; docs/agent_recipes.md); the ground truth struct is passed on as JSON text.
 
 Keyword arguments after ``extra_info`` go to the chosen reward (e.g. ``method="flexible"``,
 ``format_score=0.1`` for gsm8k). The keyword ``code`` (a dict of reward.code settings: continuous, timeout_s,
