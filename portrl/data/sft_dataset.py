@@ -64,7 +64,8 @@ class SFTDataset:
                     if truncation == "error":
                         raise DataError(f"{path}: row {i}: prompt + response has "
                                         f"{len(prompt_ids) + len(response_ids)} tokens > max_length {max_length}")
-                    response_ids, mask = response_ids[:max_length - len(prompt_ids)], mask[:max_length - len(prompt_ids)]
+                    keep = max_length - len(prompt_ids)
+                    response_ids, mask = response_ids[:keep], mask[:keep]
                 self.examples.append(SFTExample(prompt_ids, response_ids, mask))
         if not self.examples:
             raise DataError(f"no SFT examples in {', '.join(map(str, as_file_list(files)))}")

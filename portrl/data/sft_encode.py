@@ -18,7 +18,7 @@ context between them, so SFT teaches exactly what the agent loop samples.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from portrl.data.rl_dataset import encode_messages
 from portrl.data.schema import DataError
@@ -36,7 +36,7 @@ def check_messages(messages: Any, what: str) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
-def encode_sft_example(tokenizer: Any, prompt: Sequence[dict], response: Any, prompt_key: str = "prompt",
+def encode_sft_example(tokenizer: Any, prompt: Any, response: Any, prompt_key: str = "prompt",
                        response_key: str = "response") -> SFTIds:
     """(prompt ids, response ids, loss mask) of one row (module docstring); DataError for a bad row, naming the
     field (``prompt_key`` / ``response_key``)."""
