@@ -1,7 +1,7 @@
 """The built-in tool-use task ``arith_tool``: arithmetic on numbers too large for the tiny model, solved with the
 ``calculator`` tool (portrl/agent/tools), generated offline and deterministic by seed.
 
-RL rows are in verl's multi-turn schema: ``prompt`` is one short user message (``"Compute 48213*9127."``),
+RL rows are in verl's multi-turn schema: ``prompt`` is one short user message (``"Compute 4821*913."``),
 ``agent_name`` is ``"tool_agent"`` (the agent loop that runs the row), ``extra_info.tools_kwargs`` gives the
 calculator the row's ``create_kwargs`` (the ground truth, as verl's gsm8k tool rows do; the calculator does not
 need it, and parquet cannot store an empty struct), ``reward_model.ground_truth`` is the exact result, data_source
@@ -11,14 +11,16 @@ response).
 SFT rows (the warm start, ``portrl sft``, ``portrl preprocess arith_tool --sft``) add ``response``: the ideal
 conversation after the prompt, as chat messages (portrl/data/sft_encode.py trains the assistant messages only)::
 
-    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "48213*9127"}}\\n</tool_call>
-    tool       440040051
-    assistant  <answer>440040051</answer>
+    assistant  <tool_call>\\n{"name": "calculator", "arguments": {"expression": "4821*913"}}\\n</tool_call>
+    tool       4401573
+    assistant  <answer>4401573</answer>
 
 The tool call is written in the hermes format Qwen2.5 uses, as plain assistant content.
 
-Difficulty (1-10): a product of two numbers of ``difficulty + 3`` to ``difficulty + 5`` digits each (level 1:
-4-6 digits, ``"Compute 48213*9127."``; level 10: 13-15 digits). Splits are disjoint whatever the seeds, as in
+Difficulty (1-10): a product of two numbers of ``difficulty + 2`` to ``difficulty + 3`` digits each (level 1:
+3-4 digits, ``"Compute 4821*913."``, already far beyond what the tiny model computes; level 2: 4-5 digits; level 10:
+12-13 digits). The tool makes every level easy; what grows with the level is what the model must copy exactly (the
+expression into the call, the tool's result into the answer). Splits are disjoint whatever the seeds, as in
 arith: a problem is in the test split when a CRC32 of its expression falls below ``test_fraction`` of the range.
 """
 
@@ -38,7 +40,7 @@ MAX_DIFFICULTY = 10
 
 def operand_digits(difficulty: int) -> tuple[int, int]:
     """(fewest, most) digits of each operand at ``difficulty``."""
-    return difficulty + 3, difficulty + 5
+    return difficulty + 2, difficulty + 3
 
 
 def sample_expression(rng: random.Random, difficulty: int) -> tuple[str, int]:
