@@ -24,8 +24,9 @@ from portrl.errors import UserError
 class Task:
     """One data task.
 
-    ``rows`` / ``sft_rows``: ``"module:function"`` of the generator of RL rows / SFT rows (prompt + response),
-    called as ``f(n, seed, difficulty, split, **kw)``; ``rows`` set = a generated task. ``converter``:
+    ``rows`` / ``sft_rows``: ``"module:function"`` of the generator of RL rows / SFT rows (prompt + response: a
+    string, or the conversation after the prompt as chat messages, portrl/data/sft_encode.py), called as
+    ``f(n, seed, difficulty, split, **kw)``; ``rows`` set = a generated task. ``converter``:
     ``"module:function"`` turning raw records into verl rows (a task read from files). ``options``: the
     `portrl preprocess` options the task takes -> the keyword its converter receives. ``default_input``:
     ``"module:attribute"`` of the raw input used when ``--input`` is not given. ``preset``: ``data=<name>`` is a
@@ -70,6 +71,8 @@ TASKS: Dict[str, Task] = {t.name: t for t in (
     Task("dapo_math", converter="portrl.data.dapo_math:convert", preset=True),
     Task("arith", rows="portrl.data.arith:make_arith_rows", sft_rows="portrl.data.arith:make_arith_sft_rows",
          options={"difficulty": "difficulty"}, preset=True),
+    Task("arith_tool", rows="portrl.data.arith_tool:make_arith_tool_rows",
+         sft_rows="portrl.data.arith_tool:make_arith_tool_sft_rows", options={"difficulty": "difficulty"}, preset=True),
     Task("code", converter="portrl.data.code:convert", options={"data_source": "data_source"},
          default_input="portrl.data.code:BUILTIN_PROBLEMS"),
     Task("qa", converter="portrl.data.qa:convert", options=_QA_OPTIONS),

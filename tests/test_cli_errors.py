@@ -146,7 +146,7 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("bad-val-file", ["train", "data.train_files=[{good}]", "data.val_files=[{no_prompt}]"], "no column 'prompt'", {}),
     ("named-data-no-files", ["train", "data.name=gsm8k"], "data.train_files is empty", {}),
     ("warm-start-other-data", ["train", "data.name=gsm8k", "data.train_files=[{good}]", "model.sft_warm_start=true"],
-     "model.sft_warm_start is built in for data.name=arith only", {}),
+     "model.sft_warm_start is built in for data.name=arith, arith_tool only", {}),
     ("sft-files-missing", ["sft", "--train-files", "{tmp}/none.parquet"], "does not exist", {}),
     ("sft-no-response", ["sft", "--train-files", "{good}"], "no column 'response'", {}),
     ("sft-named-data-no-files", ["sft", "data.name=gsm8k"], "--train-files is required", {}),

@@ -181,9 +181,9 @@ def test_warm_start_only_where_it_applies(tmp_path, home, model_dir, caplog):
                                            f"trainer.output_dir={tmp_path / 'run'}"])
     assert cfg.model.sft_warm_start  # the tiny model preset's
     preflight(cfg, TRAIN)
-    assert not cfg.model.sft_warm_start and "built in for data.name=arith only: off" in caplog.text
+    assert not cfg.model.sft_warm_start and "built in for data.name=arith, arith_tool only: off" in caplog.text
     cfg = _cfg(tmp_path, model_dir, f"data.train_files=[{data}/train.parquet]", "model.sft_warm_start=true")
-    with pytest.raises(UserError, match="model.sft_warm_start is built in for data.name=arith only"):
+    with pytest.raises(UserError, match="model.sft_warm_start is built in for data.name=arith, arith_tool only"):
         preflight(cfg, TRAIN)
 
 

@@ -1,8 +1,10 @@
 """``portrl sft [--train-files F ...] [--output DIR] [--steps N] [--lr LR] [--batch-size B] [run options]``.
 
 Supervised fine-tuning on prompt / response parquet (columns ``prompt``: chat messages, ``response``:
-text; `portrl preprocess arith --sft` writes such files), packed, on every backend. Without files
-and with ``data.name=arith`` (the default) it trains on generated arith rows. The result is a
+text, or the conversation after the prompt as chat messages, trained on its assistant messages only; `portrl
+preprocess arith --sft` and `portrl preprocess arith_tool --sft` write such files), packed, on every backend.
+Without files and with ``data.name=arith`` (the default) it trains on generated arith rows (``arith_tool``: its
+tool-call conversations). The result is a
 transformers directory (the source's config and tokenizer files, new weights: portrl.models.export), ready
 for ``portrl train model.path=DIR``. Steps, learning rate and batch size default to the warm start's
 (``model.sft_steps``, ``model.sft_lr``, ``model.sft_batch_size``) and, like the warm start, it ends early

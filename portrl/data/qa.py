@@ -40,7 +40,8 @@ INSTRUCTIONS = {"math": ("", " " + MATH_INSTRUCTION), "gsm8k": ("", " " + GSM8K_
                 "dapo_math": (DAPO_PREFIX, DAPO_SUFFIX), "arith": ("", ""),
                 # numina_* read the last \boxed{} too; hiyouga/geometry3k also a <think> block; searchR1_* an <answer> tag
                 "prime_math": ("", " " + MATH_INSTRUCTION), "geo3k": ("", " " + GEO3K_INSTRUCTION),
-                "search_qa": ("", " Give the final answer between <answer> and </answer>.")}
+                "search_qa": ("", " Give the final answer between <answer> and </answer>."),
+                "arith_tool": ("", " Give the final answer between <answer> and </answer>.")}
 
 
 def find_key(record: Any, given: str | None, candidates: tuple[str, ...], what: str, flag: str, where: str) -> str:

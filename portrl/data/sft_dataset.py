@@ -1,8 +1,10 @@
 """SFTDataset: prompt/response parquet rows as token ids for supervised fine-tuning.
 
-A row holds ``prompt`` (chat messages, as in verl's schema) and ``response`` (str). The prompt is
-encoded exactly as RLDataset encodes it (chat template with the generation prompt), the response
-as ``tokenizer(response, add_special_tokens=False) + [eos]``, so SFT teaches the format RL samples.
+A row holds ``prompt`` (chat messages, as in verl's schema) and ``response``: a string, or the conversation after
+the prompt as chat messages (assistant, tool, ..., assistant). The prompt is encoded exactly as RLDataset encodes
+it (chat template with the generation prompt); a string response as ``tokenizer(response,
+add_special_tokens=False) + [eos]``, a conversation through the chat template with the loss on its assistant
+messages only (portrl/data/sft_encode.py), so SFT teaches the format RL samples.
 A pair longer than ``max_length`` is an error (``truncation="error"``) or loses the end of its
 response (``"right"``); a prompt alone longer than max_length is always an error.
 """
@@ -17,8 +19,9 @@ from typing import Iterator, Sequence
 import pyarrow.parquet as pq
 import torch
 
-from portrl.data.rl_dataset import as_file_list, encode_messages, pad_token_id
+from portrl.data.rl_dataset import as_file_list, pad_token_id
 from portrl.data.schema import DataError
+from portrl.data.sft_encode import encode_sft_example
 from portrl.data.table_rows import table_rows
 
 
@@ -26,13 +29,14 @@ from portrl.data.table_rows import table_rows
 class SFTExample:
     prompt_ids: list[int]
     response_ids: list[int]  # ends with eos unless truncated
+    loss_mask: list[int] | None = None  # per response id: 1 trained, 0 context (a tool message); None: all 1
 
 
 @dataclass
 class SFTBatch:
     input_ids: torch.Tensor  # (B, L) long, prompt + response, right-padded
     attention_mask: torch.Tensor  # (B, L)
-    loss_mask: torch.Tensor  # (B, L), 1 on response tokens (the ones to predict)
+    loss_mask: torch.Tensor  # (B, L), 1 on the response tokens to predict (not on a conversation's tool messages)
     examples: list[SFTExample]
 
 
@@ -49,26 +53,20 @@ class SFTDataset:
         self.examples: list[SFTExample] = []
         for path in as_file_list(files):
             for i, rec in enumerate(table_rows(pq.read_table(path), str(path))):
-                messages = rec.get(prompt_key)
-                if not isinstance(messages, (list, tuple)) or not messages or not all(
-                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                        for m in messages):
-                    raise DataError(f"{path}: row {i}: field {prompt_key!r} must be a non-empty list of "
-                                    "{'role': str, 'content': str} messages")
-                response = rec.get(response_key)
-                if not isinstance(response, str):
-                    raise DataError(f"{path}: row {i}: field {response_key!r} must be a string, "
-                                    f"got {type(response).__name__}")
-                prompt_ids = encode_messages(tokenizer, [dict(m) for m in messages])
-                response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+                try:
+                    prompt_ids, response_ids, mask = encode_sft_example(
+                        tokenizer, rec.get(prompt_key), rec.get(response_key), prompt_key, response_key)
+                except DataError as exc:
+                    raise DataError(f"{path}: row {i}: {exc}") from None
                 if len(prompt_ids) >= max_length:
                     raise DataError(f"{path}: row {i}: prompt has {len(prompt_ids)} tokens, max_length is {max_length}")
                 if len(prompt_ids) + len(response_ids) > max_length:
                     if truncation == "error":
                         raise DataError(f"{path}: row {i}: prompt + response has "
                                         f"{len(prompt_ids) + len(response_ids)} tokens > max_length {max_length}")
-                    response_ids = response_ids[:max_length - len(prompt_ids)]
-                self.examples.append(SFTExample(prompt_ids, response_ids))
+                    keep = max_length - len(prompt_ids)
+                    response_ids, mask = response_ids[:keep], mask[:keep]
+                self.examples.append(SFTExample(prompt_ids, response_ids, mask))
         if not self.examples:
             raise DataError(f"no SFT examples in {', '.join(map(str, as_file_list(files)))}")
 
@@ -88,7 +86,7 @@ class SFTDataset:
             p, n = len(e.prompt_ids), len(e.prompt_ids) + len(e.response_ids)
             ids[i, :n] = torch.tensor(e.prompt_ids + e.response_ids, dtype=torch.long)
             attn[i, :n] = 1
-            loss[i, p:n] = 1
+            loss[i, p:n] = 1 if e.loss_mask is None else torch.tensor(e.loss_mask, dtype=torch.long)
         return SFTBatch(ids, attn, loss, list(examples))
 
     def batches(self, batch_size: int, shuffle: bool = True, seed: int = 0, epoch: int = 0) -> Iterator[SFTBatch]:

@@ -96,8 +96,8 @@ def check_sft_file(path: str | Path, key: str = "--train-files", prompt_key: str
     """The row count of one ``portrl sft`` parquet file, checked to have the prompt and response columns."""
     table = _read_table(path, key)
     _need_columns(path, table, (prompt_key, response_key), key,
-                  "SFT parquet has columns prompt (chat messages) and response (str); "
-                  "`portrl preprocess arith --sft` writes such files")
+                  "SFT parquet has columns prompt (chat messages) and response (str, or the conversation after "
+                  "the prompt as chat messages); `portrl preprocess arith --sft` writes such files")
     if table.num_rows == 0:
         raise DataError(f"{path} ({key}) has no rows")
     check_utf8(table.select([prompt_key, response_key]), str(path))

@@ -25,6 +25,8 @@ searchR1_popqa, searchR1_hotpotqa,                                  match; groun
 searchR1_2wikimultihopqa, searchR1_musique,
 searchR1_bamboogle
 arith                                       (none)                  portrl.rewards.arith (last integer)
+arith_tool                                  (none)                  portrl.rewards.arith_tool (last <answer>
+                                                                    after the last tool response)
 ==========================================  ======================  ==========================================
 
 Deliberate differences (each reward's docstring has the details):
@@ -41,8 +43,8 @@ Deliberate differences (each reward's docstring has the details):
   forms (mixed numbers "7 3/4", "million", functions other than sqrt/log/trig) can grade differently;
   math-verify, when installed, can only add right answers. Expressions with more than two unknown letters
   are compared as strings (as verl).
-* searchR1_* rows score as in verl, but portrl has no search tool: the multi-turn retrieval rollouts verl's
-  Search-R1 recipe trains with are not built; the ground truth struct is passed on as JSON text.
+* searchR1_* rows score as in verl; their multi-turn retrieval rollouts run with portrl's local search tool (BM25,
+  not verl's retrieval server; docs/agent_recipes.md); the ground truth struct is passed on as JSON text.
 
 Keyword arguments after ``extra_info`` go to the chosen reward (e.g. ``method="flexible"``,
 ``format_score=0.1`` for gsm8k). The keyword ``code`` (a dict of reward.code settings: continuous, timeout_s,
@@ -54,7 +56,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from portrl.errors import UserError
-from portrl.rewards import arith, code, dapo_math, geo3k, gsm8k, math_reward, prime_math, search_qa
+from portrl.rewards import arith, arith_tool, code, dapo_math, geo3k, gsm8k, math_reward, prime_math, search_qa
 from portrl.rewards.text import ground_truth_text
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
@@ -67,12 +69,14 @@ PRIME_MATH_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_
 GEO3K_SOURCES = ("hiyouga/geometry3k",)
 SEARCH_QA_SOURCES = search_qa.SEARCH_QA_SOURCES
 ARITH_SOURCES = ("arith",)
+ARITH_TOOL_SOURCES = ("arith_tool",)
 CODE_SOURCES = code.CODE_SOURCES
 _BY_NAME = {
     **dict.fromkeys(GSM8K_SOURCES, "gsm8k"), **dict.fromkeys(MATH_SOURCES, "math"),
     **dict.fromkeys(DAPO_SOURCES, "dapo_math"), **dict.fromkeys(PRIME_MATH_SOURCES, "prime_math"),
     **dict.fromkeys(GEO3K_SOURCES, "geo3k"), **dict.fromkeys(SEARCH_QA_SOURCES, "search_qa"),
     **dict.fromkeys(ARITH_SOURCES, "arith"), **dict.fromkeys(CODE_SOURCES, "code"),
+    **dict.fromkeys(ARITH_TOOL_SOURCES, "arith_tool"),
 }
 
 
@@ -82,7 +86,7 @@ class UnknownDataSource(UserError, ValueError):
 
 def reward_kind(data_source: str) -> str:
     """The reward kind of a data_source ("gsm8k", "math", "dapo_math", "prime_math", "geo3k", "search_qa",
-    "arith" or "code"); UnknownDataSource listing the known names."""
+    "arith", "arith_tool" or "code"); UnknownDataSource listing the known names."""
     kind = _BY_NAME.get(data_source)
     if kind is not None:
         return kind
@@ -98,6 +102,7 @@ def reward_kind(data_source: str) -> str:
 _SCORERS: dict[str, Callable[..., Any]] = {
     "gsm8k": gsm8k.compute_score, "math": math_reward.compute_score, "dapo_math": dapo_math.compute_score,
     "arith": arith.compute_score, "prime_math": prime_math.compute_score, "geo3k": geo3k.compute_score,
+    "arith_tool": arith_tool.compute_score,
 }  # "code" takes its settings separately and "search_qa" a structured ground truth (compute_score below)
 
 

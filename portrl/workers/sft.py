@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from portrl.data.rl_dataset import encode_messages
+from portrl.data.schema import DataError
+from portrl.data.sft_encode import encode_sft_example
 from portrl.models import compute_logprobs
 from portrl.workers.batch import Batch, build_rollout_batch
 from portrl.workers.master_weights import MasterWeights
@@ -28,22 +29,27 @@ Row = Union[Mapping[str, Any], Any]
 
 
 def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
-    """(prompt_ids, response_ids + [eos]) per row. A row is a dict with ``prompt`` (chat messages) and
-    ``response`` (str), or an object with ``prompt_ids`` / ``response_ids`` (portrl.data.SFTExample)."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
+    """(prompt_ids, response_ids, loss_mask) per row. A row is a dict with ``prompt`` (chat messages) and
+    ``response`` (a string, or the conversation after the prompt as chat messages: the loss is then on its
+    assistant messages only, portrl/data/sft_encode.py), or an object with ``prompt_ids`` / ``response_ids`` (and
+    ``loss_mask``, None = every response token; portrl.data.SFTExample)."""
+    if tokenizer.eos_token_id is None:
         raise ValueError("run_sft: the tokenizer has no eos_token; responses must end with it")
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):  # an SFTExample: prompt_ids / response_ids
-            out.append((list(row.prompt_ids), list(row.response_ids)))
+            mask = getattr(row, "loss_mask", None)
+            out.append((list(row.prompt_ids), list(row.response_ids),
+                        [1] * len(row.response_ids) if mask is None else list(mask)))
             continue
         if "prompt" not in row or "response" not in row:
             raise ValueError(f"run_sft: row {i} needs 'prompt' (chat messages) and 'response' (str); has {sorted(row)}")
-        messages = [dict(m) for m in row["prompt"]]
-        p = encode_messages(tokenizer, messages)
-        r = list(tokenizer(str(row["response"]), add_special_tokens=False)["input_ids"]) + [int(eos)]
-        out.append((p, r))
+        try:
+            response = row["response"]
+            out.append(encode_sft_example(tokenizer, row["prompt"],
+                                          response if isinstance(response, (list, tuple)) else str(response)))
+        except DataError as exc:
+            raise DataError(f"run_sft: row {i}: {exc}") from None
     if not out:
         raise ValueError("run_sft: no rows")
     return out
@@ -162,7 +168,17 @@ def _batches(data: List[tuple], batch_size: int, rng: random.Random, pad: int, d
             rng.shuffle(more)
             order += more
         pick, order = order[:batch_size], order[batch_size:]
-        yield build_rollout_batch([data[i][0] for i in pick], [data[i][1] for i in pick], pad_token_id=pad).to(device)
+        yield sft_batch([data[i] for i in pick], pad, device)
+
+
+def sft_batch(examples: Sequence[tuple], pad: int, device: torch.device) -> Batch:
+    """A rollout Batch of (prompt_ids, response_ids, loss_mask) examples whose ``response_mask`` is the loss mask
+    (0 on a conversation's tool tokens, which ``attention_mask`` keeps: the multi-turn rollout layout)."""
+    batch = build_rollout_batch([e[0] for e in examples], [e[1] for e in examples], pad_token_id=pad)
+    mask = batch.tensors["response_mask"]
+    for r, e in enumerate(examples):
+        mask[r, :len(e[2])] = torch.as_tensor(e[2], dtype=mask.dtype)
+    return batch.to(device)
 
 
 def _probe(target_answer_p: Optional[float], forward: Any, data: List[tuple], pad: int, device: torch.device,
@@ -173,8 +189,7 @@ def _probe(target_answer_p: Optional[float], forward: Any, data: List[tuple], pa
         return None
     if check_every < 1:
         raise ValueError(f"run_sft: check_every must be positive (got {check_every})")
-    pb = build_rollout_batch([p for p, _ in data[:PROBE_ROWS]], [r for _, r in data[:PROBE_ROWS]],
-                             pad_token_id=pad).to(device)
+    pb = sft_batch(data[:PROBE_ROWS], pad, device)
     return partial(_answer_p, forward, pb, packed, chunk, world_size)
 
 
