@@ -407,3 +407,22 @@ def test_search_corpus_errors_and_a_missing_bm25s(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "bm25s", None)
     with pytest.raises(UserError, match=r"needs the bm25s package.*pip install 'portrl\[agent\]'"):
         SearchTool(str(_corpus(tmp_path)))
+
+
+def test_a_missing_corpus_is_a_data_file_checked_with_the_run_not_at_compose(tmp_path):
+    path = _write(tmp_path, "tools: [{name: search, config: {corpus_path: none.jsonl, top_k: 2}}]", "s.yaml")
+    schema_only = load_tool_config(path, open_files=False)["search"]
+    assert schema_only.schema["function"]["name"] == "search"
+    with pytest.raises(ToolConfigError, match="valid config keys: corpus_path, top_k"):
+        load_tool_config(_write(tmp_path, "tools: [{name: search, config: {corpus: x.jsonl}}]", "t.yaml"),
+                         open_files=False)
+    with pytest.raises(ToolConfigError, match=r"search corpus '.*none.jsonl' does not exist"):
+        load_tool_config(path)
+
+
+def test_a_relative_configs_path_outside_the_repository_is_the_wheels_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tools = load_tool_config("configs/tools/calculator.yaml")
+    assert list(tools) == ["calculator"]
+    with pytest.raises(ToolConfigError, match="'configs/tools/none.yaml' does not exist"):
+        load_tool_config("configs/tools/none.yaml")

@@ -223,6 +223,9 @@ CASES: list[tuple[str, list[str], str, dict]] = [
      "tool config '{tmp}/no.yaml' does not exist", {}),
     ("tool-schema-malformed", ["train", "rollout.multi_turn.enable=true",
                                "rollout.multi_turn.tool_config_path={bad_tool_schema}"], "tools[0]", {}),
+    ("search-corpus-missing", ["train", "rollout.multi_turn.enable=true",
+                               "rollout.multi_turn.tool_config_path={search_tools}"],
+     "search corpus '{tmp}/none.jsonl' does not exist (config.corpus_path of the search tool)", {}),
     ("interaction-config-missing", ["train", "rollout.multi_turn.enable=true",
                                     "rollout.multi_turn.interaction_config_path={tmp}/none.yaml"],
      "interaction config '{tmp}/none.yaml' does not exist", {}),
@@ -300,6 +303,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (tmp / "bad_tool_schema.yaml").write_text("tools:\n  - name: calculator\n    tool_schema: {type: function, "
                                                "function: {name: calc, parameters: {type: array}}}\n")
     f["bad_tool_schema"] = str(tmp / "bad_tool_schema.yaml")
+    (tmp / "search_tools.yaml").write_text("tools:\n  - {name: search, config: {corpus_path: none.jsonl}}\n")
+    f["search_tools"] = str(tmp / "search_tools.yaml")
     (tmp / "bad.jsonl").write_text('{"question": "1+1?"}\n')
     f["bad_jsonl"] = str(tmp / "bad.jsonl")
     (tmp / "bad_run").mkdir()

@@ -1,8 +1,8 @@
 """The agent loop: many trajectories at once, token in and token out, on any rollout engine.
 
 Every round asks the engine for the next model turn of all live trajectories in ONE ``generate`` call (prompt =
-the trajectory's running ids: prompt ids, then every model and tool token so far; ``n=1``), so the hf and vLLM
-engines batch them as they batch single-turn prompts. A turn's tokens and log-probs are appended as the engine
+the trajectory's running ids: prompt ids, then every model and tool token so far; ``n=1``), so every rollout
+engine batches them as they batch single-turn prompts. A turn's tokens and log-probs are appended as the engine
 returned them (never decoded and re-encoded, response mask 1). The turn's text (decoded only to read it) goes to
 the tool-call parser (``rollout.multi_turn.format``); a turn without a tool call ends the trajectory. Otherwise the
 calls run (portrl/agent/tools/execute.py: at most ``max_parallel_calls``, each limited to ``tool_timeout_s``; an

@@ -99,4 +99,4 @@ def prompt_tools(cfg: Any) -> Optional[List[Dict[str, Any]]]:
     multi_turn = cfg.rollout.multi_turn
     if not bool(multi_turn.enable) or not multi_turn.tool_config_path:
         return None
-    return tool_schemas(load_tool_config(str(multi_turn.tool_config_path)))
+    return tool_schemas(load_tool_config(str(multi_turn.tool_config_path), open_files=False))

@@ -5,7 +5,8 @@
 * with ``enable``: ``format`` names a tool-call parser (portrl/agent/parsers.py), and ``tool_config_path`` (when set)
   is a tool config that loads: the file exists, its schemas are well formed, its tools import
   (portrl/agent/tools/config.py says what is wrong in one line); so is ``interaction_config_path``
-  (portrl/agent/interactions.py).
+  (portrl/agent/interactions.py). Files a tool reads (a search corpus) are data: like ``data.train_files`` they are
+  checked when the run is (portrl/trainer/preflight.py), not when a config composes.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def check_multi_turn(cfg: Any) -> List[str]:
         problems.append(str(exc))
     from portrl.agent.interactions import load_interaction_config  # noqa: PLC0415
 
-    for path, load in ((m.tool_config_path, load_tool_config), (m.interaction_config_path, load_interaction_config)):
+    for path, load in ((m.tool_config_path, lambda p: load_tool_config(p, open_files=False)),
+                       (m.interaction_config_path, load_interaction_config)):
         if path:
             try:
                 load(str(path))

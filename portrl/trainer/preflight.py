@@ -85,6 +85,10 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
+    if command in (TRAIN, EVAL) and cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tool_config_path:
+        from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
+
+        load_tool_config(str(cfg.rollout.multi_turn.tool_config_path))  # the files its tools read (a corpus) too
     if command == TRAIN:
         _check_lora_targets(cfg)
         _check_resume(cfg)

@@ -72,6 +72,12 @@ class SearchTool(Tool):
 
     name = "search"
     config_paths = ("corpus_path",)  # resolved against the tool config's folder (portrl.agent.tools.config)
+    schema = {"type": "function", "function": {
+        "name": "search",
+        "description": "Search the knowledge base; returns the most relevant documents.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "what to search for"}},
+            "required": ["query"]}}}
 
     def __init__(self, corpus_path: str, top_k: int = 3) -> None:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
@@ -84,12 +90,6 @@ class SearchTool(Tool):
                                 show_progress=False)
         self.index = bm25s.BM25()
         self.index.index(tokens, show_progress=False)
-        self.schema = {"type": "function", "function": {
-            "name": "search",
-            "description": "Search the knowledge base; returns the most relevant documents.",
-            "parameters": {"type": "object", "properties": {
-                "query": {"type": "string", "description": "what to search for"}},
-                "required": ["query"]}}}
 
     def search(self, query: str) -> List[Tuple[str, str]]:
         """(title, text) of the best documents for ``query``, best first, those sharing no word left out."""

@@ -21,6 +21,12 @@ config values a class lists in ``config_paths`` (the search tool's ``corpus_path
 tool's schema (and so its name); the schema is checked (portrl.agent.tools.schema). verl's ``config.type:
 native`` is accepted and dropped; another type (``mcp``) is not supported.
 
+A relative path under ``configs/`` that is not there (a run outside the repository) is the copy shipped in the wheel
+(``portrl.configs``: ``configs/tools/calculator.yaml`` works from any folder). ``open_files=False`` (the config
+checks, the prompts' tool list) builds no tool that reads a file named in ``config_paths``: its class, config keys
+and schema are checked and it stands as a schema-only :class:`Tool`; the file itself (a search corpus, which may be
+large) is read when the run is checked (preflight) and by the rollout worker.
+
 Every mistake is a :class:`ToolConfigError`, one line naming the file and the entry (``tools[2] (x.Y)``): a
 missing file, bad YAML, no ``tools`` list, an entry that is not a mapping or has unknown keys, an unknown
 built-in, a class that cannot be imported or built, a malformed schema, two tools with one name.
@@ -57,9 +63,22 @@ class ToolConfigError(UserError, ValueError):
     """A tool config that cannot be read or gives no valid tools (one line naming the file and the entry)."""
 
 
-def load_tool_config(path: "str | Path") -> Dict[str, Tool]:
-    """{tool name: tool} of the tool config at ``path`` (module docstring), in the file's order."""
+def find_tool_config(path: "str | Path") -> Path:
+    """The file ``path`` names: as given, else the wheel's copy of a relative ``configs/...`` path."""
     file = Path(path).expanduser()
+    if not file.is_file() and not file.is_absolute() and file.parts[:1] == ("configs",) and len(file.parts) > 1:
+        from importlib import resources  # noqa: PLC0415
+
+        packaged = resources.files("portrl.configs").joinpath(*file.parts[1:])
+        if packaged.is_file():
+            return Path(str(packaged))
+    return file
+
+
+def load_tool_config(path: "str | Path", *, open_files: bool = True) -> Dict[str, Tool]:
+    """{tool name: tool} of the tool config at ``path`` (module docstring), in the file's order; with
+    ``open_files=False`` a tool that reads files named in its ``config_paths`` is a schema-only Tool."""
+    file = find_tool_config(path)
     if not file.is_file():
         raise ToolConfigError(f"tool config {str(path)!r} does not exist (rollout.multi_turn.tool_config_path); "
                               "give a YAML file with a 'tools' list")
@@ -76,7 +95,7 @@ def load_tool_config(path: "str | Path") -> Dict[str, Tool]:
     where_of: Dict[str, str] = {}
     for i, entry in enumerate(entries):
         where = f"tool config {str(path)!r}, tools[{i}]"
-        made = _entry_tool(entry, where, file.resolve().parent)
+        made = _entry_tool(entry, where, file.resolve().parent, open_files)
         entry_name = f"tools[{i}] ({_label(entry)})"
         if made.name in tools:
             raise ToolConfigError(f"tool config {str(path)!r}, {entry_name}: a second tool named {made.name!r} (the "
@@ -97,7 +116,7 @@ def _label(entry: Any) -> str:
     return "?"
 
 
-def _entry_tool(entry: Any, where: str, folder: Path) -> Tool:
+def _entry_tool(entry: Any, where: str, folder: Path, open_files: bool = True) -> Tool:
     """The tool of one entry, its schema checked and its name the schema's."""
     if not isinstance(entry, dict):
         raise ToolConfigError(f"{where}: an entry is a {type(entry).__name__}, not a mapping; valid keys: "
@@ -117,8 +136,13 @@ def _entry_tool(entry: Any, where: str, folder: Path) -> Tool:
                               f"{', '.join(BUILTINS)})")
     config = _config(entry.get("config"), where)
     obj = _resolve(target, where, folder, builtin_only="class_name" not in entry)
-    made = _build(obj, config, where, folder)
     schema = entry.get("tool_schema")
+    if not open_files and isinstance(obj, type) and getattr(obj, "config_paths", ()):
+        _check_config_keys(obj, config, where)
+        made = Tool()  # schema only: the class reads files (module docstring)
+        made.schema = obj.schema
+    else:
+        made = _build(obj, config, where, folder)
     if schema is None and not made.schema:
         raise ToolConfigError(f"{where}: no schema: the tool sets none and the entry has no tool_schema; valid: "
                               "tool_schema: {type: function, function: {name: ..., description: ..., parameters: "
@@ -186,6 +210,16 @@ def _load_file(file: Path) -> Any:
         sys.modules.pop(name, None)
         raise
     return module
+
+
+def _check_config_keys(cls: type, config: Dict[str, Any], where: str) -> None:
+    """``cls(**config)`` would bind: no unknown key, no missing required one."""
+    try:
+        inspect.signature(cls).bind(**config)
+    except TypeError as exc:
+        params = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+        raise ToolConfigError(f"{where}: cannot be built with config {config}: {exc}; valid config keys: "
+                              f"{', '.join(params) or 'none'}") from None
 
 
 def _build(obj: Any, config: Dict[str, Any], where: str, folder: Path) -> Tool:
