@@ -10,7 +10,7 @@ message the model reads as the tool's output (``error=True``); the run goes on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Tool:
 
     name: str = ""
     schema: Dict[str, Any] = {}
+    config_paths: Tuple[str, ...] = ()  # config keys that name files, relative to the tool config's folder
 
     def call(self, arguments: Dict[str, Any], row_kwargs: Dict[str, Any]) -> "ToolResult | str":
         raise NotImplementedError(f"tool {self.name!r} does not implement call")

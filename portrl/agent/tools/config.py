@@ -137,7 +137,7 @@ def _entry_tool(entry: Any, where: str, folder: Path, open_files: bool = True) -
     config = _config(entry.get("config"), where)
     obj = _resolve(target, where, folder, builtin_only="class_name" not in entry)
     schema = entry.get("tool_schema")
-    if not open_files and isinstance(obj, type) and getattr(obj, "config_paths", ()):
+    if not open_files and isinstance(obj, type) and issubclass(obj, Tool) and obj.config_paths:
         _check_config_keys(obj, config, where)
         made = Tool()  # schema only: the class reads files (module docstring)
         made.schema = obj.schema
@@ -225,7 +225,7 @@ def _check_config_keys(cls: type, config: Dict[str, Any], where: str) -> None:
 def _build(obj: Any, config: Dict[str, Any], where: str, folder: Path) -> Tool:
     """A fresh Tool from ``obj``: a Tool class built with ``**config``, or a (copied) @tool function."""
     if isinstance(obj, type) and issubclass(obj, Tool):
-        for key in getattr(obj, "config_paths", ()):
+        for key in obj.config_paths:
             if isinstance(config.get(key), str) and not Path(config[key]).expanduser().is_absolute():
                 config[key] = str(folder / config[key])
         try:
