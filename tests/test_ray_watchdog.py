@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +148,10 @@ def test_session_processes_are_this_drivers_and_started_since():
                              "--session_dir=/tmp/ray/session_2026-12-04_07-00-00_123456_99999999/"])
     _STARTED.append(proc.pid)
     started = _stat(proc.pid)[1]
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while b"--session_dir" not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the child has exec'd: before that its arguments are pytest's
     assert session_processes(99999999, started) == {proc.pid: started}
     assert session_processes(9999999, 0) == {}  # another driver's (a suffix of this one's pid is not a match)
     assert session_processes(99999999, started + 1) == {}  # started before the watchdog
