@@ -4,6 +4,7 @@ The suite runs in parallel processes (pytest-xdist, README "Tests"); each worker
 """
 
 import os
+import sys
 
 import pytest
 
@@ -19,6 +20,18 @@ os.environ.setdefault("PORTRL_CACHE", f"{_CACHE}-{_WORKER}" if _WORKER else _CAC
 # Native kernels (backends/cpu/native_build.py) are built once for the session, not once per test that moves
 # PORTRL_CACHE to its own folder; all workers share them (a build is written under a temporary name and renamed).
 os.environ.setdefault("PORTRL_KERNEL_CACHE", os.path.join(_CACHE, "kernels"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_ends_with_its_file():
+    """A local Ray a test file started ends with the file. portrl's init_ray keeps a Ray that runs, so a later file
+    in the same xdist process would otherwise run on a cluster sized for another file (CI: a PRIME run found 3
+    CPUs where it starts 4, and its PRM could not reserve its 2)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
 
 # The tiny model most tests use: 1 layer, hidden size 32, 2 heads (1 kv head), initializer range 0.2.
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64, "seed": 0,
