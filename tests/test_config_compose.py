@@ -139,3 +139,19 @@ def test_cli_config_show(capsys):
     assert "loss_mode: gspo" in out and "ppo_epochs: 2" in out and "preset: h200" in out
     assert main(["config", "show", "actor.clip_ratio_hgh=1"]) == 2
     assert "actor.clip_ratio_high" in capsys.readouterr().err
+
+
+def test_composes_where_register_resolver_is_omegaconfs_legacy_one(monkeypatch):
+    """omegaconf 2.3 (the floor in pyproject.toml) has a legacy ``register_resolver`` without ``replace``: compose
+    must register through ``register_new_resolver`` (an H200 run with omegaconf 2.3.0 failed here)."""
+    from omegaconf import OmegaConf
+
+    from portrl.config import composition
+
+    def legacy_register_resolver(name, resolver):
+        raise AssertionError("the legacy register_resolver was called")
+
+    monkeypatch.setattr(OmegaConf, "register_resolver", legacy_register_resolver, raising=False)
+    monkeypatch.setattr(composition, "_RESOLVERS_DONE", False)
+    cfg = compose(overrides=["data.max_response_length=100"])
+    assert cfg.data.max_response_length == 100

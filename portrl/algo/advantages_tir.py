@@ -35,6 +35,7 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, res
     m, mf, returns, big_w = otb_returns_and_weights(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                                     rollout_is_weights, "tir_optimal_token_baseline")
     lengths = m.sum(dim=-1)
+    lengths_host = lengths.cpu()  # group_rows' indices live on the CPU: a mask from the device cannot index them
     width = int(lengths.max())
     # row i's k-th valid token at column k
     packed_g = torch.zeros(m.shape[0], width, dtype=returns.dtype, device=returns.device)
@@ -44,13 +45,13 @@ def compute_multi_turn_optimal_token_baseline_advantage(token_level_rewards, res
         packed_w[i, :int(lengths[i])] = big_w[i, m[i]]
     baseline = torch.zeros_like(packed_g)
     for rows in group_rows(index, m.shape[0], "tir_optimal_token_baseline"):
-        rows = rows[lengths[rows] > 0]
+        rows = rows[lengths_host[rows] > 0]
         if len(rows) < 2:
             continue
         gw = packed_w[rows]
         b = ((packed_g[rows] * gw).sum(0) / (gw.sum(0) + baseline_eps)).expand(len(rows), -1).clone()
         if handle_zero_tail:
-            lens, order = torch.sort(lengths[rows], descending=True)
+            lens, order = torch.sort(lengths_host[rows], descending=True)
             if int(lens[0]) > int(lens[1]):
                 b[int(order[0]), int(lens[1]):] = 0
         baseline[rows] = b

@@ -61,7 +61,7 @@ def prm_ce_loss(q: torch.Tensor, acc: torch.Tensor, response_mask: torch.Tensor,
 def prm_dpo_others(seq_log_ratio: torch.Tensor, acc: torch.Tensor, index: Sequence[Hashable]) -> torch.Tensor:
     """``(B,)``: for each row, the mean summed log-ratio of the rows of its prompt group with a lower accuracy when
     its own accuracy is > 0, else with a higher one; 0 when there is none (verl's ``Q_bc`` / ``acc_bc`` selection)."""
-    seq, a = seq_log_ratio.double(), acc.double()
+    seq, a = seq_log_ratio.double(), acc.double().cpu()  # a's masks index group_rows' CPU indices
     out = torch.zeros_like(seq)
     for rows in group_rows(index, seq.shape[0], "prm_dpo_others"):
         for i in rows.tolist():

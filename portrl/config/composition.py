@@ -70,8 +70,8 @@ def _register_resolvers() -> None:
     def scale(x, f) -> int:
         return int(float(x) * float(f))
 
-    register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver  # omegaconf < 2.4
-    register("portrl.scale", scale, replace=True)
+    # register_new_resolver exists from omegaconf 2.1 on; 2.3's register_resolver is the legacy one, without replace
+    OmegaConf.register_new_resolver("portrl.scale", scale, replace=True)
     _RESOLVERS_DONE = True
 
 
