@@ -10,6 +10,7 @@ import pytest
 import portrl.device.backend as base_mod
 import portrl.device.checks as checks_mod
 from portrl.backends.cpu import CPUBackend
+from portrl.backends.cuda import CUDABackend
 from portrl.backends.npu import NPUBackend
 from portrl.backends.rocm import ROCmBackend
 from portrl.cli import main
@@ -175,13 +176,31 @@ def test_compat_matches_a_row_ignoring_local_tags():
 
 def test_compat_most_specific_rows_decide():
     check = compat_check(ROWS, {"torch": "2.10.0", "torch_npu": "2.10.0.post4", "plugin": "0.13.0"})
-    assert check.status == WARN and "plugin row" in check.fix and "older base row" not in check.fix
+    assert check.status == WARN and check.message.startswith("nearest row plugin=0.23.0")
+    assert check.message.endswith("breaks it: plugin 0.13.0 (row: 0.23.0)")
+    assert check.fix == "install the row's versions: plugin==0.23.0 torch==2.10.0 torch-npu==2.10.0.post4"
 
 
-def test_compat_mismatch_warns_and_nothing_to_pair_passes():
-    assert compat_check(ROWS, {"torch": "2.10.0", "torch-npu": "2.9.0"}).status == WARN
-    assert compat_check(ROWS, {"torch": "2.13.0"}).status == OK
+def test_compat_names_what_breaks_the_nearest_row_and_what_is_missing():
+    check = compat_check(ROWS, {"torch": "2.10.0", "torch-npu": "2.9.0"})
+    assert check.status == WARN and "nearest row torch=2.10.0 torch-npu=2.10.0.post4 (base row)" in check.message
+    assert "breaks it: torch-npu 2.9.0 (row: 2.10.0.post4)" in check.message
+    alone = compat_check(ROWS, {"torch": "2.13.0"})  # one component alone still resolves against the rows
+    assert alone.status == WARN and "breaks it: torch 2.13.0 (row: 2.10.0)" in alone.message
+    assert alone.message.endswith("not installed: torch-npu")  # of the rows as near, the one with less to install
     assert compat_check((), {"torch": "2.13.0"}).status == OK
+
+
+def test_compat_fix_is_the_rows_install_command():
+    """What an H200 with torch 2.11.0 and neither vLLM nor flash-attn gets (seen there on 2026-12-04)."""
+    check = compat_check(CUDABackend.compat_rows, {"torch": "2.11.0+cu130", "transformers": "5.17.0"})
+    assert check.status == WARN
+    assert check.message == ("nearest row torch=2.8.0 vllm=0.11.0 flash-attn=2.8.3 (vLLM 0.11.0 pins torch==2.8.0; "
+                             "flash-attn 2.8.3 publishes wheels up to torch 2.8); breaks it: torch 2.11.0+cu130 "
+                             "(row: 2.8.0); not installed: vllm, flash-attn")
+    assert check.fix.startswith('pip install "torch==2.8.0" --index-url https://download.pytorch.org/whl/cu128 && ')
+    for backend in (CUDABackend, ROCmBackend, NPUBackend):
+        assert all(row.install for row in backend.compat_rows), backend.name
 
 
 def test_compat_with_cann_from_the_toolkit(monkeypatch, tmp_path):
@@ -193,7 +212,9 @@ def test_compat_with_cann_from_the_toolkit(monkeypatch, tmp_path):
     installed = backend.installed_versions()
     assert installed["CANN"] == "8.5.0"
     check = compat_check(backend.compat_rows, installed)
-    assert check.status == WARN and "CANN=9.1.0" in check.fix  # torch_npu 2.10.0.post4 needs CANN 9.1.0
+    assert check.status == WARN and "breaks it: CANN 8.5.0 (row: 9.1.0)" in check.message  # torch_npu 2.10.0.post4
+    assert check.fix.endswith('pip install "torch-npu==2.10.0.post4"; CANN 9.1.0 from Huawei\'s toolkit installer, '
+                              "then source /usr/local/Ascend/ascend-toolkit/set_env.sh")
 
 
 def test_version_satisfies():

@@ -46,9 +46,13 @@ class CUDABackend(Backend):
     version_packages: ClassVar[tuple[str, ...]] = ("torch", "transformers", "triton", "vllm", "flash-attn")
     compat_rows: ClassVar[tuple[CompatRow, ...]] = (
         CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},
-                  "vLLM 0.11.0 pins torch==2.8.0; flash-attn 2.8.3 publishes wheels up to torch 2.8"),
+                  "vLLM 0.11.0 pins torch==2.8.0; flash-attn 2.8.3 publishes wheels up to torch 2.8",
+                  'pip install "torch==2.8.0" --index-url https://download.pytorch.org/whl/cu128 && '
+                  'pip install "vllm==0.11.0" && pip install "flash-attn==2.8.3" --no-build-isolation'),
         CompatRow({"torch": "2.7.1", "vllm": "0.10.0", "flash-attn": "2.8.3"},
-                  "vLLM 0.10.0 pins torch==2.7.1"),
+                  "vLLM 0.10.0 pins torch==2.7.1",
+                  'pip install "torch==2.7.1" --index-url https://download.pytorch.org/whl/cu128 && '
+                  'pip install "vllm==0.10.0" && pip install "flash-attn==2.8.3" --no-build-isolation'),
     )
 
     # --- probe ----------------------------------------------------------------------------------

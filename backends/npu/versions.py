@@ -34,11 +34,24 @@ _VLLM_ASCEND_ROWS: tuple[tuple[str, str, str, str, dict[str, str]], ...] = (  # 
     ("0.11.0", "8.3.RC2", "2.7.1", "2.7.1.post1", {}),
 )
 
+
+
+def install_line(torch: str, cann: str, *packages: str) -> str:
+    """The row's install command: torch's CPU wheel (torch_npu adds the device), the pip packages, and CANN, which
+    is a system toolkit (Huawei's installer), not a pip package."""
+    pins = " ".join(f'"{p}"' for p in packages)
+    return (f'pip install "torch=={torch}" --index-url https://download.pytorch.org/whl/cpu && pip install {pins}; '
+            f"CANN {cann} from Huawei's toolkit installer, then {CANN_SET_ENV}")
+
+
 COMPAT_ROWS: tuple[CompatRow, ...] = (
     *(CompatRow({"vllm-ascend": va, "vllm": va, "CANN": cann, "torch": torch, "torch-npu": npu, **extra},
-                f"vllm-ascend v{va} release")
+                f"vllm-ascend v{va} release",
+                install_line(torch, cann, f"torch-npu=={npu}", f"vllm=={va}", f"vllm-ascend=={va}",
+                             *(f"{k}=={v}" for k, v in extra.items())))
       for va, cann, torch, npu, extra in _VLLM_ASCEND_ROWS),
-    *(CompatRow({"torch-npu": npu, "torch": torch, "CANN": cann}, f"torch_npu {npu} release")
+    *(CompatRow({"torch-npu": npu, "torch": torch, "CANN": cann}, f"torch_npu {npu} release",
+                install_line(torch, cann, f"torch-npu=={npu}"))
       for npu, torch, cann in _TORCH_NPU_ROWS),
 )
 

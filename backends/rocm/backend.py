@@ -28,6 +28,14 @@ if TYPE_CHECKING:  # checks.py is imported where a check is made
 # the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as the README spells it
 TORCH_ROCM_INSTALL = ('of one compatibility row (torch 2.9.0, ROCm 6.4): '
                       'pip install "torch==2.9.0" --index-url https://download.pytorch.org/whl/rocm6.4')
+
+
+def _torch_rocm(torch: str, rocm: str) -> str:
+    """Install line of a torch / ROCm row: the wheel of download.pytorch.org/whl/rocmX.Y on a host with that ROCm."""
+    return (f'pip install "torch=={torch}" --index-url https://download.pytorch.org/whl/rocm{rocm} '
+            f"(on a host with ROCm {rocm})")
+
+
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes/*/properties"
 
 
@@ -88,10 +96,11 @@ class ROCmBackend(CUDABackend):
     # pairs of the official wheels (download.pytorch.org/whl/rocmX.Y)
     compat_rows = (
         CompatRow({"torch": "2.9.0", "ROCm": "7.0", "vllm": "0.11.2"},
-                  "AMD image rocm/vllm:rocm7.0.0_vllm_0.11.2_20251210 (ROCm 7.0.0, vLLM 0.11.2, PyTorch 2.9.0)"),
-        CompatRow({"torch": "2.9.0", "ROCm": "6.4"}, "PyTorch 2.9 wheels for ROCm 6.4"),
-        CompatRow({"torch": "2.8.0", "ROCm": "6.4"}, "PyTorch 2.8 wheels for ROCm 6.4"),
-        CompatRow({"torch": "2.7.1", "ROCm": "6.3"}, "PyTorch 2.7 wheels for ROCm 6.3"),
+                  "AMD image rocm/vllm:rocm7.0.0_vllm_0.11.2_20251210 (ROCm 7.0.0, vLLM 0.11.2, PyTorch 2.9.0)",
+                  "docker build -f docker/rocm/Dockerfile -t portrl:rocm . (its base is that image)"),
+        CompatRow({"torch": "2.9.0", "ROCm": "6.4"}, "PyTorch 2.9 wheels for ROCm 6.4", _torch_rocm("2.9.0", "6.4")),
+        CompatRow({"torch": "2.8.0", "ROCm": "6.4"}, "PyTorch 2.8 wheels for ROCm 6.4", _torch_rocm("2.8.0", "6.4")),
+        CompatRow({"torch": "2.7.1", "ROCm": "6.3"}, "PyTorch 2.7 wheels for ROCm 6.3", _torch_rocm("2.7.1", "6.3")),
     )
 
     def installed_versions(self) -> dict[str, str]:

@@ -57,11 +57,13 @@ class CompatRow:
     """One set of versions a backend is known to work with, e.g. ``{"torch": "2.10.0", "some-plugin": "2.10.0.post4"}``.
 
     ``pins`` maps a distribution (or a system component such as ``CANN``) to an exact version;
-    ``note`` says where the row comes from.
+    ``note`` says where the row comes from; ``install`` is the exact command that installs the row (what
+    ``portrl doctor`` prints as the fix when the installed versions break it).
     """
 
     pins: Mapping[str, str]
     note: str = ""
+    install: str = ""
 
     def matches(self, installed: Mapping[str, str]) -> bool:
         """True when every pinned component that is installed has the pinned version (local tags ignored)."""

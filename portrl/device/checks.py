@@ -103,28 +103,35 @@ def declared_requirement_checks(dists: Iterable[str]) -> list[Check]:
 
 
 def compat_check(rows: Iterable[CompatRow], installed: Mapping[str, str]) -> Check:
-    """Ok when a row matches the installed versions; warn when rows apply but none matches.
+    """Resolve the installed versions against the backend's rows (the version matrix).
 
-    A row pairs components, so it applies when at least two components it pins are installed.
-    Of the applicable rows only the most specific ones (most pinned components installed) are
-    compared: with a rollout plugin installed, the rows that pin the plugin decide.
+    The nearest row is the one that pins the most installed components (a row that pins an installed rollout
+    plugin decides over one that does not), then the one with the most matching versions, the fewest
+    mismatches, the fewest components missing, the first declared. Ok when every component of that row is
+    installed at its version; else warn, naming each component that breaks the row (installed at another
+    version) or is missing, with the row's install command as the fix.
     """
     rows = list(rows)
     if not rows:
         return Check("compatibility rows", OK, "this backend declares no version rows")
-    covered = {id(r): sum(_lookup(installed, p) is not None for p in r.pins) for r in rows}
-    applicable = [r for r in rows if covered[id(r)] >= 2]
-    if not applicable:
-        return Check("compatibility rows", OK, "fewer than two pinned components installed: nothing to pair")
-    best = max(covered[id(r)] for r in applicable)
-    candidates = sorted((r for r in applicable if covered[id(r)] == best), key=lambda r: len(r.pins))
-    for row in candidates:
-        if row.matches({p: v for p in row.pins if (v := _lookup(installed, p)) is not None}):
-            return Check("compatibility rows", OK, f"matches {_describe(row)}")
-    have = ", ".join(f"{k}={v}" for k, v in sorted(installed.items()))
-    known = "; ".join(_describe(r) for r in candidates)
-    return Check("compatibility rows", WARN, f"installed versions ({have}) match no known row",
-                 f"install one of the known combinations: {known}")
+
+    def score(item):
+        order, row = item
+        have = {p: _lookup(installed, p) for p in row.pins}
+        covered = sum(v is not None for v in have.values())
+        matched = sum(v is not None and row.matches({p: v}) for p, v in have.items())
+        return (-covered, -matched, covered - matched, len(row.pins) - covered, order)
+
+    nearest = min(enumerate(rows), key=score)[1]
+    broken = [f"{p} {v} (row: {want})" for p, want in nearest.pins.items()
+              if (v := _lookup(installed, p)) is not None and not nearest.matches({p: v})]
+    missing = [p for p in nearest.pins if _lookup(installed, p) is None]
+    if not broken and not missing:
+        return Check("compatibility rows", OK, f"matches {_describe(nearest)}")
+    parts = ([f"breaks it: {', '.join(broken)}"] if broken else []) + \
+        ([f"not installed: {', '.join(missing)}"] if missing else [])
+    fix = nearest.install or "install the row's versions: " + " ".join(f"{k}=={v}" for k, v in nearest.pins.items())
+    return Check("compatibility rows", WARN, f"nearest row {_describe(nearest)}; " + "; ".join(parts), fix)
 
 
 def ray_isolation_check(visible_devices_env: str | None, noset_env: Iterable[str]) -> Check | None:
