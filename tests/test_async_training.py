@@ -85,7 +85,13 @@ def test_async_modes_on_a_separated_rollout_worker(tiny_model, tmp_path, monkeyp
     assert sync_rows[-1]["actor/grad_norm"] > 0
     assert set(zero_w) == set(sync_w) and all(torch.equal(zero_w[k], sync_w[k]) for k in sync_w)
 
-    off_rows, _ = _fit(_overrides(tiny_model, tmp_path / "off", **{"trainer.mode": "one_step_off"}))
+    off_rows, _ = _fit(_overrides(tiny_model, tmp_path / "off", **{"trainer.mode": "one_step_off",
+                                                                    "trainer.profile.steps": [3]}))
+    # a profiled step: the driver's trace and, each from its own Ray process, the actor's and the rollout worker's
+    traces = tmp_path / "off" / "profile" / "step_3"
+    assert sorted(p.name for p in traces.iterdir()) == ["actor_rank0.json", "driver.json", "rollout_rank0.json"]
+    for name in ("actor_rank0.json", "rollout_rank0.json"):  # the update and the generation each ran
+        assert any(e.get("name", "").startswith("aten::") for e in json.loads((traces / name).read_text())["traceEvents"])
     steps = [r for r in off_rows if r["step"] > 0]
     assert [(r["async/staleness_min"], r["async/staleness_max"]) for r in steps] == [(0, 0)] + [(1, 1)] * 3
     assert _trained_batches(off_rows) == [[0], [1], [2], [3]]

@@ -1,6 +1,7 @@
 """Composition order, overrides, shorthand preset selection and error messages of portrl.config."""
 
 import os
+import warnings
 
 import pytest
 
@@ -141,17 +142,30 @@ def test_cli_config_show(capsys):
     assert "actor.clip_ratio_high" in capsys.readouterr().err
 
 
-def test_composes_where_register_resolver_is_omegaconfs_legacy_one(monkeypatch):
-    """omegaconf 2.3 (the floor in pyproject.toml) has a legacy ``register_resolver`` without ``replace``: compose
-    must register through ``register_new_resolver`` (an H200 run with omegaconf 2.3.0 failed here)."""
+def test_composes_with_the_resolver_api_of_omegaconf_2_3_and_2_4(monkeypatch):
+    """omegaconf 2.3 (the floor in pyproject.toml) has a legacy ``register_resolver`` without ``replace`` (an H200
+    image with 2.3.0 failed on it); 2.4 deprecates ``register_new_resolver`` with a warning that would be a second
+    line of every one-line error. Compose registers through whichever of the two takes ``replace``."""
     from omegaconf import OmegaConf
 
     from portrl.config import composition
 
+    called = []
+
     def legacy_register_resolver(name, resolver):
         raise AssertionError("the legacy register_resolver was called")
 
-    monkeypatch.setattr(OmegaConf, "register_resolver", legacy_register_resolver, raising=False)
+    def register_new_resolver(name, resolver, *, replace=False, use_cache=False):
+        called.append(name)
+
+    monkeypatch.setattr(OmegaConf, "register_resolver", legacy_register_resolver)  # as in omegaconf 2.3
+    monkeypatch.setattr(OmegaConf, "register_new_resolver", register_new_resolver)
     monkeypatch.setattr(composition, "_RESOLVERS_DONE", False)
-    cfg = compose(overrides=["data.max_response_length=100"])
+    composition._register_resolvers()
+    assert called == ["portrl.scale"]
+    monkeypatch.undo()
+    monkeypatch.setattr(composition, "_RESOLVERS_DONE", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the installed omegaconf: no deprecation warning
+        cfg = compose(overrides=["data.max_response_length=100"])
     assert cfg.data.max_response_length == 100

@@ -134,6 +134,21 @@ class CUDABackend(Backend):
     def rollout_engines(self) -> tuple[str, ...]:
         return ("vllm", "hf") if package_version("vllm") else ("hf",)
 
+    # --- profiling ------------------------------------------------------------------------------
+    profiler_activities = ("CUDA",)  # kernels and memcpys through CUPTI
+    range_api = "NVTX"
+
+    def range_push(self, name: str) -> None:
+        """``torch.cuda.nvtx.range_push``: the range shows in Nsight Systems (``nsys profile``)."""
+        import torch
+
+        torch.cuda.nvtx.range_push(name)
+
+    def range_pop(self) -> None:
+        import torch
+
+        torch.cuda.nvtx.range_pop()
+
     # --- environment ----------------------------------------------------------------------------
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         """Allocator: expandable segments (less fragmentation with rollout/train switching).

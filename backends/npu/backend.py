@@ -155,6 +155,27 @@ class NPUBackend(Backend):
         """vLLM runs on Ascend through the vllm-ascend platform plugin, so both must be installed."""
         return ("vllm", "hf") if package_version("vllm-ascend") and package_version("vllm") else ("hf",)
 
+    # --- profiling ------------------------------------------------------------------------------
+    range_api = "mstx"
+
+    def step_profiler(self, trace_dir, name: str):
+        """torch_npu's own profiler (CPU and NPU activities): backends/npu/profiling.py."""
+        from portrl.backends.npu.profiling import NPUStepProfiler
+
+        return NPUStepProfiler(trace_dir, name)
+
+    def range_push(self, name: str) -> None:
+        """``torch_npu.npu.mstx.range_start(name)`` (host-side range; its id is kept for :meth:`range_pop`): the
+        range shows in msprof / the Ascend profiler's timeline. Only an Ascend machine can confirm it."""
+        from portrl.backends.npu.profiling import mstx_range_start
+
+        mstx_range_start(name)
+
+    def range_pop(self) -> None:
+        from portrl.backends.npu.profiling import mstx_range_end
+
+        mstx_range_end()
+
     # --- environment ----------------------------------------------------------------------------
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         """Allocator: expandable segments. Deterministic: HCCL reductions in a fixed order

@@ -154,6 +154,22 @@ class ROCmBackend(CUDABackend):
         prefs["attention_varlen"] = ("aiter", "flash_attn", "sdpa", "native")
         return prefs
 
+    # --- profiling ------------------------------------------------------------------------------
+    profiler_activities = ("CUDA",)  # torch's ROCm builds record HIP kernels under the CUDA activity (roctracer)
+    range_api = "roctx"
+
+    def range_push(self, name: str) -> None:
+        """``torch.cuda.nvtx.range_push``, which a ROCm build of torch implements with ``roctxRangePushA``: the
+        range shows in rocprofv3 (``--marker-trace``). Only a ROCm machine can confirm it."""
+        import torch
+
+        torch.cuda.nvtx.range_push(name)
+
+    def range_pop(self) -> None:
+        import torch
+
+        torch.cuda.nvtx.range_pop()
+
     # --- environment ----------------------------------------------------------------------------
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         """MI300 presets: scratch memory kept (``HSA_NO_SCRATCH_RECLAIM=1``), more RCCL channels

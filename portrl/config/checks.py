@@ -251,6 +251,9 @@ def _run_ranges(cfg, p: _Problems) -> None:
                                                   "trainer.save_final)")
     p.need(t.test_freq >= 0, "trainer.test_freq", "must be >= 1, or 0 (off: no validation during training)")
     p.need(t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1")
+    outside = [s for s in t.profile.steps if not 1 <= s <= t.total_steps]
+    p.need(not outside, "trainer.profile.steps", f"has {outside}: each must be a step in 1..{t.total_steps} "
+                                                 "(trainer.total_steps)")
     p.need(t.ref_update_freq >= 0, "trainer.ref_update_freq", "must be >= 1 (refresh the reference every k steps), "
                                                               "or 0 (never)")
     p.need(cfg.reward.num_workers >= 1, "reward.num_workers", "must be >= 1")

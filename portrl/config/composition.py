@@ -32,6 +32,7 @@ usable is reported with its origin (portrl.device.resolve_backend).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import tempfile
 import typing
@@ -70,9 +71,19 @@ def _register_resolvers() -> None:
     def scale(x, f) -> int:
         return int(float(x) * float(f))
 
-    # register_new_resolver exists from omegaconf 2.1 on; 2.3's register_resolver is the legacy one, without replace
-    OmegaConf.register_new_resolver("portrl.scale", scale, replace=True)
+    # omegaconf >= 2.4: register_resolver (register_new_resolver warns, deprecated); 2.1-2.3: register_new_resolver
+    # (their register_resolver is the legacy one, without replace: an H200 image with 2.3.0 failed on it)
+    register = OmegaConf.register_resolver if "replace" in _parameters(OmegaConf.register_resolver) \
+        else OmegaConf.register_new_resolver
+    register("portrl.scale", scale, replace=True)
     _RESOLVERS_DONE = True
+
+
+def _parameters(fn) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def split_overrides(overrides: Iterable[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:

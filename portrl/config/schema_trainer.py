@@ -28,6 +28,14 @@ class AsyncTrainingConfig:
     partial_rollout: bool = True
 
 
+@dataclass
+class ProfileConfig:
+    """trainer.profile: steps recorded by the backend's profiler, with the vendor's ranges around each phase, in
+    <output_dir>/profile/step_<k>/ (portrl/trainer/profiling.py)."""
+
+    steps: List[int] = field(default_factory=list)  # e.g. [2, 10]; each in 1..trainer.total_steps; [] = none
+
+
 # ----------------------------------------------------------------------------------- trainer
 @dataclass
 class TrainerConfig:
@@ -75,3 +83,4 @@ class TrainerConfig:
     # <output_dir>/traces.jsonl (portrl/trainer/traces.py; shown by `portrl trace RUN`); 0 = never
     trace_freq: int = 0
     trace_rows: int = 4
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

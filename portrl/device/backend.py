@@ -17,6 +17,8 @@ Method families:
   :meth:`kernel_preferences` (op name -> implementation names, best first)
 * rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
 * placement: :meth:`split_compute` (a separated run's trainer and rollout workers on disjoint devices or cores)
+* profiling: :meth:`step_profiler` (one step's trace, ``trainer.profile.steps``), ``profiler_activities``,
+  :meth:`range_push` / :meth:`range_pop` (the vendor's range API around each phase: ``range_api``)
 * environment: :meth:`env_presets`; what a config's ``device.env`` may set: ``declared_env``,
   ``refused_env``, :meth:`accepted_env`, :meth:`env_refusals`
 * compatibility: ``compat_rows`` and :meth:`installed_versions`, checked by ``portrl doctor``
@@ -29,6 +31,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
@@ -305,6 +309,24 @@ class Backend:
         :meth:`env_presets` (both modes), less :meth:`env_refusals`."""
         names = set(self.declared_env) | set(self.env_presets(deterministic=False)) | set(self.env_presets(True))
         return frozenset(names - set(self.env_refusals()))
+
+    # --- profiling ----------------------------------------------------------------------------
+    #: torch.profiler.ProfilerActivity members beside CPU that record this backend's device work
+    profiler_activities: ClassVar[tuple[str, ...]] = ()
+    range_api: ClassVar[str] = ""  # the vendor range API of range_push / range_pop ("" = none), for docs and logs
+
+    def step_profiler(self, trace_dir: str | os.PathLike, name: str) -> AbstractContextManager:
+        """A context manager that records the work inside it and writes the trace as ``<trace_dir>/<name>.json``
+        (portrl.device.profiler.TorchStepProfiler); a vendor whose profiler is its own overrides this."""
+        from portrl.device.profiler import TorchStepProfiler
+
+        return TorchStepProfiler(trace_dir, name, self.profiler_activities)
+
+    def range_push(self, name: str) -> None:
+        """Open a named range of the vendor's range API (seen by its system profiler); nothing by default."""
+
+    def range_pop(self) -> None:
+        """Close the range :meth:`range_push` opened last."""
 
     # --- doctor -----------------------------------------------------------------------------
     def doctor_checks(self) -> list[Check]:

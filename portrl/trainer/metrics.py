@@ -83,13 +83,18 @@ class Timer:
     enclosing phase, so an outer phase's peak includes its inner ones; and where the backend reports the
     process's resident high-water mark (``peak_resident``: the CPU), ``memory/peak_resident_gib``: the highest
     resident size of the process so far (what the operating system saw it hold, memory it kept included).
+
+    With ``ranges`` (a Backend; a profiled step, portrl.trainer.profiling), each phase is also a
+    ``torch.profiler.record_function("portrl/<name>")`` range of the step's trace and a range of the vendor's range
+    API (:meth:`Backend.range_push`: NVTX, roctx, mstx), for the system profilers.
     """
 
-    def __init__(self, memory: Any = None) -> None:
+    def __init__(self, memory: Any = None, ranges: Any = None) -> None:
         self.times: Dict[str, float] = {}
         self.peaks: Dict[str, int] = {}
         self.resident_peak: int | None = None
         self._memory = memory
+        self._ranges = ranges
         self._open: List[str] = []
 
     def _fold_peak(self) -> None:
@@ -109,7 +114,15 @@ class Timer:
         self._open.append(name)
         t0 = time.perf_counter()
         try:
-            yield
+            if self._ranges is None:
+                yield
+            else:
+                self._ranges.range_push(f"portrl/{name}")
+                try:
+                    with torch.profiler.record_function(f"portrl/{name}"):
+                        yield
+                finally:
+                    self._ranges.range_pop()
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
             if self._memory is not None:

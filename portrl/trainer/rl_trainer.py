@@ -50,6 +50,7 @@ from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.plot import plot_run
 from portrl.trainer.prime_phase import build_prime_phase
+from portrl.trainer.profiling import StepProfiling
 from portrl.trainer.reference_update import refresh_reference
 from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config
 from portrl.trainer.rollout_pipeline import RolloutPipeline
@@ -103,6 +104,8 @@ class RLTrainer:
         if critic_enabled(cfg):
             self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
+        self.profiling = StepProfiling(cfg, self.backend, self.out_dir, lambda: {
+            "actor": self.actor, "critic": self.critic, "prm": getattr(self.prm, "group", None), "rollout": self.rollout})
         self.reward = RewardScorer(cfg, self.tokenizer)
         self.pipeline = RolloutPipeline(cfg, self.gen, self._next_prompts, self.train_ds.state_dict)  # trainer.mode
         if self.pipeline.plan.overlaps and self.weight_link is None:
@@ -139,10 +142,10 @@ class RLTrainer:
         cfg = self.cfg
         # peak memory per phase where the workers run in this process (a Ray worker's memory is its own)
         in_process = not any(g is not None and g.use_ray for g in (self.actor, self.critic, self.rollout))
-        timer = Timer(memory=self.backend if in_process else None)
+        timer = Timer(memory=self.backend if in_process else None, ranges=self.profiling.ranges(step))
         m: Dict[str, float] = {}
         t0 = time.perf_counter()
-        with timer("step"):
+        with self.profiling.step(step), timer("step"):  # trainer.profile.steps: portrl/trainer/profiling.py
             refresh_reference(self, step, timer)  # SPIN: trainer.ref_update_freq
             batch, gm = self._rollout(step, timer)
             m.update(gm)

@@ -29,6 +29,7 @@ from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
 from portrl.workers.group import WorkerGroup
 from portrl.workers.partial_rollout import StagedWeights, generate_versioned, versions_tensor
+from portrl.workers.profiled import ProfiledWorker
 from portrl.workers.setup import count_parameters, resolve_dtype, start_worker
 from portrl.workers.weight_sync import WeightSyncLink
 
@@ -112,7 +113,7 @@ def rollout_settings(rollout: Any, data: Any, seed: int, dtype: str) -> RolloutS
         sleep_between_rollouts=bool(rollout.enable_sleep_mode))
 
 
-class RolloutWorker:
+class RolloutWorker(ProfiledWorker):
     """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
     ``model_path`` overrides ``cfg.model.path``."""
 

@@ -31,6 +31,7 @@ from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_train_state, train_state
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
+from portrl.workers.profiled import ProfiledWorker
 from portrl.workers.training import build_lr_scheduler, build_optimizer, shares_prompts
 from portrl.workers.update_loop import LoopSettings, LossFn, Trainable, mini_batch_rows, run_update
 
@@ -131,7 +132,7 @@ class TrainedModel:
         return merge_state(state, extra or {})
 
 
-class TrainedModelWorker:
+class TrainedModelWorker(ProfiledWorker):
     """The checkpoint methods and attributes of a worker that trains one :class:`TrainedModel` (``self.trained``).
 
     State: :meth:`state_dict` is the model's ``model`` / ``optimizer`` / ``scheduler`` plus
