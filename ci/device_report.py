@@ -70,6 +70,21 @@ def run_details(run_dir: Path) -> list[dict]:
     return steps
 
 
+def profile_details(run_dir: Path) -> list[dict]:
+    """Per trace of the profiled step: its phase ranges and how many events ran on the device (Chrome trace
+    categories ``kernel`` / ``gpu_memcpy``); a folder (a vendor profiler's own layout) is listed as it is."""
+    found = []
+    for path in sorted(run_dir.glob("profile/step_*/*")):
+        entry: dict = {"trace": str(path.relative_to(run_dir))}
+        if path.suffix == ".json":
+            events = read_json(path) or {}
+            names = [e for e in events.get("traceEvents", []) if isinstance(e, dict)]
+            entry["phases"] = sorted({e["name"] for e in names if str(e.get("name", "")).startswith("portrl/")})
+            entry["device_events"] = sum(e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") for e in names)
+        found.append(entry)
+    return found
+
+
 def environment(out: Path) -> dict:
     for name in ("ops-float32.json", "ops-bfloat16.json", "replay.json"):
         report = read_json(out / name)
@@ -91,7 +106,8 @@ def build(out: Path, backend: str) -> dict:
         elif name == "replay" and (replay := read_json(out / "replay.json")):
             part["details"] = replay_details(replay)
         elif name.startswith("grpo-"):
-            part["details"] = {"steps": run_details(out / f"run-{name[len('grpo-'):]}")}
+            run_dir = out / f"run-{name[len('grpo-'):]}"
+            part["details"] = {"steps": run_details(run_dir), "profile": profile_details(run_dir)}
     report["failed"] = [p["name"] for p in report["parts"] if p["status"] == "fail"]
     report["not_run"] = [f"{p['name']}: {p['note']}" for p in report["parts"] if p["status"] == "skipped"]
     return report
@@ -123,6 +139,8 @@ def markdown(report: dict) -> str:
             lines += ["| step | " + " | ".join(STEP_KEYS) + " |", "|" + " --- |" * (len(STEP_KEYS) + 1)]
             lines += [f"| {s['step']} | " + " | ".join(f"{s[k]:.4g}" if k in s else "" for k in STEP_KEYS) + " |"
                       for s in details["steps"]]
+            lines += [f"- profile: {t['trace']}" + (f": {len(t['phases'])} phase ranges, {t['device_events']} device "
+                                                     "events" if "phases" in t else "") for t in details["profile"]]
     lines += ["", "Failed: " + (", ".join(report["failed"]) or "none"),
               "Not run: " + ("; ".join(report["not_run"]) or "nothing")]
     return "\n".join(lines) + "\n"

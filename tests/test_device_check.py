@@ -58,6 +58,10 @@ def _check_folder(out: Path) -> None:
         json.dumps({"step": 0, "val/acc": 0.1}) + "\n"
         + json.dumps({"step": 1, "timing_s/step": 2.5, "memory/peak_gib/step": 0.12,
                       "training/rollout_probs_diff_max": 1e-8}) + "\n")
+    (out / "run-hf" / "profile" / "step_2").mkdir(parents=True)
+    (out / "run-hf" / "profile" / "step_2" / "driver.json").write_text(json.dumps({"traceEvents": [
+        {"name": "portrl/gen", "ph": "X"}, {"name": "portrl/step", "ph": "X"}, {"name": "gemm", "cat": "kernel"},
+        {"name": "aten::mm", "cat": "cpu_op"}]}))
 
 
 def test_report_names_failures_skips_and_step_figures(report_mod, tmp_path):
@@ -72,6 +76,8 @@ def test_report_names_failures_skips_and_step_figures(report_mod, tmp_path):
     assert parts["ops-float32"]["details"]["not_pass"] == ["fail: adv_estimator[tir_optimal_token_baseline]"]
     assert parts["grpo-hf"]["details"]["steps"] == [{"step": 1, "timing_s/step": 2.5, "memory/peak_gib/step": 0.12,
                                                      "training/rollout_probs_diff_max": 1e-8}]
+    assert parts["grpo-hf"]["details"]["profile"] == [
+        {"trace": "profile/step_2/driver.json", "phases": ["portrl/gen", "portrl/step"], "device_events": 1}]
     assert "details" not in parts["grpo-vllm"]
     text = (tmp_path / "report.md").read_text()
     assert "Device: NVIDIA H200; torch 2.11.0" in text and "| ops-float32 | fail | 9 | exit 1: fail tir |" in text
