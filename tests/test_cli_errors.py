@@ -38,6 +38,8 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("critic-ppo-epochs-zero", ["train", "critic.ppo_epochs=0"], "critic.ppo_epochs=0 must be >= 1", {}),
     ("total-steps-zero", ["train", "trainer.total_steps=0"], "trainer.total_steps=0 must be >= 1", {}),
     ("total-steps-negative", ["train", "trainer.total_steps=-5"], "trainer.total_steps=-5 must be >= 1", {}),
+    ("parity-rollout-unknown-engine", ["parity", "rollout", "--device", "cpu", "--engine", "turbo"],
+     "rollout engine 'turbo' (--engine) is not offered by backend 'cpu' here", {}),
     ("profile-step-after-the-run", ["train", "trainer.total_steps=4", "trainer.profile.steps=[2,9]"],
      "trainer.profile.steps=[2, 9] has [9]: each must be a step in 1..4", {}),
     ("num-workers-zero", ["train", "trainer.num_workers=0"], "trainer.num_workers=0 must be >= 1", {}),

@@ -42,7 +42,7 @@ def test_a_folder_with_a_report_is_refused(tmp_path):
 
 def _check_folder(out: Path) -> None:
     (out / "parts.tsv").write_text("install\tskipped\t0\t--no-install\ndoctor\tpass\t2\t\n"
-                                   "ops-float32\tfail\t9\texit 1: fail tir\ngrpo-hf\tpass\t30\t\n"
+                                   "ops-float32\tfail\t9\texit 1: fail tir\nrollout-gap\tpass\t20\t\ngrpo-hf\tpass\t30\t\n"
                                    "grpo-vllm\tskipped\t0\tvllm is not installed\n")
     (out / "doctor.log").write_text('2026-12-04 INFO portrl: log line first\n{"checks": ['
                                     '{"name": "probe", "status": "ok", "message": "usable", "fix": ""},'
@@ -53,6 +53,9 @@ def _check_folder(out: Path) -> None:
         "impls": {"rms_norm": {"selected": "triton"}},
         "cases": [{"name": "rms_norm[triton]", "verdict": "pass"},
                   {"name": "adv_estimator[tir_optimal_token_baseline]", "verdict": "fail"}]}))
+    (out / "rollout-gap.json").write_text(json.dumps({"cases": [
+        {"engine": "hf", "dtype": "bfloat16", "verdict": "pass", "training/rollout_log_probs_diff_mean": 1e-3,
+         "training/rollout_log_probs_diff_max": 8e-3, "bounds": {}}]}))
     (out / "run-hf").mkdir()
     (out / "run-hf" / "metrics.jsonl").write_text(
         json.dumps({"step": 0, "val/acc": 0.1}) + "\n"
@@ -78,6 +81,10 @@ def test_report_names_failures_skips_and_step_figures(report_mod, tmp_path):
                                                      "training/rollout_probs_diff_max": 1e-8}]
     assert parts["grpo-hf"]["details"]["profile"] == [
         {"trace": "profile/step_2/driver.json", "phases": ["portrl/gen", "portrl/step"], "device_events": 1}]
+    assert parts["rollout-gap"]["details"]["cases"] == [
+        {"engine": "hf", "dtype": "bfloat16", "verdict": "pass", "training/rollout_log_probs_diff_mean": 1e-3,
+         "training/rollout_log_probs_diff_max": 8e-3}]
+    assert "- pass: hf bfloat16: |dlogp| mean 0.001, max 0.008" in (tmp_path / "report.md").read_text()
     assert "details" not in parts["grpo-vllm"]
     text = (tmp_path / "report.md").read_text()
     assert "Device: NVIDIA H200; torch 2.11.0" in text and "| ops-float32 | fail | 9 | exit 1: fail tir |" in text

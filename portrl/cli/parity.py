@@ -1,4 +1,4 @@
-"""``portrl parity ops | record | replay | e2e | compare``: the cross-hardware parity harness.
+"""``portrl parity ops | record | replay | e2e | rollout | compare``: the cross-hardware parity harness.
 
 Exit status: 0 when every verdict is pass or warn, 1 when any fails, 2 for bad input (argparse's usage errors,
 and a device, golden, envelope or report that cannot be used: one line, portrl.errors.UserError).
@@ -59,6 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--work-dir", default=None, help="where the runs write (in a new temporary folder inside it; "
                      "default: the system's temporary directory)")
     add_on_existing_argument(e2e)
+
+    gap = sub.add_parser("rollout", help="each rollout engine's log-probs against the trainer's forward on the same "
+                         "tokens (verl's rollout_probs_diff), by dtype")
+    gap.add_argument("--device", default=None)
+    gap.add_argument("--engine", action="append", help="engines to measure (repeatable; default: the backend's)")
+    gap.add_argument("--dtype", action="append", choices=["float32", "bfloat16"],
+                     help="dtypes (repeatable; default: float32 and bfloat16)")
+    gap.add_argument("--report", default=None, help="JSON report to write")
+    gap.add_argument("--work-dir", default=None, help="where the runs write (a temporary folder inside it)")
+    gap.add_argument("--rebuild-golden", action="store_true", help="write the measured gaps as the CPU goldens "
+                     "(portrl/parity/rollout_gap_cpu.json; cpu only)")
+    add_on_existing_argument(gap)
 
     cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")
     cmp_.add_argument("reports", nargs="+", help="reports from `portrl parity ops`")
@@ -152,6 +164,35 @@ def _e2e(args) -> int:
     return 1 if report["verdict"] == "fail" else 0
 
 
+def _rollout(args) -> int:
+    from portrl.parity.report import write_json
+    from portrl.parity.rollout_gap import golden_of, golden_path, run_rollout_gap
+
+    if args.report:
+        claim(args.report, "--report", args.on_existing)
+    backend = _backend(args.device)
+    if args.rebuild_golden and backend.name != "cpu":
+        raise UserError(f"--rebuild-golden writes the CPU goldens; this backend is {backend.name!r} (use --device cpu)")
+    offered = backend.rollout_engines()
+    unknown = [e for e in args.engine or () if e not in offered]
+    if unknown:
+        raise UserError(f"rollout engine {unknown[0]!r} (--engine) is not offered by backend {backend.name!r} here; "
+                        f"valid: {', '.join(offered)}")
+    report = run_rollout_gap(backend, args.engine, tuple(args.dtype or ("float32", "bfloat16")), args.work_dir)
+    if args.report:
+        write_json(args.report, report, replace=False)
+    if args.rebuild_golden:
+        write_json(golden_path(), golden_of(report))
+        print(f"goldens written to {golden_path()}")
+    for c in report["cases"]:
+        golden = c["cpu_golden"] or {}
+        print(f"  {c['verdict']:4s} {c['engine']} {c['dtype']}: |dlogp| mean {c['training/rollout_log_probs_diff_mean']:.3g}"
+              f" max {c['training/rollout_log_probs_diff_max']:.3g} (cpu golden: mean "
+              f"{golden.get('training/rollout_log_probs_diff_mean', float('nan')):.3g})")
+    print(f"rollout-vs-trainer on {report['backend']}: {report['verdict']}")
+    return 1 if report["verdict"] == "fail" else 0
+
+
 def _compare(args) -> int:
     from portrl.parity.compare import compare_files
     from portrl.parity.report import write_json, write_text
@@ -185,6 +226,7 @@ def _check_envelope(path: Path) -> None:
 
 
 def run(args) -> int:
-    handlers = {"ops": _ops, "record": _record, "replay": _replay, "e2e": _e2e, "compare": _compare}
+    handlers = {"ops": _ops, "record": _record, "replay": _replay, "e2e": _e2e, "rollout": _rollout,
+                "compare": _compare}
     return handlers[args.parity_command](args)
 

@@ -89,6 +89,21 @@ RATIO_LIMITS = {
 
 VERDICTS = ("pass", "warn", "fail")
 
+#: ``portrl parity rollout`` (portrl/parity/rollout_gap.py): bounds (pass, warn) on ``|log p_trainer - log p_rollout|``
+#: over the response tokens (verl's ``training/rollout_log_probs_diff_{mean,max}``), by dtype, for every backend and
+#: engine (BACKEND_ROLLOUT_GAP overrides one backend's row). Measured on the CPU with the hf engine and the tiny
+#: model (up to 32-token answers, 256 rows): float32 mean 1.8e-7 / max 1.4e-6, bfloat16 mean 9.3e-4 / max 7.7e-3 (the
+#: goldens in rollout_gap_cpu.json). The bounds leave a decade for other kernels (a fused or paged attention, a
+#: different reduction order): float32 pass at mean 1e-5 / max 1e-4; bfloat16 pass at mean 1e-2 / max 0.1, about
+#: a decade above one bfloat16 rounding of a log-prob (2**-8 relative). Above the pass bound and within 10x of it
+#: warns; beyond, fails.
+ROLLOUT_GAP = {
+    "float32": {"training/rollout_log_probs_diff_mean": 1e-5, "training/rollout_log_probs_diff_max": 1e-4},
+    "bfloat16": {"training/rollout_log_probs_diff_mean": 1e-2, "training/rollout_log_probs_diff_max": 0.1},
+}
+BACKEND_ROLLOUT_GAP: dict[str, dict[str, dict[str, float]]] = {}
+ROLLOUT_GAP_WARN_FACTOR = 10.0
+
 
 def tolerance(dtype) -> Tolerance:
     """The row for ``dtype`` (a name like "bfloat16" or a torch dtype)."""
