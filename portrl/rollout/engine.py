@@ -138,6 +138,14 @@ class RolloutEngine(abc.ABC):
         """Undo :meth:`sleep` before the next ``generate``."""
 
 
+def eos_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's EOS id(s) (``eos_token_id``: an int, a list, or None), which every engine adds to its stop ids."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Validate prompts (a non-empty list of non-empty token-id lists) and return them as lists of ints."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):

@@ -49,7 +49,7 @@ from portrl.rewards.custom import RewardFunctionError, load_custom_reward
 from portrl.rewards.manager import RewardTimeoutError, _score_rows, describe_reward
 from portrl.rewards.registry import UnknownDataSource, reward_kind
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
-from portrl.rollout import engine_factory, offered_engines
+from portrl.rollout import engine_capabilities, engine_factory, offered_engines
 from portrl.tasks import generated_task, names_where
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
@@ -118,6 +118,11 @@ def _check_device(cfg: Any) -> None:
         offered = ", ".join(offered_engines(backend)) or "none"
         raise UserError(f"rollout.engine={engine} is not available on backend {backend.name!r} here (its package is "
                         f"not installed, or the backend does not run it); available: {offered}, or auto")
+    if engine != "auto" and str(cfg.trainer.mode) == "async" and cfg.async_training.partial_rollout \
+            and not engine_capabilities(engine).interruptible:
+        able = ", ".join(e for e in offered_engines(backend) if engine_capabilities(e).interruptible) or "none here"
+        raise UserError(f"async_training.partial_rollout=true stops generations in flight, which rollout.engine="
+                        f"{engine} cannot do; use an engine that can ({able}) or async_training.partial_rollout=false")
     _check_num_workers(cfg, backend)
     trainer_workers = auto_num_workers(cfg, backend)[0] if cfg.trainer.num_workers is None else None
     compute_split(cfg, backend, trainer_workers)  # rollout.cpu_cores more than the node has: UserError

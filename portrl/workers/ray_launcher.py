@@ -196,8 +196,9 @@ class RayLauncher:
             if pinning:
                 log.info("%s rank %d (pid %s) pinned to cores %s, %d torch thread(s) (%s)", group.role, rank,
                          info["pid"], describe_cores(where["cores"] or ()), where["threads"], pinning.why)
-        log.info("worker group %s: %d workers on nodes %s", group.role, self.num_workers,
-                 sorted({i["node_ip"] for i in self.info}))
+        nodes = sorted({(i["node_ip"], str(i.get("node_id", ""))[:8]) for i in self.info})
+        log.info("worker group %s: %d workers on %d node(s): %s", group.role, self.num_workers, len(nodes),
+                 ", ".join(f"{ip} (node {nid})" for ip, nid in nodes))
 
     def _wait(self, refs: Sequence[Any], method: str = "") -> List[Any]:
         return wait_results([(self.group, rank, ref) for rank, ref in enumerate(refs)], method=method)
