@@ -4,12 +4,15 @@ trainer.nnodes=2): its two FSDP2 workers land one on each node (one CPU per bund
 write a checkpoint (a shard from each node), and a second command resumes from it on the same cluster.
 
 Each `ray start --block` runs in a process session of its own and is ended by the test (SIGTERM stops that node's
-processes), never by `ray stop`, which would end every Ray on the machine, a parallel test's too.
+processes), never by `ray stop`, which would end every Ray on the machine, a parallel test's too. The cluster uses
+Ray's token authentication, as a cluster of real nodes should (README): a token of the test's own, given to both
+nodes and to `portrl train` by RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH.
 """
 
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,19 +33,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ray_env(tmp_path):
+    token = tmp_path / "auth_token"
+    if not token.exists():
+        token.write_text(secrets.token_hex(32))
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
 def _start_node(args, tmp_path, name):
     log = open(tmp_path / f"{name}.log", "w")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = _ray_env(tmp_path)
     return subprocess.Popen([RAY, "start", "--block", "--num-cpus=1", "--disable-usage-stats", *args],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait_for_nodes(address, count, timeout_s=120):
+def _wait_for_nodes(address, count, env, timeout_s=120):
     probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
              "print(len([n for n in ray.nodes() if n['Alive']]))")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True, timeout=60,
+                             env=env)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(2)
@@ -53,12 +64,11 @@ def _wait_for_nodes(address, count, timeout_s=120):
 def two_node_cluster(tmp_path):
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    nodes = [_start_node(["--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false"],
-                         tmp_path, "head")]
+    nodes = [_start_node(["--head", f"--port={port}", "--include-dashboard=false"], tmp_path, "head")]
     try:
         time.sleep(3)
-        nodes.append(_start_node([f"--address={address}", "--node-ip-address=127.0.0.1"], tmp_path, "worker"))
-        _wait_for_nodes(address, 2)
+        nodes.append(_start_node([f"--address={address}"], tmp_path, "worker"))
+        _wait_for_nodes(address, 2, _ray_env(tmp_path))
         yield address
     finally:
         for proc in reversed(nodes):
@@ -79,7 +89,7 @@ def _train(address, out, steps, tmp_path):
             f"trainer.total_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=0",
             "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.plot=false",
             "trainer.export_hf=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}"]
-    env = {**os.environ, "PORTRL_CACHE": str(tmp_path / "cache"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env = {**_ray_env(tmp_path), "PORTRL_CACHE": str(tmp_path / "cache"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
