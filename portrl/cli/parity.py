@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="dtypes (repeatable; default: float32 and bfloat16)")
     gap.add_argument("--report", default=None, help="JSON report to write")
     gap.add_argument("--work-dir", default=None, help="where the runs write (a temporary folder inside it)")
-    gap.add_argument("--rebuild-golden", action="store_true", help="write the measured gaps as the CPU goldens "
-                     "(portrl/parity/rollout_gap_cpu.json; cpu only)")
+    gap.add_argument("--rebuild-golden", action="store_true", help="write the measured gaps into the CPU goldens "
+                     "(portrl/parity/rollout_gap_cpu.json; cpu only; other engines' entries stay)")
     add_on_existing_argument(gap)
 
     cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")
@@ -181,8 +181,9 @@ def _rollout(args) -> int:
     report = run_rollout_gap(backend, args.engine, tuple(args.dtype or ("float32", "bfloat16")), args.work_dir)
     if args.report:
         write_json(args.report, report, replace=False)
-    if args.rebuild_golden:
-        write_json(golden_path(), golden_of(report))
+    if args.rebuild_golden:  # the measured engines and dtypes replace theirs; the others' goldens stay
+        old = json.loads(golden_path().read_text()) if golden_path().is_file() else {}
+        write_json(golden_path(), {**old, **golden_of(report)})
         print(f"goldens written to {golden_path()}")
     for c in report["cases"]:
         golden = c["cpu_golden"] or {}

