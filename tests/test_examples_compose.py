@@ -13,8 +13,21 @@ from portrl.config import compose
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.sh"))
 
 
+def _wrapped(script: Path):
+    """``(base script, extra arguments)`` of a recipe that runs another with more overrides
+    (``exec "$(dirname "$0")/base.sh" key=value ... "$@"``), else None."""
+    found = re.search(r'^exec "\$\(dirname "\$0"\)/([\w.-]+\.sh)" (.*?)(?<!\\)$', script.read_text(), flags=re.M | re.S)
+    if found is None:
+        return None
+    return script.with_name(found.group(1)), shlex.split(found.group(2).replace("\\\n", " ").replace('"$@"', ""))
+
+
 def _train_arguments(script: Path) -> list[str]:
-    """The arguments of the script's `portrl train` call, its shell variables set to their defaults."""
+    """The arguments of the script's `portrl train` call, its shell variables set to their defaults (a wrapper
+    recipe: its base's, then its own overrides)."""
+    wrapped = _wrapped(script)
+    if wrapped is not None:
+        return _train_arguments(wrapped[0]) + wrapped[1]
     text = script.read_text()
     defaults = dict(re.findall(r'^(\w+)=\$\{\w+:-([^}]*)\}', text, flags=re.M))
     call = re.search(r"^portrl train (.*?)(?<!\\)$", text, flags=re.M | re.S).group(1).replace("\\\n", " ")
@@ -36,5 +49,6 @@ def test_recipe_composes(script):
     overrides = [a for a in args if "=" in a and not a.startswith("--")]
     cfg = compose(device=device, preset=preset, overrides=overrides)
     assert cfg.device.name == device and cfg.model.path and cfg.data.train_files
-    header = script.read_text().split("set -euo pipefail")[0]
+    base = _wrapped(script)[0] if _wrapped(script) else script
+    header = base.read_text().split("set -euo pipefail")[0]
     assert "Expected" in header, f"{script.name}: the header must state the expected score"
