@@ -37,7 +37,11 @@ def _ray_env(tmp_path):
     token = tmp_path / "auth_token"
     if not token.exists():
         token.write_text(secrets.token_hex(32))
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    # a local Ray an earlier test of this process started set Ray's single-machine switch here (portrl.workers.
+    # ray_env._loopback_only), which would refuse the second node: real nodes do not have it
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    return env
 
 
 def _start_node(args, tmp_path, name):
