@@ -149,3 +149,11 @@ def test_partial_rollout_with_an_engine_that_cannot_abort_is_one_line(fake_sglan
                                         r"rollout.engine=sglang cannot do; use an engine that can \(hf\) or "
                                         r"async_training.partial_rollout=false"):
         preflight(cfg)
+
+
+@pytest.mark.parametrize("result, outcome", [((True, "ok"), (True, "ok")), ((False, "bad shape"), (False, "bad shape")),
+                                             ({"success": False, "message": "no"}, (False, "no")), (None, (True, ""))])
+def test_update_outcome_reads_both_result_forms(result, outcome):
+    from portrl.backends.sglang.translate import update_outcome
+
+    assert update_outcome(result) == outcome

@@ -85,8 +85,7 @@ class SGLangEngine(RolloutEngine):
         buckets = list(bucket_named_tensors(((n, t.detach()) for n, t in named_tensors), self.sync_bucket_bytes))
         for k, bucket in enumerate(buckets):
             result = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=k == len(buckets) - 1)
-            ok, message = (result.get("success"), result.get("message")) if isinstance(result, dict) else \
-                (result[0], result[1]) if isinstance(result, (tuple, list)) else (True, "")
+            ok, message = translate.update_outcome(result)
             if not ok:
                 raise RuntimeError(f"sglang update_weights_from_tensor failed: {message}")
         log.debug("sglang engine update_weights: %d buckets", len(buckets))

@@ -97,3 +97,13 @@ def from_outputs(outputs: Sequence[Mapping[str, Any]], rows: int) -> RolloutOutp
         result.logprobs.append(lps)
         result.finish_reasons.append(_finish(meta, r))
     return result
+
+
+def update_outcome(result: Any) -> tuple[bool, str]:
+    """``(success, message)`` of ``Engine.update_weights_from_tensor``: a ``(success, message)`` pair, or a dict with
+    those keys (the form SGLang's HTTP layer returns); anything else counts as success."""
+    if isinstance(result, Mapping):
+        return bool(result.get("success")), str(result.get("message", ""))
+    if isinstance(result, (tuple, list)) and len(result) >= 2:
+        return bool(result[0]), str(result[1])
+    return True, ""

@@ -24,6 +24,7 @@ from portrl.config.composition import compose
 from portrl.parity.report import environment
 from portrl.parity.tolerances import BACKEND_ROLLOUT_GAP, ROLLOUT_GAP, ROLLOUT_GAP_WARN_FACTOR, worst
 from portrl.trainer.rl_trainer import run_training
+from portrl.trainer.tracking import read_metrics_up_to
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
@@ -53,8 +54,7 @@ def measure(backend: Backend, engine: str, dtype: str, work_dir) -> dict[str, fl
                   overrides=(*RUN_OVERRIDES, f"rollout.engine={engine}", f"device.dtype={dtype}",
                              f"trainer.output_dir={out}"))
     run_training(cfg)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    row = next((r for r in rows if r.get("step") == 1 and GAP_KEYS[0] in r), None)
+    row = next((r for r in read_metrics_up_to(out, 1) if r.get("step") == 1 and GAP_KEYS[0] in r), None)
     if row is None:
         raise RuntimeError(f"the run in {out} logged no {GAP_KEYS[0]}")
     return {k: float(row[k]) for k in GAP_KEYS}
