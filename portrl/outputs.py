@@ -67,9 +67,10 @@ def sibling_name(path: Path, tag: str) -> Path:
     return target
 
 
-def move_aside(path: str | os.PathLike) -> Path:
+def move_aside(path: str | os.PathLike, announce: bool = True) -> Path:
     """Rename ``path`` (a file or a folder) to ``<name>.old-<time>`` beside it; returns the new name. A folder that
-    cannot be renamed (a mount point, the working directory) keeps its place and its entries move instead."""
+    cannot be renamed (a mount point, the working directory) keeps its place and its entries move instead.
+    ``announce``: log a warning naming both (False: the caller says it in its own line)."""
     path = Path(path)
     target = sibling_name(path, "old")
     try:
@@ -80,7 +81,8 @@ def move_aside(path: str | os.PathLike) -> Path:
         target.mkdir()
         for entry in path.iterdir():
             os.rename(entry, target / entry.name)
-    log.warning("the earlier %s moved to %s (nothing deleted)", path, target)
+    if announce:
+        log.warning("the earlier %s moved to %s (nothing deleted)", path, target)
     return target
 
 

@@ -57,6 +57,12 @@ class Task:
         """The converter of raw records (a task read from files)."""
         return _load(self.converter, self.name, "converter")
 
+    @property
+    def generator_version(self) -> int:
+        """``GENERATOR_VERSION`` of the module of its generator (0 when it declares none): a key of the cached
+        generated files, so that a changed generator rebuilds them (a generated task only)."""
+        return int(getattr(importlib.import_module(str(self.rows).split(":")[0]), "GENERATOR_VERSION", 0))
+
     def builtin_input(self) -> Any:
         """The raw input used without ``--input`` (None when the task needs one)."""
         return _load(self.default_input, self.name, "default_input") if self.default_input else None
@@ -73,8 +79,10 @@ TASKS: Dict[str, Task] = {t.name: t for t in (
          options={"difficulty": "difficulty"}, preset=True),
     Task("arith_tool", rows="portrl.data.arith_tool:make_arith_tool_rows",
          sft_rows="portrl.data.arith_tool:make_arith_tool_sft_rows", options={"difficulty": "difficulty"}, preset=True),
+    Task("wordprob", rows="portrl.data.wordprob:make_wordprob_rows", sft_rows="portrl.data.wordprob:make_wordprob_sft_rows",
+         options={"difficulty": "difficulty"}, preset=True),
     Task("code", converter="portrl.data.code:convert", options={"data_source": "data_source"},
-         default_input="portrl.data.code:BUILTIN_PROBLEMS"),
+         default_input="portrl.data.code:BUILTIN_PROBLEMS", preset=True),
     Task("qa", converter="portrl.data.qa:convert", options=_QA_OPTIONS),
     Task("geo3k", converter="portrl.data.geo3k:convert", preset=True),
 )}

@@ -131,6 +131,8 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("doctor-bad-device", ["doctor", "--device", "nosuch"], "unknown device 'nosuch'", {}),
     # ---------------------------------------------------------------- data files
     ("train-file-missing", ["train", "data.train_files=[{tmp}/none.parquet]"], "does not exist", {}),
+    ("preset-data-not-preprocessed", ["train", "data=gsm8k", "data.train_files=[{tmp}/gsm8k/train.parquet]"],
+     "`portrl preprocess gsm8k --input RAW --output-dir", {}),
     ("val-file-missing", ["train", "data.train_files=[{good}]", "data.val_files=[{tmp}/none.parquet]"],
      "does not exist", {}),
     ("train-file-not-parquet", ["train", "data.train_files=[{text_file}]"], "cannot be read as parquet", {}),
@@ -150,7 +152,9 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("bad-val-file", ["train", "data.train_files=[{good}]", "data.val_files=[{no_prompt}]"], "no column 'prompt'", {}),
     ("named-data-no-files", ["train", "data.name=gsm8k"], "data.train_files is empty", {}),
     ("warm-start-other-data", ["train", "data.name=gsm8k", "data.train_files=[{good}]", "model.sft_warm_start=true"],
-     "model.sft_warm_start is built in for data.name=arith, arith_tool only", {}),
+     "model.sft_warm_start trains on the generated rows of data.name=arith, arith_tool", {}),
+    ("warm-start-own-files", ["train", "data.train_files=[{good}]", "model.sft_warm_start=true"],
+     "not on data.train_files=", {}),
     ("sft-files-missing", ["sft", "--train-files", "{tmp}/none.parquet"], "does not exist", {}),
     ("sft-no-response", ["sft", "--train-files", "{good}"], "no column 'response'", {}),
     ("sft-named-data-no-files", ["sft", "data.name=gsm8k"], "--train-files is required", {}),
@@ -494,12 +498,13 @@ def test_workers_need_ray(monkeypatch):
 
 
 def test_install_commands_are_pinned_to_a_compatibility_row_and_spelled_as_the_readme():
-    """What `portrl devices` tells a user to run installs one known row and appears verbatim in the README."""
+    """What `portrl devices` tells a user to run installs one known row and appears verbatim in the docs."""
     from portrl.backends.cuda.backend import TORCH_CUDA_INSTALL, CUDABackend
     from portrl.backends.npu.backend import NPU_INSTALL
     from portrl.backends.rocm.backend import TORCH_ROCM_INSTALL, ROCmBackend
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    readme = "".join(p.read_text() for p in sorted(docs.rglob("*.md")))
     for message, torch_pin in ((TORCH_CUDA_INSTALL, CUDABackend.compat_rows[0].pins["torch"]),
                                (TORCH_ROCM_INSTALL, "2.9.0"), (NPU_INSTALL, "2.10.0")):
         command = message.split(": ", 1)[1]

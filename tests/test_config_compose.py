@@ -128,7 +128,8 @@ def test_every_preset_group_is_listed():
                                               "prime"}
     assert set(list_presets("device")) == {"cpu", "a100", "h100", "h200", "mi300x", "mi325x", "ascend-910b",
                                            "ascend-910c"}
-    assert set(list_presets("data")) == {"arith", "arith_tool", "gsm8k", "math", "dapo_math", "geo3k"}
+    assert set(list_presets("data")) == {"arith", "arith_tool", "gsm8k", "math", "dapo_math", "geo3k", "wordprob",
+                                         "code"}
     assert {"tiny", "qwen2.5-0.5b", "qwen2.5-7b-instruct"} <= set(list_presets("model"))
 
 

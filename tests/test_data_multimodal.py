@@ -5,6 +5,7 @@ expanded ids and stops a model without an image processor."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,8 +131,10 @@ def test_image_rows_without_a_processor_name_the_row(tmp_path, vl):
 
 
 def _cfg(model, files, *extra):
+    out = Path(files["train"]).parent / "run"  # not the default outputs/run of the current directory: a user's run
     return compose(overrides=["data=geo3k", f"model.path={model}", f"data.train_files=[{files['train']}]",
-                              f"data.val_files=[{files['test']}]", "device.num_threads=1", *extra])
+                              f"data.val_files=[{files['test']}]", "device.num_threads=1",
+                              f"trainer.output_dir={out}", *extra])
 
 
 def test_preflight_counts_image_tokens_and_needs_an_image_processor(tmp_path, vl):

@@ -26,8 +26,12 @@ MODULES = (base_mod, checks_mod, cpu_mod, cuda_mod, rocm_mod, npu_mod)
 
 @pytest.fixture
 def fake_env(monkeypatch):
-    """fake_env(packages={dist: version}, modules={name}) replaces what is "installed" for every backend module."""
+    """fake_env(packages={dist: version}, modules={name}) replaces what is "installed" for every backend module, on a
+    host that shows every vendor's device nodes (the reasons a probe gives where the device is there)."""
     def apply(packages, modules=()):
+        monkeypatch.setattr(npu_mod, "davinci_devices", lambda: ["/dev/davinci0"])
+        monkeypatch.setattr(cuda_mod, "nvidia_devices", lambda: ["/dev/nvidia0"])
+        monkeypatch.setattr(rocm_mod, "kfd_device", lambda: True)
         norm = {k.lower().replace("_", "-"): v for k, v in packages.items()}
         for mod in MODULES:
             if hasattr(mod, "package_version"):
@@ -159,9 +163,29 @@ def test_probe_without_torch_names_install_command(fake_env, cls, pip):
     assert not r.usable and "torch is not installed" in r.reason and pip in r.reason
 
 
-def test_probe_on_this_cpu_torch_says_built_without():
+def test_probe_on_this_cpu_torch_says_built_without(monkeypatch):
+    monkeypatch.setattr(cuda_mod, "nvidia_devices", lambda: ["/dev/nvidia0"])
+    monkeypatch.setattr(rocm_mod, "kfd_device", lambda: True)
     assert "built without CUDA" in CUDABackend().probe().reason
     assert "built without HIP (a CPU-only build)" in ROCmBackend().probe().reason
+
+
+@pytest.mark.parametrize("cls", [CUDABackend, ROCmBackend, NPUBackend])
+def test_a_host_without_the_device_says_so_and_not_how_to_install(monkeypatch, fake_env, cls):
+    """No device nodes (and no WSL GPU node): "this host has no <name> device", whatever is installed; the install
+    command is for a host that has the device (the tests above)."""
+    for packages, modules in (({}, ()), ({"torch": "2.13.0+cpu"}, {"torch"})):
+        fake_env(packages, modules)
+        monkeypatch.setattr(npu_mod, "davinci_devices", lambda: [])
+        monkeypatch.setattr(cuda_mod, "nvidia_devices", lambda: [])
+        monkeypatch.setattr(rocm_mod, "kfd_device", lambda: False)
+        monkeypatch.setattr(cuda_mod.os.path, "exists", lambda p: False)  # no /dev/dxg
+        r = cls().probe()
+        assert not r.usable and r.reason.startswith(f"this host has no {cls.name} device (no /dev/")
+        assert "install" not in r.reason
+    monkeypatch.setattr(cuda_mod.os.path, "exists", lambda p: p == cuda_mod.WSL_GPU_NODE)
+    if cls is not NPUBackend:  # WSL 2 reaches the GPU through /dev/dxg: the nodes tell nothing, the probe goes on
+        assert cls().host_shows_device() == (None, "") and "this host has no" not in cls().probe().reason
 
 
 def test_cuda_probe_tells_rocm_build_apart(monkeypatch, fake_env):
@@ -220,7 +244,7 @@ def test_npu_probe_reasons_in_order(monkeypatch, fake_env, tmp_path):
     assert "CANN environment not loaded" in NPUBackend().probe().reason
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
     monkeypatch.setattr(npu_mod, "davinci_devices", lambda: [])
-    assert "/dev/davinci* missing" in NPUBackend().probe().reason
+    assert "this host has no npu device (no /dev/davinci<N> device nodes" in NPUBackend().probe().reason
     assert imported == []  # nothing imported while a static reason applies
     monkeypatch.setattr(npu_mod, "davinci_devices", lambda: ["/dev/davinci0", "/dev/davinci1"])
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(device_count=lambda: 2), raising=False)
@@ -319,7 +343,8 @@ def test_cpu_transparent_hugepage_mode_and_doctor_line(text, mode):
     assert check.status == "ok" or cpu_mod.THP_ENABLED_FILE in check.fix
     off = cpu_mod.huge_pages_check(mode, "0")
     assert off.status == "ok" and "THP_MEM_ALLOC_ENABLE=0" in off.message
-    assert [c.name for c in cpu_mod.CPUBackend().doctor_checks()] == ["bfloat16", "huge pages", "C++ compiler"]
+    assert [c.name for c in cpu_mod.CPUBackend().doctor_checks()] == ["bfloat16", "huge pages", "C++ compiler",
+                                                                     "CPU kernels"]
 
 
 def test_cpu_doctor_line_for_the_compiler():

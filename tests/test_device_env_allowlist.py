@@ -149,6 +149,18 @@ def test_the_command_line_refuses_a_preloaded_library_in_one_line(capsys):
 VENDOR_ENV = re.compile(r"^(NCCL|RCCL|HCCL|HSA|HIP|ROCR|ROCP|CUDA|CUBLAS|NVTX|ASCEND|ACL|ATB|MIOPEN|VLLM)_")
 
 
+@pytest.mark.parametrize("value", ["avx2", "AVX512", "off", "auto"])
+def test_the_cpu_kernel_variant_may_be_chosen_in_the_config(base_cfg, value):
+    assert _problems(base_cfg, "cpu", {"PORTRL_CPU_ISA": value}) == []
+
+
+def test_a_bad_cpu_kernel_variant_is_one_line_naming_the_valid_ones(capsys):
+    rc = main(["config", "show", "--device", "cpu", "device.env.PORTRL_CPU_ISA=sse4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "device.env.PORTRL_CPU_ISA='sse4' is not valid: use one of auto, avx512, avx2, off" in err
+
+
 def test_portrl_holds_no_vendor_environment_names():
     """Which variables a vendor's runtime reads is backends/' knowledge: no string of portrl/ names one (a prefix
     list such as the old ``ENV_PREFIXES`` included)."""

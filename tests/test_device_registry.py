@@ -64,7 +64,8 @@ def test_auto_means_detect(monkeypatch):
 
 
 def test_explicit_unusable_backend_is_an_error_with_reason():
-    with pytest.raises(BackendError, match=r"device 'cuda' \(from --device\) is not usable here: .*built without CUDA"):
+    with pytest.raises(BackendError, match=r"device 'cuda' \(from --device\) is not usable here: (this host has no cuda "
+                                           r"device|.*built without CUDA).*; usable here: cpu \(see `portrl devices`\)"):
         resolve_backend("cuda")
 
 

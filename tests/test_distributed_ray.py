@@ -18,6 +18,7 @@ from portrl.device import get_backend  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
 from portrl.workers.group import WorkerDiedError, WorkerGroup  # noqa: E402
 from portrl.workers.parallel import clip_grad_norm, dp_world_size, full_state_dict, wrap_model  # noqa: E402
+from portrl.workers import ray_env  # noqa: E402
 from portrl.workers.ray_env import ResourcePool, init_ray  # noqa: E402
 from portrl.workers.weight_sync import WeightSyncLink  # noqa: E402
 
@@ -109,6 +110,15 @@ def test_local_ray_binds_loopback_without_dashboard(cfg):
     assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
     assert not ray.get_runtime_context().get_node_id() == ""
     assert ray.worker.global_worker.node.address_info.get("webui_url") in (None, "")
+
+
+def test_a_local_ray_waits_longer_for_its_gcs_unless_the_user_set_the_wait(monkeypatch):
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    ray_env._patient_local_start()
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == str(ray_env.LOCAL_START_WAIT_S)  # not Ray's 30 s
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "7")
+    ray_env._patient_local_start()
+    assert os.environ["RAY_gcs_server_port_wait_time_s"] == "7"
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Beyond one machine (README, "Several nodes"): a Ray cluster of two nodes built with `ray start` as on real nodes,
+"""Beyond one machine (docs/backends/index.md, "Several nodes"): a Ray cluster of two nodes built with `ray start` as on real nodes,
 here two raylets on this machine with one CPU each, and `portrl train` joining it (trainer.ray_address,
 trainer.nnodes=2): its two FSDP2 workers land one on each node (one CPU per bundle cannot fit both on one), train,
 write a checkpoint (a shard from each node), and a second command resumes from it on the same cluster.
 
 Each `ray start --block` runs in a process session of its own and is ended by the test (SIGTERM stops that node's
 processes), never by `ray stop`, which would end every Ray on the machine, a parallel test's too. The cluster uses
-Ray's token authentication, as a cluster of real nodes should (README): a token of the test's own, given to both
+Ray's token authentication, as a cluster of real nodes should (the same page): a token of the test's own, given to both
 nodes and to `portrl train` by RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH.
 """
 
@@ -41,6 +41,7 @@ def _ray_env(tmp_path):
     # a local Ray an earlier test of this process started set Ray's single-machine switch here (portrl.workers.
     # ray_env._loopback_only), which would refuse the second node: real nodes do not have it
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    env.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # a loaded CI host: as portrl's own local start
     return env
 
 

@@ -1,5 +1,6 @@
 """The CPU's native kernels: the decode linear on the weights as they are (backends/cpu/rows_linear.cpp), the fused
-SwiGLU (swiglu.cpp) and their build (native_build.py)."""
+SwiGLU (swiglu.cpp) and their build (native_build.py). The kernel tests run for every instruction-set variant this
+CPU runs (an AVX-512 host runs both the AVX-512 and the AVX2 + FMA build; the choice between them: test_cpu_isa.py)."""
 
 import logging
 
@@ -8,27 +9,31 @@ import torch
 import torch.nn.functional as F
 
 from portrl import ops
-from portrl.backends.cpu import kernels, native_build
+from portrl.backends.cpu import isa, kernels, native_build
 from portrl.backends.cpu.kernels import ROWS_MAX, linear_prepacked_rows, native_kernels_available
 from portrl.backends.cpu.swiglu import swiglu_fused
 
 needs_rows = pytest.mark.skipif(native_kernels_available() is not True,
                                   reason=f"row-tile linear unavailable: {native_kernels_available()}")
+#: the variants this CPU runs, each a test parameter (none: the tests are skipped, with the reason)
+RUNNABLE = [v for v in isa.NEEDS if not isa.missing(v, isa.cpu_flags())]
+variants = pytest.mark.parametrize("variant", RUNNABLE or [pytest.param(None, marks=pytest.mark.skip(
+    reason="this CPU runs no variant of the native kernels (needs AVX2 + FMA)"))])
 
 
-@needs_rows
+@variants
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("parts,in_features", [([100], 72), ([16], 37), ([3], 5), ([160], 300), ([7, 2, 2], 48),
-                                               ([64, 64], 896)])
-def test_rows_linear_equals_linear_for_every_row_count(bias, parts, in_features):
-    """Every row count up to ROWS_MAX (tiles and row blocks cut short, odd widths and a masked last k chunk,
-    weights given as parts of a fused one), 3-D inputs, zero rows, and more rows than the kernel serves (the
-    plain matmul) equal F.linear on the concatenated weight."""
+                                               ([64, 64], 896), ([5, 4], 13)])
+def test_rows_linear_equals_linear_for_every_row_count(bias, parts, in_features, variant):
+    """Every row count up to ROWS_MAX (tiles and row blocks cut short, odd widths and a masked last k chunk of
+    either variant's 16 or 8 lanes, widths below one chunk, weights given as parts of a fused one), 3-D inputs,
+    zero rows, and more rows than the kernel serves (the plain matmul) equal F.linear on the concatenated weight."""
     g = torch.Generator().manual_seed(sum(parts) + in_features)
     ws = [torch.randn(n, in_features, generator=g) for n in parts]
     out_features = sum(parts)
     b = torch.randn(out_features, generator=g) if bias else None
-    fn = linear_prepacked_rows(ws if len(ws) > 1 else ws[0], b, rows=ROWS_MAX)
+    fn = linear_prepacked_rows(ws if len(ws) > 1 else ws[0], b, rows=ROWS_MAX, variant=variant)
     shapes = [(m, in_features) for m in range(ROWS_MAX + 1)]
     shapes += [(2, 5, in_features), (4, 1, in_features), (ROWS_MAX + 9, in_features)]
     whole = torch.cat(ws).double()
@@ -41,16 +46,16 @@ def test_rows_linear_equals_linear_for_every_row_count(bias, parts, in_features)
         torch.testing.assert_close(out, want, atol=2e-6 * in_features, rtol=1e-5)
 
 
-@needs_rows
-def test_rows_linear_reads_the_weights_at_call_time_and_checks_shapes():
+@variants
+def test_rows_linear_reads_the_weights_at_call_time_and_checks_shapes(variant):
     """No copy: an in-place change of a weight shows in the next call. Mismatched shapes are errors."""
     w = torch.randn(40, 24)
-    fn = linear_prepacked_rows(w, None, rows=4)
+    fn = linear_prepacked_rows(w, None, rows=4, variant=variant)
     x = torch.randn(4, 24)
     before = fn(x)
     w.mul_(2.0)
     torch.testing.assert_close(fn(x), 2 * before)
-    rows_linear = torch.ops.portrl_cpu_rows.rows_linear
+    rows_linear = kernels.rows_op(variant)
     with pytest.raises(RuntimeError, match="every weight must be"):
         rows_linear(torch.randn(4, 23), [w], None)
     with pytest.raises(RuntimeError, match="bias must have"):
@@ -97,7 +102,7 @@ def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path
         native_build._build(native_build.compiler(), native_build.SOURCE_DIR / "rows_linear.cpp", target)
     assert target.parent == tmp_path / "kernels" and list(tmp_path.rglob("*")) == [target.parent]
 
-    def failing_load(name):
+    def failing_load(name, variant=None):
         raise native_build.KernelBuildError("no C++ compiler found (install g++ or set CXX)")
 
     monkeypatch.setattr(native_build, "load", failing_load)
@@ -113,7 +118,7 @@ def test_a_failed_build_leaves_nothing_and_the_linear_falls_back_to_mkl(tmp_path
             torch.testing.assert_close(fn(x), F.linear(x, w))
     finally:
         native_build.log.removeHandler(handler)
-    warnings = [m for m in seen if "rows_linear.cpp are off" in m]
+    warnings = [m for m in seen if "rows_linear.cpp" in m and "are off" in m]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
 
 
@@ -128,6 +133,17 @@ def test_the_library_cache_key_follows_source_torch_and_cpu(monkeypatch, tmp_pat
     assert native_build.library_path("rows_linear") != first
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native_build.library_path("rows_linear") != first
+    avx2, avx512 = native_build.library_path("rows_linear", "avx2"), native_build.library_path("rows_linear", "avx512")
+    assert avx2.name.startswith("rows_linear-avx2-") and avx512.name.startswith("rows_linear-avx512-")
+
+
+def test_each_variant_has_its_own_flags_and_the_avx2_one_is_not_native():
+    """The AVX2 build runs on any AVX2 + FMA CPU (so an AVX-512 host tests it): no -march=native, no AVX-512."""
+    avx2 = native_build.flags("avx2")
+    assert {"-mavx2", "-mfma", "-DPORTRL_ISA=avx2", "-DCPU_CAPABILITY_AVX2"} <= set(avx2)
+    assert not any("native" in f or "512" in f for f in avx2)
+    assert {"-DPORTRL_ISA=avx512", "-DCPU_CAPABILITY_AVX512"} <= set(native_build.flags("avx512"))
+    assert native_build.ops_namespace("rows_linear", "avx2") == "portrl_cpu_rows_avx2"
 
 
 def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
@@ -139,26 +155,36 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         native_build.load("a_source_never_loaded")
 
 
-@needs_rows
-@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 64), (300, 48), (1, 1, 17)])
-def test_fused_swiglu_equals_silu_times_up_with_gradients(shape):
+@variants
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 64), (300, 48), (1, 1, 17), (3, 5)])
+def test_fused_swiglu_equals_silu_times_up_with_gradients(shape, variant):
     """Values and both gradients against torch's silu(gate) * up, for widths with and without a vector tail."""
     g = torch.Generator().manual_seed(len(shape) + shape[-1])
     gate = (torch.randn(*shape, generator=g) * 4).requires_grad_()
     up = torch.randn(*shape, generator=g).requires_grad_()
     grad = torch.randn(*shape, generator=g)
-    got = swiglu_fused(gate, up)
+    got = swiglu_fused(gate, up, variant=variant)
     want = F.silu(gate) * up
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for a, b in zip(torch.autograd.grad(got, (gate, up), grad), torch.autograd.grad(want, (gate, up), grad)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-@needs_rows
-def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go_native():
+@variants
+def test_fused_swiglu_without_gradients_runs_the_op_alone(variant):
+    """Inference (a decode step) and tensors that need no gradient: the same values, no autograd node."""
+    gate, up = torch.randn(16, 2, 4864 * 2, generator=torch.Generator().manual_seed(3)).chunk(2, dim=-1)
+    with torch.inference_mode():
+        got = swiglu_fused(gate, up, variant=variant)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    assert got.grad_fn is None and swiglu_fused(gate, up, variant=variant).grad_fn is None
+
+
+@variants
+def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go_native(variant):
     gu = torch.randn(4, 2, 96, requires_grad=True)
     gate, up = gu.chunk(2, dim=-1)  # views with a row stride of 96
-    out = swiglu_fused(gate, up)
+    out = swiglu_fused(gate, up, variant=variant)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
     (grad,) = torch.autograd.grad(out.sum(), gu)
     (want,) = torch.autograd.grad((F.silu(gate) * up).sum(), gu)

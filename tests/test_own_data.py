@@ -1,4 +1,4 @@
-"""A user's own model and data: the README's "Train your own model" commands, and what the preflight fits.
+"""A user's own model and data: the commands of docs/own-model-and-data.md, and what the preflight fits.
 
 The end-to-end test runs the section's commands as written (``~`` is the test's home folder) on a small local
 GSM8K-style jsonl and a tiny model, with only the sizes that keep it fast added (tests/test_cli_commands.py's
@@ -19,16 +19,15 @@ from portrl.models import write_tiny_model
 from portrl.trainer.preflight import TRAIN, preflight
 from portrl.trainer.resources import settle_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-# what keeps a run on a tiny model fast; none of it is a key the README asks the user to set
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "own-model-and-data.md"
+# what keeps a run on a tiny model fast; none of it is a key the page asks the user to set
 FAST = ["device.num_threads=1", "rollout.n=2", "data.max_response_length=4", "trainer.progress_bar=false",
         "trainer.total_steps=2", "trainer.test_freq=2"]
 
 
 def section_commands() -> list[str]:
-    """The shell lines of the README's "Train your own model" code blocks, comments dropped."""
-    text = README.read_text()
-    section = text.split("## Train your own model", 1)[1].split("\n## ", 1)[0]
+    """The shell lines of the page's first section's code blocks (before its first "## "), comments dropped."""
+    section = PAGE.read_text().split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
 
@@ -51,7 +50,7 @@ def home(tmp_path, monkeypatch):
 
 
 def as_shell(command: str, home: Path, **paths: str) -> list[str]:
-    """``command`` split into argv with ``~`` expanded (as the shell does) and README placeholders replaced."""
+    """``command`` split into argv with ``~`` expanded (as the shell does) and the page's placeholders replaced."""
     for placeholder, value in paths.items():
         command = command.replace(placeholder, value)
     return [w.replace("~", str(home)) if w.startswith("~") or "=~" in w or "[~" in w else w for w in command.split()]
@@ -181,9 +180,9 @@ def test_warm_start_only_where_it_applies(tmp_path, home, model_dir, caplog):
                                            f"trainer.output_dir={tmp_path / 'run'}"])
     assert cfg.model.sft_warm_start  # the tiny model preset's
     preflight(cfg, TRAIN)
-    assert not cfg.model.sft_warm_start and "built in for data.name=arith, arith_tool only: off" in caplog.text
+    assert not cfg.model.sft_warm_start and "built in for the generated rows of data.name=arith, arith_tool" in caplog.text
     cfg = _cfg(tmp_path, model_dir, f"data.train_files=[{data}/train.parquet]", "model.sft_warm_start=true")
-    with pytest.raises(UserError, match="model.sft_warm_start is built in for data.name=arith, arith_tool only"):
+    with pytest.raises(UserError, match="model.sft_warm_start trains on the generated rows of data.name=arith, arith_tool"):
         preflight(cfg, TRAIN)
 
 

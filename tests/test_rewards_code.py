@@ -37,6 +37,15 @@ def test_extract_program_follows_verl():
     thought = "<think>```python\nprint('draft')\n```</think>" + fenced("print('final')\n")
     assert "final" in extract_program(thought) and "draft" not in extract_program(thought)
     assert extract_program("print(2)") == "print(2)"  # no fence: the whole response
+    # as verl's prime_code, <think> is not removed: a block inside it is the program when it is the last one
+    assert extract_program("<think>```python\nprint(3)\n```</think>The answer is above.") == "\nprint(3)\n"
+
+
+def test_a_program_inside_think_scores_as_in_verl():
+    """verl's prime_code scores the last python block wherever it is: 1.0 for a right program in <think>."""
+    response = "<think>Let me write it.\n```python\n" + ADD_PROGRAM + "```\n</think>\nDone."
+    assert compute_score(response, ADD, **FAST)["score"] == 1.0
+    assert routed_score("apps", response, ADD, code=FAST)["score"] == 1.0
 
 
 def test_stdout_comparison_rules():

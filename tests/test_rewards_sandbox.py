@@ -6,6 +6,7 @@ container, not root), the test that needs it is skipped with the reason -- run_p
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import time
@@ -20,6 +21,7 @@ from portrl.rewards.sandbox import (
     run_program,
     shared_pool,
 )
+from portrl.rewards.sandbox_host import uid_lock_path
 
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
 
@@ -73,7 +75,13 @@ def _descendants(pid: int) -> list[int]:
 def _no_leftovers(result: RunResult) -> None:
     assert live_processes(pgid=result.pid) == []
     if result.uid_dropped:
-        assert live_processes(uid=result.details["uid"]) == []
+        # the run released its uid: a sandbox run of another test process may hold it now, so wait for its lock
+        fd = os.open(uid_lock_path(result.details["uid"]), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            assert live_processes(uid=result.details["uid"]) == []
+        finally:
+            os.close(fd)
 
 
 def test_correct_program_reads_stdin_and_prints():

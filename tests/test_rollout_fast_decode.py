@@ -131,3 +131,18 @@ def test_prepacked_decode_linears_sample_the_same_tokens():
     used.clear()
     assert fast.generate(prompts, short).response_ids == slow.generate(prompts, short).response_ids
     assert not used  # too few steps for the packing to pay
+
+
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["fast", "hf"])
+def test_decode_loops_note_the_token_they_reached(fast_decode, monkeypatch):
+    """Both decode loops tell the console's open phase how far they got (portrl/progress.py: ``gen token 16/40``)."""
+    from portrl import progress
+    from portrl.rollout import SamplingParams, make_engine
+
+    seen = []
+    monkeypatch.setattr("portrl.rollout.fast_decode.note" if fast_decode else "portrl.rollout.hf_engine.note",
+                        seen.append)
+    engine = make_engine("hf", model=_qwen2(vocab=48), backend="cpu", fast_decode=fast_decode)
+    with progress.activity("gen"):
+        engine.generate([[5, 6, 7]], SamplingParams(n=1, max_new_tokens=40, seed=0, stop_token_ids=()))
+    assert seen[:2] == ["token 0/40", "token 16/40"]

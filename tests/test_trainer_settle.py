@@ -67,3 +67,14 @@ def test_one_task_list():
         get_task("nope")
     with pytest.raises(UserError, match="unknown task"):
         preprocess("nope", "out")
+
+
+def test_generated_files_are_keyed_by_their_own_generators_version(monkeypatch, tmp_path):
+    """A changed word-problem generator rebuilds its cached files; arith's version does not key them."""
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    c = compose(overrides=["device=cpu", "data=wordprob"])
+    before = generated_files(c)[0]
+    monkeypatch.setattr("portrl.data.arith.GENERATOR_VERSION", 99)
+    assert generated_files(c)[0] == before
+    monkeypatch.setattr("portrl.data.wordprob.GENERATOR_VERSION", 99)
+    assert generated_files(c)[0] != before

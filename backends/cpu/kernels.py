@@ -1,6 +1,6 @@
 """CPU kernels for portrl.ops: varlen attention through torch SDPA and eager (block-diagonal mask), and
-decode-loop linears: an AVX-512 kernel on the weights as they are (backends/cpu/rows_linear.cpp) or MKL-packed
-weights.
+decode-loop linears: an AVX-512 or AVX2 + FMA kernel on the weights as they are (backends/cpu/rows_linear.cpp; the
+variant is chosen by backends/cpu/isa.py) or MKL-packed weights.
 
 Both are plain torch and run on any device; the cuda and rocm backends reuse ``attention_varlen_sdpa``
 as their fallback for dtypes flash-attention does not compute (float32).
@@ -8,12 +8,10 @@ as their fallback for dtypes flash-attention does not compute (float32).
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn.functional as F
 
-from portrl.backends.cpu import native_build
+from portrl.backends.cpu import isa, native_build
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
@@ -139,37 +137,40 @@ ROWS_MAX = 64
 
 def native_kernels_available() -> bool | str:
     """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp) can run here: True on an x86-64 CPU
-    with AVX-512 (torch's CPU capability) and a C++ compiler, else the reason."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"needs an x86-64 CPU (this one: {platform.machine()})"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        return f"needs AVX-512 (torch reports this CPU as {capability})"
-    if native_build.compiler() is None:
-        return "needs a C++ compiler to build backends/cpu/*.cpp once (install g++ or set CXX)"
-    return True
+    with AVX-512 or AVX2 + FMA (capped by torch's CPU capability, forced by ``PORTRL_CPU_ISA``: backends/cpu/isa.py)
+    and a C++ compiler, else the reason. Raises :class:`~portrl.errors.UserError` for a bad ``PORTRL_CPU_ISA``."""
+    choice = isa.chosen()
+    return True if choice.variant else choice.reason
 
 
-def linear_prepacked_rows(weight, bias=None, rows=None):
+def rows_op(variant: str):
+    """``torch.ops.portrl_cpu_rows_<variant>.rows_linear`` (its library loaded by the caller)."""
+    return getattr(torch.ops, native_build.ops_namespace("rows_linear", variant)).rows_linear
+
+
+def linear_prepacked_rows(weight, bias=None, rows=None, variant=None):
     """``x -> x @ cat(weight)^T + bias`` reading each weight where it is, once per call (backends/cpu/rows_linear.cpp).
 
     A decode step multiplies a few rows by every weight, so it is bound by reading the weights (up to ~16 rows,
-    then by FLOPs). The kernel computes tiles of 3 output columns times 8 rows straight from the row-major
-    weights, so nothing is copied: no packed layout, and fused projections (``weight`` a sequence: q/k/v,
+    then by FLOPs). The kernel computes tiles of 3 output columns times 8 rows (AVX-512; 4 on AVX2) straight from
+    the row-major weights, so nothing is copied: no packed layout, and fused projections (``weight`` a sequence: q/k/v,
     gate/up) are not concatenated. At 16 rows, Qwen2.5-0.5B's matrices on 2 threads read at ~16.7 GB/s
     against ~7 GB/s for the plain matmul; at 32 rows two of its layers take 11.8 ms against F.linear's 24.0
     (the benchmarks' medium model: 7.4 vs 13.5, MKL packed 13.2). For ``rows`` (the decode's row count) up to
     ``ROWS_MAX``; fewer rows (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` per
     part, outputs concatenated. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
-    Results equal ``F.linear`` up to float32 summation order.
+    Results equal ``F.linear`` up to float32 summation order. ``variant`` (``avx512`` / ``avx2``): that build of the
+    kernel, which this CPU must run (tests and benchmarks); None: the one backends/cpu/isa.py chooses.
 
     The library is built on first use (~10 s, cached across processes: backends/cpu/native_build.py); if it
     cannot be built, one warning and MKL's packed linear serves instead.
     """
     parts = linear_weight_parts(weight)
+    variant = variant or isa.chosen().variant
     if (rows is None or rows > ROWS_MAX or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in parts)
-            or not native_build.try_load("rows_linear")):
+            or variant is None or not native_build.try_load("rows_linear", variant)):
         return linear_prepacked_mkl(parts, bias, rows)
+    op = rows_op(variant)
     parts = [p.detach().contiguous() for p in parts]
     b = bias.detach().contiguous() if bias is not None else None
     n = sum(p.shape[0] for p in parts)
@@ -182,13 +183,15 @@ def linear_prepacked_rows(weight, bias=None, rows=None):
             # a prefill: concatenating its outputs moves far less than concatenating the weights
             y = torch.cat([F.linear(x, p) for p in parts], dim=-1)
             return y.add_(b) if b is not None else y
-        return torch.ops.portrl_cpu_rows.rows_linear(flat, parts, b).view(*x.shape[:-1], n)
+        return op(flat, parts, b).view(*x.shape[:-1], n)
 
     return apply
 
 
 def register(registry: KernelRegistry) -> None:
-    """Register the CPU implementations into the ops registry (``portrl.ops.registry``)."""
+    """Register the CPU implementations into the ops registry (``portrl.ops.registry``). A bad ``PORTRL_CPU_ISA`` is
+    a :class:`~portrl.errors.UserError` here, once, not an availability probe that quietly fails."""
+    isa.setting()
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)
     registry.register("attention_varlen", "eager", attention_varlen_eager)
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)

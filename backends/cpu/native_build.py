@@ -1,10 +1,14 @@
 """Build a C++ source of this folder into a library of torch ops, once per machine, and load it.
 
 The source is compiled by the host's C++ compiler (``$CXX``, else ``g++`` or ``c++``) against the running
-torch's headers and libraries, for this CPU (``-march=native``) with OpenMP (torch's ``at::parallel_for``
+torch's headers and libraries, with OpenMP, for an instruction-set variant (:data:`ISA_FLAGS`: ``avx512`` for this
+CPU, ``-march=native``; ``avx2``, ``-mavx2 -mfma``, which any AVX2 + FMA CPU runs; none, the plain library, for this
+CPU; backends/cpu/isa.py chooses which runs). Each variant is its own library, cached under its own name, and its
+ops are registered in their own namespace (``portrl_cpu_rows_avx2``...), so both variants load into one process
+(the tests and benchmarks/rows_kernel_isa.py compare them). OpenMP:  (torch's ``at::parallel_for``
 then runs on torch's own intra-op threads: the library's ``libgomp.so.1`` is the one torch already loaded).
 The library is cached in :func:`cache_root` (default ``~/.cache/portrl/kernels``) under a name hashed
-from the source, the flags, torch's version and the CPU's model and flags, so later processes (Ray workers,
+from the source, the variant's flags, torch's version and the CPU's model and flags, so later processes (Ray workers,
 the next run) load it in milliseconds, and a cache folder shared with a different CPU never serves a library
 built for another instruction set. It is compiled to a temporary name and renamed: a concurrent or
 interrupted build never leaves a half-written library under the final name.
@@ -20,19 +24,23 @@ without the sticky bit, is refused: no library is built or loaded there, and the
 with one warning that names the folder and the fix (``chmod go-w``, or ``PORTRL_KERNEL_CACHE`` elsewhere).
 Building elsewhere instead would cost every process its own ~10 s build, unannounced.
 
-Compiling takes about 10 s on 2 cores. :class:`KernelBuildError` (with the compiler's last lines) is raised
-when there is no compiler, the build fails or the cache folder is refused; callers fall back to another
-implementation.
+The C++ standard is the one the installed torch builds its own extensions with (:func:`cxx_standard`, read from
+``torch.utils.cpp_extension``: ``-std=c++20`` on torch 2.13 and later), so a torch whose headers need a newer
+standard does not meet flags written for an older one. Compiling takes about 10 s on 2 cores.
+:class:`KernelBuildError` (one line: the compiler's first error) is raised when there is no compiler, the build
+fails or the cache folder is refused; :func:`try_load` turns it into one warning that names the reason and what
+serves instead (the whole compiler output is logged at DEBUG level only).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import json
 import logging
 import os
-import shutil
+import re
 import stat
 import subprocess
 import tempfile
@@ -41,10 +49,25 @@ from pathlib import Path
 
 import torch
 
+from .toolchain import compiler  # one finder for the build and the doctor (which must not import torch)
+
 SOURCE_DIR = Path(__file__).resolve().parent
-# CPU_CAPABILITY_AVX512: at::vec::Vectorized<float> is 16 lanes wide and its exp is Sleef's (in libtorch_cpu)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w", "-DCPU_CAPABILITY_AVX512",
-         "-DCPU_CAPABILITY=AVX512")
+# Not here: the -std flag (the installed torch's: cxx_standard, in flags()) and the instruction set (ISA_FLAGS).
+# -Wfatal-errors: a build that cannot work (headers that need a newer standard) stops at its first error, at once
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-w", "-Wfatal-errors")
+#: the instruction-set flags of each variant (None: a library with no variant, for this CPU: the counting allocator;
+#: a kernel source built so registers its ops in the plain namespace, portrl_cpu_swiglu). CPU_CAPABILITY_*:
+#: at::vec::Vectorized<float> is 16 (AVX512) or 8 (AVX2) lanes wide, its exp Sleef's (in libtorch_cpu);
+#: PORTRL_ISA names the variant's op namespace (portrl_cpu_rows_avx2...). The AVX2 variant is not -march=native:
+#: it builds and runs on an AVX-512 CPU too, so such a host tests it.
+ISA_FLAGS: dict[str | None, tuple[str, ...]] = {
+    None: ("-march=native",),
+    "avx512": ("-march=native", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-DPORTRL_ISA=avx512"),
+    "avx2": ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-DPORTRL_ISA=avx2")}
+#: what serves when a library cannot be built, for the one warning of try_load
+FALLBACKS = {"rows_linear": "the decode linear takes MKL's packed matmul",
+             "swiglu": "SwiGLU takes torch's ops",
+             "counting_allocator": "no per-phase tensor memory (memory/peak_gib) is logged"}
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -57,14 +80,40 @@ class KernelBuildError(RuntimeError):
     """A native kernel library could not be built or loaded here."""
 
 
-def compiler() -> str | None:
-    """Path of the C++ compiler to use: ``$CXX`` if set (and found), else ``g++`` or ``c++``; None when none."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+def cxx_standard() -> str | None:
+    """The C++ standard (``"c++20"``) the installed torch's ``torch.utils.cpp_extension`` compiles extensions with:
+    the newest ``-std=c++NN`` its source passes (torch states it there, not in an API), so the flags follow the
+    torch the headers come from. None when its source cannot be read or names none: the compiler's default."""
+    found = re.findall(r"-std=c\+\+(\d+)\b", _cpp_extension_source() or "")
+    return f"c++{max(found, key=int)}" if found else None
+
+
+def _cpp_extension_source() -> str | None:
+    """The text of ``torch/utils/cpp_extension.py``, read without importing it (that takes ~0.3 s: setuptools)."""
+    spec = importlib.util.find_spec("torch.utils.cpp_extension")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        return Path(spec.origin).read_text()
+    except (OSError, UnicodeDecodeError):  # installed without its .py sources
+        return None
+
+
+def flags(variant: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a library of ``variant`` (:data:`ISA_FLAGS`): :data:`FLAGS`, the variant's and torch's
+    C++ standard (:func:`cxx_standard`)."""
+    std = cxx_standard()
+    return (*FLAGS, *ISA_FLAGS[variant], *((f"-std={std}",) if std else ()))
+
+
+def ops_namespace(name: str, variant: str) -> str:
+    """The torch.ops namespace of library ``name``'s ``variant``: ``portrl_cpu_rows_avx2`` for rows_linear."""
+    return {"rows_linear": "portrl_cpu_rows", "swiglu": "portrl_cpu_swiglu"}[name] + f"_{variant}"
+
+
+def _key(name: str, variant: str | None) -> str:
+    """How ``_loaded`` / ``_failed`` name a library's variant (and how a warning does): ``rows_linear[avx2]``."""
+    return f"{name}[{variant}]" if variant else name
 
 
 def cache_root() -> Path:
@@ -83,22 +132,36 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
-def _command(cxx: str, source: Path, output: Path) -> list[str]:
+def _command(cxx: str, source: Path, output: Path, variant: str | None = None) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [cxx, *flags(variant), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", str(output),
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
 
 
-def library_path(name: str) -> Path:
-    """Where ``name``'s library for this source, torch and CPU is (or will be) cached."""
+def first_error(output: str) -> str:
+    """The line of a compiler's ``output`` that says what went wrong, folders cut from its file name: its first
+    ``#error`` line (a header's stated requirement), else its first ``error`` line, else its last line; "no output"
+    when it printed nothing."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    if not lines:
+        return "no output"
+    errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)]
+    line = next((ln for ln in errors if "#error" in ln), errors[0] if errors else lines[-1])
+    line = re.sub(r"^\S*/", "", line)  # /long/path/ATen.h:5:2: error: ... -> ATen.h:5:2: error: ...
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def library_path(name: str, variant: str | None = None) -> Path:
+    """Where ``name``'s library of ``variant`` for this source, torch and CPU is (or will be) cached
+    (``rows_linear-avx2-<hash>.so``; ``<name>-<hash>.so`` without a variant)."""
     cxx = compiler() or ""
     source = SOURCE_DIR / f"{name}.cpp"
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(FLAGS), torch.__version__, cxx,
+    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags(variant)), torch.__version__, cxx,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
-    return cache_root() / f"{name}-{key}.so"
+    return cache_root() / (f"{name}-{variant}-{key}.so" if variant else f"{name}-{key}.so")
 
 
 def manifest_path(library: Path) -> Path:
@@ -106,43 +169,51 @@ def manifest_path(library: Path) -> Path:
     return library.with_name(library.name + ".json")
 
 
-def load(name: str) -> Path:
-    """Build (unless a library its manifest vouches for is cached) and load ``backends/cpu/{name}.cpp``'s ops into
-    this process; idempotent. Returns the library's path. Raises :class:`KernelBuildError` when it cannot be
-    built or loaded, or the cache folder is refused (:func:`folder_problem`)."""
+def load(name: str, variant: str | None = None) -> Path:
+    """Build (unless a library its manifest vouches for is cached) and load ``backends/cpu/{name}.cpp``'s ops, of
+    the instruction-set ``variant`` (:data:`ISA_FLAGS`), into this process; idempotent. Returns the library's
+    path. Raises :class:`KernelBuildError` when it cannot be built or loaded, or the cache folder is refused
+    (:func:`folder_problem`). The caller checks that this CPU runs ``variant`` (backends/cpu/isa.py)."""
     with _lock:
-        if name in _loaded:
-            return _loaded[name]
+        if _key(name, variant) in _loaded:
+            return _loaded[_key(name, variant)]
         cxx = compiler()
         if cxx is None:
             raise KernelBuildError("no C++ compiler found (install g++ or set CXX)")
-        path = library_path(name)
+        path = library_path(name, variant)
         _private_folder(path.parent)
         fd = _open_vouched(path)
         if fd is None:
-            fd = _build(cxx, SOURCE_DIR / f"{name}.cpp", path)
+            fd = _build(cxx, SOURCE_DIR / f"{name}.cpp", path, variant)
         try:
             _load_open(fd, path)
         except BaseException:
             os.close(fd)
             raise
-        _held[name] = fd  # kept open: see _load_open
-        _loaded[name] = path
+        _held[_key(name, variant)] = fd  # kept open: see _load_open
+        _loaded[_key(name, variant)] = path
         return path
 
 
-def try_load(name: str) -> bool:
+def try_load(name: str, variant: str | None = None) -> bool:
     """:func:`load`, or False when the library cannot be built or loaded here: the first failure per library is
-    one warning (the reason, and that the callers fall back), later calls return False at once."""
-    if name in _failed:
+    one line (the reason, and what serves instead), later calls return False at once. It is a warning, unless an
+    earlier library of this process failed for the same reason (no compiler, a compiler that fails alike): then
+    it is an info line, so one cause warns once."""
+    key = _key(name, variant)
+    if key in _failed:
         return False
     try:
-        load(name)
+        load(name, variant)
         return True
     except KernelBuildError as exc:
-        _failed[name] = str(exc)
-        log.warning("the native CPU kernels of backends/cpu/%s.cpp are off (%s); the next implementation serves "
-                    "instead", name, exc)
+        reason = " ".join(str(exc).split())  # one line, whatever the message holds
+        cause = reason.replace(f"{name}.cpp", "*.cpp")
+        seen = any(r.replace(f"{k.split('[')[0]}.cpp", "*.cpp") == cause for k, r in _failed.items())
+        _failed[key] = reason
+        log.log(logging.INFO if seen else logging.WARNING, "the native CPU kernels of backends/cpu/%s.cpp are off "
+                "(%s); instead, %s", name, "the same reason" if seen else reason,
+                FALLBACKS.get(name, "the next implementation serves"))
         return False
 
 
@@ -267,17 +338,22 @@ def _load_open(fd: int, path: Path) -> None:
     torch.ops.loaded_libraries.add(str(path))
 
 
-def _build(cxx: str, source: Path, path: Path) -> int:
+def _build(cxx: str, source: Path, path: Path, variant: str | None = None) -> int:
     """Compile ``source`` to ``path`` and record its sha256 in the manifest beside it. Returns a descriptor open
     on the bytes built (the caller closes it)."""
     _private_folder(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run(_command(cxx, source, Path(tmp)), capture_output=True, text=True, timeout=600)
+        # no variant: the 3-argument call (tests/test_native_cache_trust.py's fake compiler command takes those)
+        command = _command(cxx, source, Path(tmp), variant) if variant else _command(cxx, source, Path(tmp))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
-            raise KernelBuildError(f"building {source.name} failed (exit {done.returncode}):\n{tail}")
+            output = (done.stderr or done.stdout or "").strip()
+            log.debug("%s\n%s", " ".join(command), output)
+            std = next((f for f in command if f.startswith("-std=")), "the compiler's default standard")
+            raise KernelBuildError(f"building {source.name} failed ({Path(cxx).name} {std}, exit "
+                                   f"{done.returncode}): {first_error(output)}")
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.fchmod(fd, 0o755)  # the linker's mode follows the umask: no one else may write what is loaded

@@ -1,18 +1,20 @@
-// Decode-step linears for x86 CPUs with AVX-512, on the weights as they are: y = x [W_1; W_2; ...]^T + b for a
-// few rows x, each weight row-major (out_features, in_features) and read once, with no packed copy.
+// Decode-step linears for x86 CPUs with AVX-512 or AVX2 + FMA, on the weights as they are: y = x [W_1; W_2; ...]^T + b
+// for a few rows x, each weight row-major (out_features, in_features) and read once, with no packed copy.
 //
-// Registered as torch ops (torch.ops.portrl_cpu_rows.*); built and loaded by backends/cpu/native_build.py and
-// used by backends/cpu/kernels.py (linear_prepacked "rows").
+// Registered as torch ops (torch.ops.portrl_cpu_rows_<isa>.*, <isa> = PORTRL_ISA: avx512 or avx2, so both variants
+// can be loaded in one process); built per variant by backends/cpu/native_build.py (AVX-512: -march=native on a
+// CPU with it; AVX2: -mavx2 -mfma, which any AVX2 + FMA CPU runs) and chosen by backends/cpu/isa.py.
 //
 // Tiling: the output columns are cut into tiles of NT = 3 weight rows (3 contiguous streams of K floats). For
-// each tile and each block of up to RB = 8 input rows, RB x NT accumulators (24 zmm registers) take
-// acc[r][n] += x[r][k:k+16] * W[n][k:k+16] for k = 0, 16, ..., K (the last chunk masked), then each is summed
-// across its 16 lanes. Per 16 k: NT weight loads, RB input loads, RB x NT FMAs, so the FMA units, not the loads,
-// set the pace. The first row block reads the tile from memory; the next blocks find it in L1/L2 (3 x K floats:
-// 10.5 KiB at K = 896, 57 KiB at K = 4864). The next tile is prefetched into L2 while the current one computes,
-// so that the memory stream does not wait on the compute of the later row blocks. Tiles are split across
-// torch's intra-op threads. Each output is one dot product summed by 16 lanes then across them: equal to
-// F.linear up to float32 summation order.
+// each tile and each block of up to RB input rows, RB x NT accumulators take acc[r][n] += x[r][k:k+L] * W[n][k:k+L]
+// for k = 0, L, ..., K (the last chunk masked), then each is summed across its L lanes. AVX-512: L = 16 lanes,
+// RB = 8 (24 of the 32 zmm registers accumulate); AVX2: L = 8, RB = 4 (12 of the 16 ymm registers accumulate, 3
+// hold the weights, the input is an FMA memory operand). Per chunk: NT weight loads, RB input loads, RB x NT FMAs,
+// so the FMA units, not the loads, set the pace. The first row block reads the tile from memory; the next blocks
+// find it in L1/L2 (3 x K floats: 10.5 KiB at K = 896, 57 KiB at K = 4864). The next tile is prefetched into L2
+// while the current one computes, so that the memory stream does not wait on the compute of the later row blocks.
+// Tiles are split across torch's intra-op threads. Each output is one dot product summed by L lanes then across
+// them: equal to F.linear up to float32 summation order.
 //
 // Against the packed-panel kernel it replaced (a copy of every weight in a k-major panel layout, made once per
 // generate call): Qwen2.5-0.5B's decode linears at 16 rows on 2 Zen 4 threads read at 16.7 GB/s against its
@@ -31,33 +33,65 @@
 
 namespace {
 
+
 constexpr int NT = 3;
-constexpr int RB = 8;
 constexpr int64_t LINE = 16;  // floats per 64-byte cache line
 
-template <int N, int R>
-inline void step(const float* __restrict x, int64_t K, const float* __restrict w, int64_t k, __mmask16 m,
-                 __m512 (&acc)[R][N]) {
-  __m512 wv[N];
+#if defined(__AVX512F__)
+constexpr int RB = 8;
+constexpr int64_t LANES = 16;
+using Vec = __m512;
+using Mask = __mmask16;
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Mask tail_mask(int64_t rem) { return static_cast<Mask>((1u << rem) - 1); }
+inline Vec load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec madd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int RB = 4;
+constexpr int64_t LANES = 8;
+using Vec = __m256;
+using Mask = __m256i;
+alignas(32) constexpr int32_t MASKS[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Mask tail_mask(int64_t rem) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(MASKS + 8 - rem)); }
+inline Vec load(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec madd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#error "rows_linear.cpp needs AVX-512F, or AVX2 and FMA (-mavx2 -mfma)"
+#endif
+
+template <int N, int R, bool Tail>
+inline void step(const float* __restrict x, int64_t K, const float* __restrict w, int64_t k, Mask m,
+                 Vec (&acc)[R][N]) {
+  // the full chunks take plain loads (which the compiler may fold into the FMA), only the last one masked loads
+  Vec wv[N];
 #pragma GCC unroll 3
-  for (int n = 0; n < N; ++n) wv[n] = _mm512_maskz_loadu_ps(m, w + n * K + k);
+  for (int n = 0; n < N; ++n) wv[n] = Tail ? load(w + n * K + k, m) : load(w + n * K + k);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + k);
+    const Vec xv = Tail ? load(x + r * K + k, m) : load(x + r * K + k);
 #pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_fmadd_ps(xv, wv[n], acc[r][n]);
+    for (int n = 0; n < N; ++n) acc[r][n] = madd(xv, wv[n], acc[r][n]);
   }
 }
 
 template <int N, int R>
 void tile(const float* __restrict x, int64_t K, const float* __restrict w, const float* __restrict next,
           int64_t next_lines, const float* __restrict bias, float* __restrict out, int64_t ldo) {
-  __m512 acc[R][N];
+  Vec acc[R][N];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
-  const int64_t full = K / LINE;
+    for (int n = 0; n < N; ++n) acc[r][n] = zero();
+  const int64_t full = K / LANES;
   // the next tile's lines, spread evenly over this pass: one prefetch every `every` chunks
   const int64_t every = next_lines > 0 ? std::max<int64_t>(1, full / next_lines) : full + 1;
   int64_t prefetched = 0;
@@ -67,15 +101,15 @@ void tile(const float* __restrict x, int64_t K, const float* __restrict w, const
       ++prefetched;
       due += every;
     }
-    step<N, R>(x, K, w, c * LINE, static_cast<__mmask16>(0xFFFF), acc);
+    step<N, R, false>(x, K, w, c * LANES, Mask{}, acc);  // no mask: full chunks
   }
   for (; prefetched < next_lines; ++prefetched)
     _mm_prefetch(reinterpret_cast<const char*>(next + prefetched * LINE), _MM_HINT_T1);
-  if (K % LINE) step<N, R>(x, K, w, full * LINE, static_cast<__mmask16>((1u << (K % LINE)) - 1), acc);
+  if (K % LANES) step<N, R, true>(x, K, w, full * LANES, tail_mask(K % LANES), acc);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + (bias ? bias[n] : 0.0f);
+    for (int n = 0; n < N; ++n) out[r * ldo + n] = sum(acc[r][n]) + (bias ? bias[n] : 0.0f);
   }
 }
 
@@ -104,10 +138,8 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
-}  // namespace
-
 // x (M, K) times the weights stacked along out features (each (N_i, K)), plus bias (sum N_i) if given
-// -> (M, sum N_i).
+// -> (M, sum N_i). In this file's anonymous namespace, as everything: the two variants' libraries share no symbol.
 at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "rows_linear: x must be 2-D (rows, in_features)");
   TORCH_CHECK(!weights.empty(), "rows_linear: no weights");
@@ -159,10 +191,24 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   return out;
 }
 
-TORCH_LIBRARY(portrl_cpu_rows, m) {
+}  // namespace
+
+// The namespace portrl_cpu_rows_<PORTRL_ISA>: the macros below expand PORTRL_ISA before TORCH_LIBRARY pastes
+// it. Built with no PORTRL_ISA (native_build.load(name): this CPU's flags, no variant), it is portrl_cpu_rows.
+#define PORTRL_CAT_(a, b) a##_##b
+#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
+#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+#ifdef PORTRL_ISA
+#define PORTRL_NS PORTRL_CAT(portrl_cpu_rows, PORTRL_ISA)
+#else
+#define PORTRL_NS portrl_cpu_rows
+#endif
+
+PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def("rows_linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(portrl_cpu_rows, CPU, m) {
+PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) {
   m.impl("rows_linear", &rows_linear);
 }

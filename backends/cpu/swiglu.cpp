@@ -1,9 +1,11 @@
 // SwiGLU on the CPU in one pass each way: out = silu(g) * u, and its gradients, for float32 rows.
 //
-// Registered as torch ops (torch.ops.portrl_cpu_swiglu.*); built by backends/cpu/native_build.py, used by
-// backends/cpu/swiglu.py (op swiglu, implementation "fused"). torch computes silu(g) * u as two ops (two
-// outputs written) and its backward as three (silu_backward and two products): five passes over tensors of
-// tokens x intermediate size where one forward and one backward pass suffice.
+// Registered as torch ops (torch.ops.portrl_cpu_swiglu_<isa>.*, <isa> = PORTRL_ISA: avx512 or avx2, whose
+// at::vec::Vectorized<float> is 16 or 8 lanes: CPU_CAPABILITY_AVX512 / _AVX2); built per variant by
+// backends/cpu/native_build.py, chosen by backends/cpu/isa.py, used by backends/cpu/swiglu.py (op swiglu,
+// implementation "fused"). torch computes silu(g) * u as two ops (two outputs written) and its backward as three
+// (silu_backward and two products): five passes over tensors of tokens x intermediate size where one forward and
+// one backward pass suffice.
 //
 //   s = sigmoid(g) = 1 / (1 + exp(-g))
 //   out = g * s * u
@@ -40,8 +42,6 @@ void for_rows(int64_t rows, int64_t width, const Fn& fn) {
     for (int64_t r = r0; r < r1; ++r) fn(r);
   });
 }
-
-}  // namespace
 
 at::Tensor swiglu_forward(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.dim() == 2, "swiglu: gate must be 2-D (rows, width)");
@@ -107,12 +107,26 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, c
   return {dgate, dup};
 }
 
-TORCH_LIBRARY(portrl_cpu_swiglu, m) {
+}  // namespace (everything: the two variants' libraries share no symbol)
+
+// The namespace portrl_cpu_swiglu_<PORTRL_ISA>: the macros below expand PORTRL_ISA before TORCH_LIBRARY pastes
+// it. Built with no PORTRL_ISA (native_build.load(name): this CPU's flags, no variant), it is portrl_cpu_swiglu.
+#define PORTRL_CAT_(a, b) a##_##b
+#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
+#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+#ifdef PORTRL_ISA
+#define PORTRL_NS PORTRL_CAT(portrl_cpu_swiglu, PORTRL_ISA)
+#else
+#define PORTRL_NS portrl_cpu_swiglu
+#endif
+
+PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def("forward(Tensor gate, Tensor up) -> Tensor");
   m.def("backward(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(portrl_cpu_swiglu, CPU, m) {
+PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) {
   m.impl("forward", &swiglu_forward);
   m.impl("backward", &swiglu_backward);
 }

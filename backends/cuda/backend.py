@@ -13,6 +13,7 @@ the device properties, which initialises CUDA, so they are called at run time, n
 
 from __future__ import annotations
 
+import glob
 import os
 import warnings
 from types import ModuleType
@@ -21,8 +22,17 @@ from typing import ClassVar, Sequence
 from portrl.backends.cuda import env as env_tables
 from portrl.device.backend import Backend, CompatRow, KernelRegistry, ProbeResult, module_available, package_version
 
-# the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as the README spells it;
+# the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as docs/backends/nvidia.md spells it;
 # it ends the message, so that it can be copied as it stands (tests/test_cli_errors.py checks the pin)
+NVIDIA_NODES = "/dev/nvidia[0-9]*"  # one per GPU (nvidiactl, nvidia-uvm are not GPUs)
+WSL_GPU_NODE = "/dev/dxg"  # WSL 2's GPU paravirtualisation: CUDA (and ROCm) without vendor device nodes
+
+
+def nvidia_devices(pattern: str = NVIDIA_NODES) -> list[str]:
+    """NVIDIA GPU device nodes on this host (``/dev/nvidia0`` ...; ``nvidiactl``, ``nvidia-uvm`` are not GPUs)."""
+    return sorted(p for p in glob.glob(pattern) if p[len("/dev/nvidia"):].isdigit())
+
+
 TORCH_CUDA_INSTALL = ('of one compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3): '
                       'pip install "torch==2.8.0" --index-url https://download.pytorch.org/whl/cu128')
 VLLM_INSTALL = 'pip install -e ".[cuda]"'  # in the portrl checkout: flash-attn, vLLM
@@ -56,7 +66,20 @@ class CUDABackend(Backend):
     )
 
     # --- probe ----------------------------------------------------------------------------------
+    def host_shows_device(self) -> tuple[bool | None, str]:
+        """A host with an NVIDIA GPU has its device nodes, ``/dev/nvidia<N>`` (in a container: passed by the NVIDIA
+        container runtime); WSL 2 reaches the GPU through ``/dev/dxg`` instead, where nodes tell nothing."""
+        if nvidia_devices():
+            return True, ""
+        if os.path.exists(WSL_GPU_NODE) or not os.path.isdir("/dev"):
+            return None, ""
+        return False, ("no /dev/nvidia<N> device nodes: no NVIDIA driver on this host, or a container started "
+                       "without its GPUs (docker run --gpus all)")
+
     def probe(self) -> ProbeResult:
+        absent = self.no_device_here()  # no device: say so, not how to install a CUDA build of torch
+        if absent is not None:
+            return absent
         versions = self.installed_versions()
         if not module_available("torch"):
             return ProbeResult(False, f"torch is not installed; install a CUDA build {TORCH_CUDA_INSTALL}", versions=versions)

@@ -7,8 +7,8 @@ CANN must be sourced (``set_env.sh``) before torch_npu can load. bf16 on 910B / 
 generation 910 (910A) computes fp16 only. torch_npu declares a ``torch.backends`` entry point, so
 ``import torch`` imports torch_npu when it is installed, unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
 
-:meth:`probe` checks package metadata, the torch/torch_npu pairing, the CANN environment and the
-``/dev/davinci*`` device nodes before it imports torch_npu, then counts devices with
+:meth:`probe` checks the ``/dev/davinci*`` device nodes (none: this host has no NPU, whatever is installed),
+then package metadata, the torch/torch_npu pairing and the CANN environment before it imports torch_npu, then counts devices with
 ``torch.npu.device_count()``. That torch_npu's import and device count leave the device
 uninitialised is the vendor's documented behaviour of a lazy init that only hardware confirms.
 """
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch and checks.py are imported where they are used
 
     from portrl.device.checks import Check
 
-# one compatibility row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0), as the README installs it (in the
+# one compatibility row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0), as docs/backends/ascend.md installs it (in the
 # portrl checkout); it ends the message, so that it can be copied as it stands
 NPU_INSTALL = ('install one row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0) from the portrl checkout: '
                'pip install "torch==2.10.0" --index-url https://download.pytorch.org/whl/cpu && pip install -e ".[npu]"')
@@ -76,7 +76,17 @@ class NPUBackend(Backend):
         return versions
 
     # --- probe ----------------------------------------------------------------------------------
+    def host_shows_device(self) -> tuple[bool | None, str]:
+        """An Ascend host has its device nodes, ``/dev/davinci<N>`` (in a container: passed with ``--device``)."""
+        if davinci_devices():
+            return True, ""
+        return False, ("no /dev/davinci<N> device nodes: no Ascend driver on this host, or a container started without "
+                       "--device /dev/davinciN /dev/davinci_manager /dev/devmm_svm /dev/hisi_hdc")
+
     def probe(self) -> ProbeResult:
+        absent = self.no_device_here()  # no device: say so, not how to install torch_npu
+        if absent is not None:
+            return absent
         versions = self.installed_versions()
         reason = self._static_reason(versions)
         if reason:
@@ -92,7 +102,8 @@ class NPUBackend(Backend):
         return ProbeResult(True, device_count=count, versions=versions)
 
     def _static_reason(self, versions: dict[str, str]) -> str:
-        """Why not usable, from metadata, environment and device nodes only (no import); "" when those pass."""
+        """Why not usable on a host with device nodes, from metadata and environment only (no import); "" when those
+        pass."""
         if not module_available("torch"):
             return "torch is not installed; " + NPU_INSTALL
         npu = versions.get("torch-npu")
@@ -103,9 +114,6 @@ class NPUBackend(Backend):
             return mismatch
         if not cann_home():
             return f"CANN environment not loaded (ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH unset); run: {CANN_SET_ENV}"
-        if not davinci_devices():
-            return ("no Ascend device: /dev/davinci* missing (driver not installed, or the container lacks "
-                    "--device /dev/davinciN /dev/davinci_manager /dev/devmm_svm /dev/hisi_hdc)")
         return ""
 
     # --- device and memory ----------------------------------------------------------------------

@@ -18,14 +18,14 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from portrl.backends.cuda.backend import CUDABackend
+from portrl.backends.cuda.backend import WSL_GPU_NODE, CUDABackend
 from portrl.backends.rocm import env as env_tables
 from portrl.device.backend import CompatRow, KernelRegistry, ProbeResult, module_available, package_version
 
 if TYPE_CHECKING:  # checks.py is imported where a check is made
     from portrl.device.checks import Check
 
-# the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as the README spells it
+# the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as docs/backends/amd.md spells it
 TORCH_ROCM_INSTALL = ('of one compatibility row (torch 2.9.0, ROCm 6.4): '
                       'pip install "torch==2.9.0" --index-url https://download.pytorch.org/whl/rocm6.4')
 
@@ -37,6 +37,12 @@ def _torch_rocm(torch: str, rocm: str) -> str:
 
 
 KFD_NODES = "/sys/class/kfd/kfd/topology/nodes/*/properties"
+KFD_DEVICE = "/dev/kfd"
+
+
+def kfd_device(path: str = KFD_DEVICE) -> bool:
+    """Whether this host has the AMD GPU compute device node (``/dev/kfd``: one for all GPUs)."""
+    return os.path.exists(path)
 
 
 def fp8_dtype_for_arch(arch: str) -> str | None:
@@ -111,7 +117,20 @@ class ROCmBackend(CUDABackend):
         return versions
 
     # --- probe ----------------------------------------------------------------------------------
+    def host_shows_device(self) -> tuple[bool | None, str]:
+        """A host with an AMD GPU has the KFD device node, ``/dev/kfd`` (in a container: ``--device /dev/kfd``);
+        WSL 2 reaches the GPU through ``/dev/dxg`` instead, where nodes tell nothing."""
+        if kfd_device():
+            return True, ""
+        if os.path.exists(WSL_GPU_NODE) or not os.path.isdir("/dev"):
+            return None, ""
+        return False, ("no /dev/kfd device node: no amdgpu driver on this host, or a container started without "
+                       "--device /dev/kfd --device /dev/dri")
+
     def probe(self) -> ProbeResult:
+        absent = self.no_device_here()  # no device: say so, not how to install a ROCm build of torch
+        if absent is not None:
+            return absent
         versions = self.installed_versions()
         if not module_available("torch"):
             return ProbeResult(False, f"torch is not installed; install a ROCm build {TORCH_ROCM_INSTALL}", versions=versions)
@@ -132,8 +151,6 @@ class ROCmBackend(CUDABackend):
         if hip is not None and rocr is not None:
             return (f"no AMD GPU visible: HIP_VISIBLE_DEVICES={hip!r} and ROCR_VISIBLE_DEVICES={rocr!r} are both set "
                     "(HIP indexes the GPUs ROCR left, which can hide all); unset ROCR_VISIBLE_DEVICES")
-        if not os.path.exists("/dev/kfd"):
-            return "no AMD GPU visible: /dev/kfd is missing (amdgpu driver not loaded, or the container lacks --device /dev/kfd --device /dev/dri)"
         return f"no AMD GPU visible (HIP_VISIBLE_DEVICES={hip!r}); check rocm-smi"
 
     # --- dtypes ---------------------------------------------------------------------------------

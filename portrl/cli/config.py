@@ -1,5 +1,7 @@
 """``portrl config show [--device D] [--preset P] [--config FILE] [overrides...]``: the resolved config as YAML.
 
+After the YAML, comment lines name the keys that more than one layer set and where each value came from
+(``rollout.n: 2 (configs/algorithm/spin.yaml, keep); configs/model/tiny.yaml set 8 (held off by keep)``).
 ``portrl config list`` prints the shipped presets of each group. Overrides are ``key=value``
 (dotted keys, or ``algorithm=`` / ``data=`` / ``model=`` / ``device=`` / ``preset=`` to pick presets).
 
@@ -41,9 +43,22 @@ def run(args) -> int:
             print(f"{group}: {', '.join(list_presets(group))}")
         return 0
     opts = _options_parser().parse_intermixed_args(args.rest)  # before the import: `config show --help` stays fast
-    from portrl.config.composition import compose, to_yaml
+    from portrl.config.composition import compose, key_origins, to_yaml
 
     cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
                   overrides=opts.overrides, check=not opts.no_check)
     sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(origins_comment(key_origins(cfg)))
     return 0
+
+
+def origins_comment(origins) -> str:
+    """YAML comment lines (empty when none) naming, for each key that more than one layer set (presets, --config,
+    overrides, a derived value), where its value came from and what the others set (portrl/config/preset_layers.py
+    states the precedence)."""
+    lines = origins.describe() if origins is not None else []
+    if not lines:
+        return ""
+    head = ("# keys set by more than one layer, the value that holds first (later wins: presets device < algorithm <"
+            "\n# data < model, except a key a preset keeps; then --config; then key=value, which always wins):")
+    return "\n".join([head, *(f"#   {line}" for line in lines)]) + "\n"

@@ -58,13 +58,14 @@ def run(args) -> int:
     from portrl.device.checks import FAIL
 
     backend = resolve_backend(args.device, require_usable=False)  # an unknown name: BackendError, exit 2
+    if not args.json:  # the first line before the checks run (a package metadata scan takes a moment)
+        print(f"portrl doctor: backend {backend.name} (device type {backend.device_type!r}, "
+              f"process group {backend.dist_backend!r})", flush=True)
     checks = collect_checks(backend, all_backends())
     failed = any(c.status == FAIL for c in checks)
     if args.json:
         print(json.dumps({"backend": backend.name, "ok": not failed, "checks": [c.as_dict() for c in checks]}, indent=2))
         return 1 if failed else 0
-    print(f"portrl doctor: backend {backend.name} (device type {backend.device_type!r}, "
-          f"process group {backend.dist_backend!r})")
     for c in checks:
         line = f"{c.status:<4} {c.name}: {c.message}"
         if c.fix and c.status != "ok":

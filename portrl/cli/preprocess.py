@@ -1,4 +1,4 @@
-"""``portrl preprocess {gsm8k,math,dapo_math,arith,code,qa,geo3k}``: local raw files -> verl-schema train/test parquet.
+"""``portrl preprocess {gsm8k,math,dapo_math,arith,arith_tool,wordprob,code,qa,geo3k}``: local raw files -> verl-schema train/test parquet.
 
 Heavy modules (pyarrow, the converters) are imported when the command runs, so that ``portrl --help`` and
 ``portrl preprocess --help`` stay fast.
@@ -11,7 +11,7 @@ from portrl.tasks import TASK_NAMES  # the registry imports nothing heavy: --hel
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("task", choices=TASK_NAMES, help="dataset format of the input (arith: generated, no input; "
+    parser.add_argument("task", choices=TASK_NAMES, help="dataset format of the input (arith, arith_tool, wordprob: generated, no input; "
                         "code without --input: the small problem set shipped with portrl; qa: any rows with a "
                         "question and an answer; geo3k: hiyouga/geometry3k rows with images, problem and answer, "
                         "written as verl's multimodal parquet)")
@@ -22,8 +22,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--test-fraction", type=float, default=0.1,
                         help="share held out as test when the input has no test split (default 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (and of arith's problems)")
-    parser.add_argument("--n", type=int, help="arith, arith_tool: problems to generate, train + test (default 2000); else: raw rows read per split")
-    parser.add_argument("--difficulty", type=int, help="arith, arith_tool: level 1-10 (default 1); math: highest MATH level kept (1-5)")
+    parser.add_argument("--n", type=int, help="arith, arith_tool, wordprob: problems to generate, train + test "
+                        "(default 2000); else: raw rows read per split")
+    parser.add_argument("--difficulty", type=int, help="arith, arith_tool: level 1-10 (default 1); wordprob: +/- steps "
+                        "after the product, 1-3 (default 1); math: highest MATH level kept (1-5)")
     parser.add_argument("--data-source", help="code: the data_source written on every row (codecontests, apps, "
                         "codeforces, taco, leetcode; default: the row's, else codecontests). qa: it picks the reward "
                         "and the default instruction: qa_boxed (default; the response's last \\boxed{} must equal the "
@@ -38,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--instruction", help="qa: text appended to the question instead of the data source's "
                         "('' for none)")
     parser.add_argument("--system", help="qa: a system message put before the question (rows with one keep theirs)")
-    parser.add_argument("--sft", action="store_true", help="arith, arith_tool: also write sft_train/sft_test.parquet with a response column")
+    parser.add_argument("--sft", action="store_true", help="arith, arith_tool, wordprob: also write "
+                        "sft_train/sft_test.parquet with a response column")
     add_on_existing_argument(parser)
 
 

@@ -2,9 +2,9 @@
 
 Supervised fine-tuning on prompt / response parquet (columns ``prompt``: chat messages, ``response``:
 text, or the conversation after the prompt as chat messages, trained on its assistant messages only; `portrl
-preprocess arith --sft` and `portrl preprocess arith_tool --sft` write such files), packed, on every backend.
+preprocess arith --sft`, `arith_tool --sft` and `wordprob --sft` write such files), packed, on every backend.
 Without files and with ``data.name=arith`` (the default) it trains on generated arith rows (``arith_tool``: its
-tool-call conversations). The result is a
+tool-call conversations; ``wordprob``: worked answers). The result is a
 transformers directory (the source's config and tokenizer files, new weights: portrl.models.export), ready
 for ``portrl train model.path=DIR``. Steps, learning rate and batch size default to the warm start's
 (``model.sft_steps``, ``model.sft_lr``, ``model.sft_batch_size``) and, like the warm start, it ends early
@@ -81,6 +81,9 @@ def _check_options(opts) -> None:
 
 def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)  # --help exits
+    from portrl.device import check_cli_device
+
+    check_cli_device(opts.device, opts.overrides, preset=opts.preset, config_file=opts.config)  # before torch loads
     from portrl.models import load_causal_lm, load_tokenizer
     from portrl.models.export import export_pretrained
     from portrl.tasks import builtin_sft_task

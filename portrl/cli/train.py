@@ -60,6 +60,9 @@ def format_summary(summary: dict) -> str:
 
 def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "RL post-training."), args.rest)  # --help exits here
+    from portrl.device import check_cli_device
+
+    check_cli_device(opts.device, opts.overrides, preset=opts.preset, config_file=opts.config)  # before torch loads
     cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
     from portrl.trainer import run_training  # after the config: a config error is reported without loading these
     from portrl.trainer.preflight import TRAIN, preflight

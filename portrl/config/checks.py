@@ -37,6 +37,7 @@ from portrl.algo import critic_enabled, estimator_spec, registered
 from portrl.algo.pf_ppo import REWEIGHT_METHODS
 from portrl.algo.policy_losses_bypass import LOSS_TYPES
 from portrl.algo.rollout_correction import LEVELS, RS_LEVELS
+from portrl.config.batch_follow import batch_problem
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
 from portrl.config.checks_agent import check_multi_turn
 from portrl.config.checks_async import check_async
@@ -118,9 +119,8 @@ def check_consistency(cfg) -> list[str]:
     d, a, r = cfg.data, cfg.actor, cfg.rollout
     if d.train_batch_size < 1 or a.ppo_mini_batch_size < 1:
         problems.append("data.train_batch_size and actor.ppo_mini_batch_size must be >= 1")
-    elif d.train_batch_size % a.ppo_mini_batch_size:
-        problems.append(f"data.train_batch_size={d.train_batch_size} must be a multiple of "
-                        f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} (prompts)")
+    elif problem := batch_problem(int(d.train_batch_size), int(a.ppo_mini_batch_size)):  # the keys and valid values
+        problems.append(problem)
     if a.ppo_micro_batch_size_per_device < 1:
         problems.append("actor.ppo_micro_batch_size_per_device must be >= 1")
     if r.n < 1:
@@ -313,7 +313,8 @@ def check_env(cfg) -> list[str]:
             problems.append(f"device.env.{name} is not accepted: {undeclared}{hint}; set a variable portrl does "
                             "not know in the shell that starts portrl")
     if not problems:
-        return []
+        values = {name: str(v) for name, v in (cfg.device.env or {}).items()}
+        return [p for b in backends for p in b.env_value_problems(values)]
     if one:
         problems.append(f"device.env accepted: variables backend {backends[0].name!r} declares, "
                         f"{', '.join(sorted(accepted))}")

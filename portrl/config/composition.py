@@ -2,6 +2,9 @@
 
 Order (later wins): defaults (schema) -> device preset -> algorithm preset -> data preset ->
 model preset -> user YAML (``--config``) -> dotted overrides (``algorithm.kl_ctrl.kl_coef=0.001``).
+One exception among presets: the keys a preset lists under ``keep:`` (what the algorithm needs: SPIN's and PRIME's
+``rollout.n``) are not replaced by a later preset; the user YAML and the overrides still replace them
+(portrl/config/preset_layers.py). :func:`key_origins` tells, per key, which layers set it.
 Shorthand overrides choose presets: ``algorithm=grpo``, ``data=gsm8k``, ``model=qwen2.5-0.5b``,
 ``device=<device preset>`` or ``device=<backend name>`` (see ``portrl devices``), ``preset=<device preset>``.
 
@@ -18,7 +21,8 @@ arith) and ``portrl train model.path=~/m data.train_files=...`` gets only the sc
 for those groups. ``portrl config show`` prints what was applied (``algorithm.name``, ``model.size``).
 
 Derived defaults (applied only where neither the user YAML nor an override set the key):
-``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``.
+``rollout.tensor_model_parallel_size = device.tp_by_model_size[model.size]``; the mini-batch sizes follow a
+``data.train_batch_size`` the user set (portrl/config/batch_follow.py).
 
 :func:`explicit_keys` gives the dotted keys a composed config's user YAML and overrides set, so that a later
 step can tell a value the user asked for from a preset's (the preflight fits a preset's batch size to a small
@@ -44,9 +48,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from portrl.config.batch_follow import batch_sizes, follow_train_batch
 from portrl.config.checks import validate
 from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
 from portrl.config.options_schema import run_schema
+from portrl.config.preset_layers import Origins
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
 from portrl.user_files import ordinary_permissions
 
@@ -61,6 +67,7 @@ PATH_KEYS = (
 )
 _RESOLVERS_DONE = False
 _EXPLICIT: dict[int, tuple[weakref.ref, frozenset]] = {}  # id(config) -> (the config, keys the user set)
+_ORIGINS: dict[int, tuple[weakref.ref, Origins]] = {}  # id(config) -> (the config, the layers that set its keys)
 
 
 def _register_resolvers() -> None:
@@ -214,10 +221,12 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
         name_source = device_from if device == dev_preset else f"preset {dev_preset}"
     layers = [("device", dev_preset), ("algorithm", chosen["algorithm"]), ("data", chosen["data"]),
               ("model", chosen["model"])]
+    origins = Origins()  # which layer set each key; a preset's `keep` (portrl/config/preset_layers.py)
     for group, name in layers:
         if not name:
             continue
-        cfg = _merge(cfg, load_preset(group, name), preset_source(group, name))
+        source = preset_source(group, name)
+        cfg = _merge(cfg, origins.preset(load_preset(group, name), source), source)
         if group == "device":
             cfg.device.preset = name
         elif group == "algorithm":
@@ -230,11 +239,14 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
             cfg.device.name = backend
         name_source = device_from
 
+    preset_batch = batch_sizes(cfg)  # what the presets set, before the user's values (batch_follow)
     if config_file:
+        origins.user(user, str(config_file))
         cfg = _merge(cfg, user, str(config_file))
         if _lookup(user, "device.name") not in ("?", None, "auto"):
             name_source = str(config_file)
     for source, item in items:
+        origins.user(item, source)
         cfg = _merge(cfg, item, source)
         if _lookup(item, "device.name") not in ("?", None, "auto"):
             name_source = source
@@ -242,6 +254,7 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
         cfg.device.name_source = name_source if cfg.device.name != "auto" else None  # a saved config keeps its own
 
     _derive(cfg, explicit)
+    follow_train_batch(cfg, explicit, preset_batch, origins)
     try:
         OmegaConf.resolve(cfg)
     except Exception as exc:  # noqa: BLE001 - any interpolation failure is a config error
@@ -251,7 +264,16 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
         validate(cfg)
     key = id(cfg)
     _EXPLICIT[key] = (weakref.ref(cfg, lambda _ref: _EXPLICIT.pop(key, None)), frozenset(explicit))
+    _ORIGINS[key] = (weakref.ref(cfg, lambda _ref: _ORIGINS.pop(key, None)), origins)
     return cfg
+
+
+def key_origins(cfg) -> Origins | None:
+    """Which layer (preset, user YAML, override, a value derived from another) set each key of ``cfg``, a config
+    :func:`compose` returned; None for any other config. ``key_origins(cfg).describe()``: the keys set by more than
+    one layer, where each value came from (``portrl config show`` prints them)."""
+    entry = _ORIGINS.get(id(cfg))
+    return entry[1] if entry is not None and entry[0]() is cfg else None
 
 
 def copy_config(cfg):

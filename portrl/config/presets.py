@@ -1,7 +1,9 @@
 """Preset files: ``configs/{device,algorithm,data,model}/<name>.yaml``, shipped as ``portrl.configs``.
 
 A preset is a partial config (any of the groups of :class:`portrl.config.schema.PortRLConfig`)
-merged over the defaults by :func:`portrl.config.compose`. A name that ends in ``.yaml`` / ``.yml``
+merged over the defaults by :func:`portrl.config.compose`, with one optional top-level key, ``keep:``: the dotted
+keys whose values a later preset does not replace (what the algorithm needs; the precedence rule is in
+portrl/config/preset_layers.py). A name that ends in ``.yaml`` / ``.yml``
 and exists on disk is read from that path instead, so users can keep their own presets.
 """
 

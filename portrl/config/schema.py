@@ -88,7 +88,7 @@ class AlgorithmConfig:
 # -------------------------------------------------------------------------------------- data
 @dataclass
 class ArithDataConfig:
-    """The built-in arithmetic task (generated offline, deterministic by seed)."""
+    """A built-in generated task (arith, arith_tool, wordprob: generated offline, deterministic by seed)."""
 
     num_train: int = 2000
     num_test: int = 200
@@ -98,7 +98,7 @@ class ArithDataConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "arith"  # arith | arith_tool | gsm8k | math | dapo_math | geo3k | custom (files given)
+    name: str = "arith"  # arith | arith_tool | wordprob | gsm8k | math | dapo_math | geo3k | code | custom
     train_files: List[str] = field(default_factory=list)  # parquet in verl's schema; empty + arith = generated
     val_files: List[str] = field(default_factory=list)
     train_batch_size: int = 16  # prompts per step
@@ -112,6 +112,7 @@ class DataConfig:
     max_val_samples: Optional[int] = None
     arith: ArithDataConfig = field(default_factory=ArithDataConfig)
     arith_tool: ArithDataConfig = field(default_factory=ArithDataConfig)  # the tool-use task (portrl.data.arith_tool)
+    wordprob: ArithDataConfig = field(default_factory=ArithDataConfig)  # the word-problem task (portrl.data.wordprob)
     # verl's accuracy filter (recipe/prime): train only on prompt groups whose mean accuracy is within the bounds,
     # generating more batches until data.train_batch_size groups pass (algorithm.filter_groups.max_num_gen_batches)
     filter_accuracy: bool = False

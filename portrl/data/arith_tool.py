@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import random
 
-from portrl.data.arith import in_test_split
+from portrl.data.arith import GENERATOR_VERSION, in_test_split  # noqa: F401  (its problems are arith's: one version)
 from portrl.data.schema import DataError, make_row
 
 DATA_SOURCE = "arith_tool"

@@ -6,13 +6,17 @@ from portrl.device.registry import (
     all_backends,
     backend_names,
     broken_backends,
+    check_cli_device,
     clear_cache,
+    config_backend,
     detect,
     get_backend,
     resolve_backend,
+    usable_names,
 )
 
 __all__ = [
     "Backend", "BackendError", "CompatRow", "ProbeResult", "all_backends", "backend_names", "broken_backends",
-    "clear_cache", "detect", "get_backend", "import_optional", "module_available", "package_version", "resolve_backend",
+    "check_cli_device", "clear_cache", "config_backend", "detect", "get_backend", "import_optional", "module_available",
+    "package_version", "resolve_backend", "usable_names",
 ]

@@ -8,7 +8,9 @@ Method families:
 
 * identity: ``name``, ``device_type``, ``dist_backend``, ``ray_resource``,
   ``visible_devices_env``, ``ray_noset_env``, ``detect_priority``, ``weight_transports``
-* probe: :meth:`probe` -> :class:`ProbeResult`
+* probe: :meth:`probe` -> :class:`ProbeResult`; :meth:`host_shows_device` (the host's own evidence of a device of
+  this kind: device nodes, read without importing anything) and :meth:`no_device_here`, which a vendor's probe
+  returns first, so that a host without such a device is told so, not how to install the vendor's packages
 * device and memory: :meth:`device`, :meth:`device_count`, :meth:`set_device`,
   :meth:`synchronize`, :meth:`configure_allocator`, :meth:`empty_cache`, :meth:`memory_stats`,
   :meth:`reset_peak_memory`, :meth:`memory_available`, :meth:`manual_seed`
@@ -169,6 +171,21 @@ class Backend:
         """Is this backend usable here, and if not, why? Must not initialise a device runtime."""
         raise NotImplementedError
 
+    def host_shows_device(self) -> tuple[bool | None, str]:
+        """Whether this host shows a device of this backend's kind, from the host alone (its device nodes; nothing
+        imported, no runtime started): ``(True, "")``; ``(False, what is missing)``, e.g. ``"no /dev/xyz<N> device
+        nodes: ..."``; ``(None, "")`` when the host cannot tell (the default)."""
+        return None, ""
+
+    def no_device_here(self) -> ProbeResult | None:
+        """The probe result of a host that shows no device of this kind (:meth:`host_shows_device` is False): not
+        usable, "this host has no <name> device (<what is missing>)", before any package is looked at (installing
+        one would not help); None when the host shows one or cannot tell. A vendor's :meth:`probe` calls it first."""
+        shown, missing = self.host_shows_device()
+        if shown is not False:
+            return None
+        return ProbeResult(False, f"this host has no {self.name} device ({missing})", versions=self.installed_versions())
+
     def installed_versions(self) -> dict[str, str]:
         """Versions of ``version_packages`` that are installed (metadata only, no imports)."""
         found = {p: package_version(p) for p in self.version_packages}
@@ -303,6 +320,11 @@ class Backend:
         for name in self.ray_noset_env:
             refusals[name] = "portrl sets it when workers share devices; a config leaves it to portrl"
         return {**refusals, **self.refused_env}
+
+    def env_value_problems(self, env: Mapping[str, str]) -> list[str]:
+        """One line per value ``device.env`` gives a variable this backend reads itself that it would refuse at run
+        time (name, value, the valid values); none by default."""
+        return []
 
     def accepted_env(self) -> frozenset[str]:
         """The variables ``device.env`` may set for this backend: ``declared_env`` and the keys of

@@ -24,6 +24,7 @@ import difflib
 import logging
 import os
 from functools import lru_cache
+from typing import Sequence
 
 from portrl.device.backend import Backend
 from portrl.errors import UserError
@@ -103,6 +104,42 @@ def all_backends() -> list[Backend]:
     return [get_backend(n) for n in backend_names()]
 
 
+def usable_names() -> list[str]:
+    """The backends usable on this host, in detection order (each probed: a host without a backend's device
+    answers from its device nodes, importing nothing)."""
+    return [b.name for b in all_backends() if b.probe().usable]
+
+
+def config_backend(cfg) -> Backend:
+    """The backend a run config names (``device.name``, ``auto``: detection; the command line and
+    ``$PORTRL_DEVICE`` as :func:`resolve_backend` orders them), usable here, or a one-line :class:`BackendError`
+    naming where the name came from. Light (nothing heavy imported, nothing logged): a command calls it right
+    after composing its config, so that a device that is not here is said in a second, before the model and
+    trainer modules load."""
+    name = cfg.device.name
+    quiet = logging.getLogger(__name__)
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the run logs its backend when it starts; not twice
+    try:
+        return resolve_backend(config=None if name in (None, AUTO) else str(name),
+                               config_source=cfg.device.get("name_source"))
+    finally:
+        quiet.setLevel(level)
+
+
+def check_cli_device(device: str | None, overrides: Sequence[str] = (), *, preset: str | None = None,
+                     config_file: str | None = None) -> None:
+    """Before a run config is composed (its checks import the algorithm modules, and torch with them: seconds): a
+    ``--device`` naming a registered backend that is not usable here is the one-line :class:`BackendError` the
+    composed config would give (``from --device``). Nothing is checked when the name may still change: a
+    device preset, ``--preset``, ``--config``, or an override of ``device``, ``preset`` or ``device.name``."""
+    if not device or device == AUTO or preset or config_file or device not in _classes():
+        return
+    if any(item.split("=", 1)[0].strip().lstrip("+") in ("device", "preset", "device.name") for item in overrides):
+        return
+    resolve_backend(device)
+
+
 def detect() -> Backend:
     """The first usable backend in detection order."""
     reasons = []
@@ -133,7 +170,9 @@ def resolve_backend(cli: str | None = None, config: str | None = None, *, requir
             if require_usable:
                 result = backend.probe()
                 if not result.usable:
-                    raise BackendError(f"device {value!r} (from {source}) is not usable here: {result.reason}")
+                    here = ", ".join(usable_names()) or "none"
+                    raise BackendError(f"device {value!r} (from {source}) is not usable here: {result.reason}; "
+                                       f"usable here: {here} (see `portrl devices`)")
             log.info("device backend %s (from %s)", backend.name, source)
             return backend
     backend = detect()

@@ -45,7 +45,11 @@ def check_model_dir(path, key: str = "model path", *, config: bool = True, token
     files (``tokenizer``); ModelDirError naming ``key`` (e.g. ``model.path``) and what is missing otherwise."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelDirError(f"{key} {str(p)!r} does not exist ({DOWNLOAD_HINT})")
+        from portrl.models.tiny_vl import DEFAULT_DIR as TINY_VL_DIR  # here: tiny_vl loads the processors' stack
+
+        hint = ("model=tiny-vl reads it there: build it first with `python -m portrl.models.write_tiny_vl`"
+                if p == Path(TINY_VL_DIR).expanduser() else DOWNLOAD_HINT)
+        raise ModelDirError(f"{key} {str(p)!r} does not exist ({hint})")
     if not p.is_dir():
         raise ModelDirError(f"{key} {str(p)!r} is not a directory; give a Hugging Face model directory "
                             "(config.json, weights, tokenizer files)")

@@ -70,10 +70,12 @@ def byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def build_char_tokenizer(model_max_length: int = 2048):
-    """A Qwen2Tokenizer over single bytes (the "arith" vocabulary above); call save_pretrained to store it."""
+def build_char_tokenizer(model_max_length: int = 2048, specials: tuple[str, ...] = ()):
+    """A Qwen2Tokenizer over single bytes (the "arith" vocabulary above); call save_pretrained to store it.
+    ``specials``: more special tokens, one id each after ``<|im_end|>`` (the tiny vision-language model's vision
+    tokens, portrl/models/tiny_vl.py); the first 259 ids stay as above."""
     vocab = {sym: i for i, sym in enumerate(byte_symbols())}
-    for special in (PAD, IM_START, IM_END):
+    for special in (PAD, IM_START, IM_END, *specials):
         vocab[special] = len(vocab)
     tok = Qwen2Tokenizer(
         vocab=vocab,
@@ -81,7 +83,7 @@ def build_char_tokenizer(model_max_length: int = 2048):
         unk_token=PAD,
         eos_token=IM_END,
         pad_token=PAD,
-        extra_special_tokens=[IM_START],
+        extra_special_tokens=[IM_START, *specials],
         model_max_length=model_max_length,
         padding_side="left",
         clean_up_tokenization_spaces=False,

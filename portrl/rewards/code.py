@@ -1,8 +1,9 @@
 """Code reward: run the response's program against the row's tests in the sandbox (portrl.rewards.sandbox).
 
-As verl's prime_code (data_source codecontests, apps, codeforces, taco): ``<think>...</think>`` is removed and
-the program is the text after the last "```python" up to the next "```" (a response without a fence is taken
-as the program). The ground truth is a JSON string (or dict) in one of these forms:
+As verl's prime_code (data_source codecontests, apps, codeforces, taco): the program is the text after the last
+"```python" up to the next "```", wherever it is (inside ``<think>...</think>`` too: verl removes nothing, so a
+response whose only python block is in its thinking is scored on that block); a response without a fence is
+taken whole as the program. The ground truth is a JSON string (or dict) in one of these forms:
 
 * stdin/stdout: ``{"inputs": [str, ...], "outputs": [str, ...]}`` (an input or output given as a list of
   lines is joined with newlines). The program reads the input on stdin; its stdout passes when, as in verl's
@@ -32,8 +33,11 @@ Deliberate differences from verl: a stdin/stdout program runs as itself (``__mai
 stdout) instead of wrapped into a function with patched ``sys.stdin``; verl's last whitespace-token-set
 comparison is not mirrored (in verl it compares a list with a set and never passes); a call-based expected
 output that is not JSON is compared as the string instead of failing the case. With ``sandbox_fusion_url``
-the same cases run on a SandboxFusion service (portrl.rewards.sandbox_fusion), judged the same way (verl's
-SandboxFusion path compares stdout only after stripping trailing newlines, and raises nothing).
+the same cases run on a SandboxFusion service (portrl.rewards.sandbox_fusion), read and judged the same way;
+verl's SandboxFusion path differs from its prime_code: it compares stdout only after stripping trailing
+newlines, raises nothing, takes a bare "```" block's content when there is no "```python" (a response with no
+fence scores 0.0), and its continuous score counts one more case when a case after the 10th fails (10 of 10
+passed becomes 10/11); portrl keeps prime_code's rules on both paths.
 A program in the same interpreter as the call-based / assert harness could forge a pass on purpose (as in
 verl); the harness's result line carries a per-run random nonce (given on stdin, not in the program's file),
 so it is never produced by accident, and a program that exits early (``exit(0)`` before the asserts) fails.
@@ -45,7 +49,6 @@ gets a score.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,13 +82,10 @@ class Case:
 
 
 # --------------------------------------------------------------------------------------------- program
-def remove_think(text: str) -> str:
-    return re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL | re.IGNORECASE)
-
-
 def extract_program(response: str) -> str:
-    """verl's rule: the text after the last ```python up to the next ``` (think tags removed first)."""
-    return remove_think(response).split("```python")[-1].split("```")[0]
+    """verl's prime_code rule: the text after the last ```python up to the next ``` (``<think>`` is not removed);
+    the whole response when it has no ```python."""
+    return response.split("```python")[-1].split("```")[0]
 
 
 # ----------------------------------------------------------------------------------------- comparisons

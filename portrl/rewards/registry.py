@@ -7,7 +7,7 @@ dispatcher and scorers, verl-project/verl ``verl/utils/reward_score``):
 ==========================================  ======================  ==========================================
 data_source (verl's names, then portrl's)   verl's scorer           portrl's reward
 ==========================================  ======================  ==========================================
-openai/gsm8k; gsm8k                         gsm8k                   portrl.rewards.gsm8k (strict "#### N")
+openai/gsm8k; gsm8k, wordprob               gsm8k                   portrl.rewards.gsm8k (strict "#### N")
 lighteval/MATH, DigitalLearningGmbH/        math_reward             portrl.rewards.math_reward (last \\boxed{})
 MATH-lighteval, HuggingFaceH4/MATH-500;
 math, MATH
@@ -31,8 +31,10 @@ arith_tool                                  (none)                  portrl.rewar
 
 Deliberate differences (each reward's docstring has the details):
 
-* ``qa_boxed`` (portrl's own name, the default of ``portrl preprocess qa``) and ``MATH`` are scored by the MATH
-  reward; ``math`` goes to math_dapo as in verl.
+* Every name after the ";" of a table row, and ``aime`` in other cases ("AIME_2025"), is portrl's addition: verl
+  raises NotImplementedError for it. ``qa_boxed`` (portrl's own name, the default of ``portrl preprocess qa``)
+  and ``MATH`` are scored by the MATH reward; ``math`` goes to math_dapo, as in verl (+1 / -1 on an "Answer:"
+  line: ``compute_score("math", "Answer: 17", "18")`` is -1).
 * gsm8k compares numbers by value ("18.00" scores "18"; verl compares strings) and accepts "####5" and
   "#### $5" (verl: 0.0); like verl it reads the last 300 characters.
 * MATH is right when verl's string check is, and also for equal rationals ("0.25" and "\\frac{1}{4}") and,
@@ -43,6 +45,8 @@ Deliberate differences (each reward's docstring has the details):
   forms (mixed numbers "7 3/4", "million", functions other than sqrt/log/trig) can grade differently;
   math-verify, when installed, can only add right answers. Expressions with more than two unknown letters
   are compared as strings (as verl).
+* code: as verl's prime_code (the last python block, inside ``<think>`` too); with a SandboxFusion URL portrl
+  keeps those rules where verl's sandbox_fusion scorer has its own (portrl.rewards.code lists them).
 * searchR1_* rows score as in verl; their multi-turn retrieval rollouts run with portrl's local search tool (BM25,
   not verl's retrieval server; docs/agent_recipes.md); the ground truth struct is passed on as JSON text.
 
@@ -59,7 +63,7 @@ from portrl.errors import UserError
 from portrl.rewards import arith, arith_tool, code, dapo_math, geo3k, gsm8k, math_reward, prime_math, search_qa
 from portrl.rewards.text import ground_truth_text
 
-GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "wordprob")
 MATH_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500", "MATH", "qa_boxed")
 DAPO_SOURCES = ("math", "math_dapo", "math_dapo_reasoning", "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k",
                 "BytedTsinghua-SIA/AIME-2024")

@@ -44,20 +44,25 @@ class SandboxError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------- uid slots
+def uid_lock_path(uid: int) -> Path:
+    """The lock file whose exclusive holder is the one run using sandbox ``uid`` (the folder is created)."""
+    # one place for every process of the machine (not TMPDIR, which differs between processes)
+    lock_dir = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "portrl-sandbox-uids"
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
+    return lock_dir / str(uid)
+
+
 class UidSlot:
     """A sandbox uid no other run (in any process) uses now, held by an exclusive lock file; root only."""
 
     def __init__(self):
-        # one place for every process of the machine (not TMPDIR, which differs between processes)
-        lock_dir = Path("/run" if os.path.isdir("/run") else tempfile.gettempdir()) / "portrl-sandbox-uids"
-        lock_dir.mkdir(mode=0o700, exist_ok=True)
         busy = _uids_with_tasks()
         for uid in range(UID_BASE, UID_BASE + UID_COUNT):
             # a uid with processes (a leftover zombie would count against RLIMIT_NPROC) or an account (its files
             # would be the program's, and its processes are killed after the run) is never used
             if uid in busy or _is_account(uid):
                 continue
-            fd = os.open(lock_dir / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(uid_lock_path(uid), os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -39,6 +39,7 @@ from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
 from portrl.ops.layers import linear_prepacked
+from portrl.progress import note
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.sampling import sample_next
 
@@ -272,6 +273,8 @@ def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.T
         key_mask[:, :plen] = mask
         position = lengths.clone()  # rotary position of the next token of each row
         for t in range(max_new):
+            if t % 16 == 0:
+                note(f"token {t}/{max_new}")  # the console's phase detail (portrl/progress.py)
             tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                   generator=generator)
             if rows.record(t, tok, lp):

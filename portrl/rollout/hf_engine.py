@@ -39,6 +39,7 @@ from portrl.models.multimodal import batch_image_inputs, is_vision_language
 from portrl.models.forward_tape import tape_nbytes
 from portrl.models.hf_types import HFModule
 from portrl.ops.rotary_multimodal import multimodal_rope_index
+from portrl.progress import note
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.fast_decode import decode_chunk, fast_decoder_for
@@ -295,6 +296,8 @@ class HFEngine(RolloutEngine):
         if delta is not None:
             position += delta.reshape(-1).to(position.device)
         for t in range(max_new):
+            if t % 16 == 0:
+                note(f"token {t}/{max_new}")  # the console's phase detail (portrl/progress.py)
             tok, lp = sample_next(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator)
             if rows.record(t, tok, lp):
                 break

@@ -12,8 +12,10 @@ locations; a user's own files can be smaller or elsewhere. What is fitted, each 
   ``data.max_prompt_length`` is lowered to that count when it came from a preset or the defaults, and
   ``actor.ppo_mini_batch_size`` to a divisor of it that keeps about the preset's mini-batches per step; one the
   user set is refused with the key to change.
-* **The SFT warm start.** ``model.sft_warm_start`` is built in for tasks with built-in SFT rows (portrl.tasks:
-  ``data.name=arith``) only: elsewhere a preset's ``true`` is turned off with a note, a user's is refused.
+* **The SFT warm start.** ``model.sft_warm_start`` is built in for the generated rows of tasks with built-in SFT
+  rows (portrl.tasks: ``data.name=arith``), run without ``data.train_files`` (:func:`warm_start_task`): with other
+  data (another ``data.name``, or files of your own under the default ``data.name=arith``) a preset's ``true`` is
+  turned off with a note, a user's is refused.
 * **The micro-batch token budget.** ``actor.max_tokens_per_micro_batch=null`` (the ``cpu`` preset's), not set by
   the user, becomes a budget sized by the model for models of at least 100M parameters (where gradient
   checkpointing turns itself on too, ``portrl/workers/setup.py``): :func:`token_budget`. It caps every
@@ -30,13 +32,14 @@ import logging
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 from omegaconf import read_write
 
+from portrl.config.batch_follow import mini_batch_for
 from portrl.config.composition import explicit_keys
 from portrl.errors import UserError
-from portrl.tasks import builtin_sft_task, names_where
+from portrl.tasks import Task, builtin_sft_task, names_where
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, count_parameters
 
 log = logging.getLogger(__name__)
@@ -138,26 +141,40 @@ def fit_val_files(cfg: Any) -> None:
         d.val_files = new
 
 
+def warm_start_task(cfg: Any) -> Optional[Task]:
+    """The task whose built-in SFT rows the SFT warm start trains on, or None when the run must not warm-start.
+
+    A task only when the run trains on that task's own generated rows: ``data.name`` has built-in SFT rows
+    (portrl.tasks) and ``data.train_files`` is empty, or is the task's generated split in the cache (a settled
+    config: portrl.trainer.resources.settle_config writes it there). Other training files are the user's data even
+    where ``data.name`` kept its default (``arith``: the data preset is skipped when files are given), so a run
+    with them never warm-starts on the built-in task."""
+    from portrl.trainer.resources import generated_files  # here: resources imports this module
+
+    task = builtin_sft_task(cfg)
+    files = [str(f) for f in cfg.data.train_files or []]
+    if task is None or not files:
+        return task
+    generated = generated_files(cfg)
+    return task if generated is not None and files == [str(generated[0])] else None
+
+
 def fit_warm_start(cfg: Any) -> None:
-    """``model.sft_warm_start`` off for data without built-in SFT rows when a preset set it; UserError when the
-    user did."""
-    if not bool(cfg.model.sft_warm_start) or builtin_sft_task(cfg) is not None:
+    """``model.sft_warm_start`` off when :func:`warm_start_task` is None and a preset set it (with a note);
+    UserError naming the key when the user set it."""
+    if not bool(cfg.model.sft_warm_start) or warm_start_task(cfg) is not None:
         return
     tasks = names_where(lambda t: t.sft_rows is not None)
+    files = [str(f) for f in cfg.data.train_files or []]
+    data = f"data.train_files={files}" if files else f"data.name={cfg.data.name!r}"
     if user_set(cfg, "model.sft_warm_start"):
-        raise UserError(f"model.sft_warm_start is built in for data.name={tasks} only (data.name={cfg.data.name!r}); "
-                        "set model.sft_warm_start=false, or fine-tune first with `portrl sft --train-files "
-                        "SFT.parquet --output sft` and train from it with model.path=sft")
-    note_once(cfg, f"model.sft_warm_start is built in for data.name={tasks} only: off for data.name={cfg.data.name} "
-              "(fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
+        raise UserError(f"model.sft_warm_start trains on the generated rows of data.name={tasks} only, not on "
+                        f"{data}; set model.sft_warm_start=false, or fine-tune first with `portrl sft "
+                        "--train-files SFT.parquet --output sft` and train from it with model.path=sft")
+    note_once(cfg, f"model.sft_warm_start is built in for the generated rows of data.name={tasks} only: off for "
+              f"{data} (fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
     with read_write(cfg.model):
         cfg.model.sft_warm_start = False
-
-
-def mini_batch_for(n: int, steps: int) -> int:
-    """The divisor of ``n`` (a mini-batch size) that gives the number of mini-batches closest to ``steps``; the
-    larger mini-batch on a tie."""
-    return min((k for k in range(1, n + 1) if n % k == 0), key=lambda k: (abs(n // k - steps), -k))
 
 
 def fit_train_batch(cfg: Any, usable: int, total: int, files: list[str]) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from portrl.algo import explained_variance
 from portrl.agent.trajectory import META_NUM_TURNS
+from portrl.progress import activity
 from portrl.workers.batch import Batch, response_lengths
 
 
@@ -114,15 +115,16 @@ class Timer:
         self._open.append(name)
         t0 = time.perf_counter()
         try:
-            if self._ranges is None:
-                yield
-            else:
-                self._ranges.range_push(f"portrl/{name}")
-                try:
-                    with torch.profiler.record_function(f"portrl/{name}"):
-                        yield
-                finally:
-                    self._ranges.range_pop()
+            with activity(name):  # the console shows the phase while it runs (portrl.progress)
+                if self._ranges is None:
+                    yield
+                else:
+                    self._ranges.range_push(f"portrl/{name}")
+                    try:
+                        with torch.profiler.record_function(f"portrl/{name}"):
+                            yield
+                    finally:
+                        self._ranges.range_pop()
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
             if self._memory is not None:

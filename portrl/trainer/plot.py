@@ -16,20 +16,31 @@ refused (portrl.outputs.claim) unless ``on_existing="move_aside"``. Which curves
   the accuracy) is not drawn, and that panel's legends name them: ``training accuracy (= training reward)``;
 * training curves are solid with round markers, validation curves dashed with square markers, a secondary
   training curve (the maximum length, the PPO KL) dotted with triangles, so that overlapping curves stay
-  distinguishable.
+  distinguishable;
+* a panel that is not drawn is said in one line (:func:`left_out`: its metrics are absent, 0 throughout, or equal
+  to curves drawn elsewhere), to ``say`` (the log; ``portrl plot`` prints them).
+
+Axes read at a glance: tick labels are plain numbers, never an offset or a shared exponent (``1e-5+1.1751e1``);
+a curve that barely moves (an entropy steady to the fifth digit) is drawn flat on an axis at least
+:data:`MIN_SPAN` of its size tall, not magnified into noise; an axis of shares (accuracy) stays within
+:data:`LIMITS`, [0, 1]. The overview (``curves.png``) is titled with the run's folder, as given (relative to the
+working directory when inside it); each single plot carries it too, under its panel title.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from portrl.outputs import claim
 from portrl.trainer.tracking import read_metrics
 from portrl.user_files import temp_name
+
+log = logging.getLogger(__name__)
 
 TRAIN, VAL, EXTRA = "train", "val", "extra"
 
@@ -44,6 +55,12 @@ MARKER = ("Software", "portrl plot")
 
 #: a KL term whose absolute value stays below this at every step is not in use (or is float noise)
 ZERO = 1e-6
+
+#: a y axis spans at least this share of its largest value: a curve steady to the fifth digit is drawn flat
+MIN_SPAN = 0.05
+
+#: panel -> the (low, high) its y axis stays within (a share is never below 0 or above 1)
+LIMITS: dict[str, Tuple[float, float]] = {"accuracy": (0.0, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,42 @@ def select_panels(rows: list[dict]) -> List[Panel]:
     return panels
 
 
+def left_out(rows: list[dict], panels: List[Panel]) -> List[str]:
+    """One line for each panel of :data:`PANELS` that ``panels`` (:func:`select_panels` of ``rows``) does not draw,
+    saying why: its metrics are absent from the run's metrics, 0 at every step, or equal to curves drawn in
+    another panel."""
+    drawn = {p.name for p in panels}
+    lines = []
+    for name, (title, _ylabel, panel_curves) in PANELS.items():
+        if name in drawn:
+            continue
+        keys = [c.key for c in panel_curves]
+        logged = [c for c in panel_curves if _points(rows, c.key)[0]]
+        if not logged:
+            why = f"the run logged no {' or '.join(keys)}" + (" (it has no critic)" if name == "critic" else "")
+        elif all(c.zero_is_off and all(abs(y) < ZERO for y in _points(rows, c.key)[1]) for c in logged):
+            are = "is" if len(logged) == 1 else "are"
+            why = f"{' and '.join(c.key for c in logged)} {are} 0 at every step (not in use, or the policy did not move)"
+        else:
+            where = sorted({p.title.lower() for p in panels for s in p.series
+                            if any(c.label in s.also for c in logged)})
+            why = f"its curves equal curves of the {' and '.join(where) or 'other'} plot (named in its legend)"
+        words = title if title[:2].isupper() else title[0].lower() + title[1:]  # "KL divergence" keeps its capitals
+        lines.append(f"no {words} plot: {why}")
+    return lines
+
+
+def run_title(run_dir: str | os.PathLike) -> str:
+    """The run's folder as a title: relative to the working directory when inside it (``outputs/run``), else
+    absolute with ``~`` for the home folder."""
+    path = Path(run_dir).expanduser().absolute()
+    try:
+        return str(Path(os.path.normpath(path)).relative_to(Path.cwd()))
+    except ValueError:
+        text, home = os.path.normpath(path), os.path.expanduser("~")
+        return "~" + text[len(home):] if home not in ("", "/") and text.startswith(home + os.sep) else text
+
+
 def _save(fig, path: Path) -> None:
     tmp = temp_name(path, suffix=path.suffix)  # savefig picks the format from the extension
     fig.savefig(tmp, dpi=110, metadata={MARKER[0]: MARKER[1]})
@@ -164,9 +217,11 @@ def is_portrl_plot(path: Path) -> bool:
     return head.startswith(b"\x89PNG\r\n\x1a\n") and chunk in head
 
 
-def plot_run(run_dir: str | os.PathLike, on_existing: str = "refuse") -> list[Path]:
+def plot_run(run_dir: str | os.PathLike, on_existing: str = "refuse",
+             say: Optional[Callable[[str], None]] = None) -> list[Path]:
     """Write the curves of a run; returns the PNG paths written (``curves.png`` last). Each path is claimed
-    before anything is drawn: absent or a portrl plot, else refused or (``move_aside``) renamed aside."""
+    before anything is drawn: absent or a portrl plot, else refused or (``move_aside``) renamed aside. ``say``
+    gets one line per panel not drawn (:func:`left_out`; default: an INFO log line)."""
     # matplotlib here, not at the top: its file-only Agg backend must be chosen before pyplot loads, and
     # importing this module (the trainer does) must not switch the backend of a notebook that imports portrl
     import matplotlib
@@ -178,48 +233,80 @@ def plot_run(run_dir: str | os.PathLike, on_existing: str = "refuse") -> list[Pa
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist; is {run_dir} a portrl run directory?")
-    panels = select_panels([r for r in read_metrics(metrics) if "step" in r])
+    rows = [r for r in read_metrics(metrics) if "step" in r]
+    panels = select_panels(rows)
+    title = run_title(run_dir)
     out_dir = run_dir / "plots"
     names = [p.name for p in panels] + (["curves"] if panels else [])
     for name in names:
         claim(out_dir / f"{name}.png", "the plot", on_existing, ours=is_portrl_plot)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for panel in panels:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")  # constrained: no label over a title
-        _draw(ax, panel)
-        path = out_dir / f"{panel.name}.png"
-        _save(fig, path)
-        plt.close(fig)
-        written.append(path)
+    figures = [(panel.name, panel_figure(plt, panel, title)) for panel in panels]
     if panels:
-        cols = 2 if len(panels) == 4 else min(3, len(panels))  # 2 x 2 rather than 3 + 1
-        nrows = (len(panels) + cols - 1) // cols
-        fig, axes = plt.subplots(nrows, cols, figsize=(5.6 * cols, 4.2 * nrows), squeeze=False, layout="constrained")
-        flat = [ax for row in axes for ax in row]
-        for ax, panel in zip(flat, panels):
-            _draw(ax, panel)
-        for ax in flat[len(panels):]:
-            ax.axis("off")
-        fig.suptitle(f"portrl run {run_dir.name}")
-        path = out_dir / "curves.png"
+        figures.append(("curves", overview_figure(plt, panels, title)))
+    for name, fig in figures:
+        path = out_dir / f"{name}.png"
         _save(fig, path)
         plt.close(fig)
         written.append(path)
+    for line in left_out(rows, panels):
+        (say or log.info)(line)
     return written
 
 
+def panel_figure(plt, panel: Panel, title: str):
+    """One panel's figure (``plt``: matplotlib.pyplot), the run's folder ``title`` under the panel's title."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")  # constrained: no label over a title
+    _draw(ax, panel)
+    ax.set_title(f"{panel.title}\n{title}", fontsize=11)
+    return fig
+
+
+def overview_figure(plt, panels: List[Panel], title: str):
+    """Every panel in one figure, titled with the run's folder once."""
+    cols = 2 if len(panels) == 4 else min(3, len(panels))  # 2 x 2 rather than 3 + 1
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.6 * cols, 4.2 * nrows), squeeze=False, layout="constrained")
+    flat = [ax for row in axes for ax in row]
+    for ax, panel in zip(flat, panels):
+        _draw(ax, panel)
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    return fig
+
+
 def _draw(ax, panel: Panel) -> None:
-    from matplotlib.ticker import MaxNLocator  # pyplot is loaded by plot_run (see there)
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter  # pyplot is loaded by plot_run (see there)
 
     for s in panel.series:
         style: dict[str, object] = dict(STYLES[s.curve.style])
         if len(s.xs) > MARKERS_UP_TO:
             style["marker"] = None
-        ax.plot(s.xs, s.ys, markersize=4, linewidth=1.6, label=s.label, **style)
+        ax.plot(s.xs, s.ys, markersize=4, linewidth=1.6, label=s.label, clip_on=False, **style)  # a 0 on the axis shows
     ax.set_title(panel.title)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers: no offset (1e-5+1.1751e1), no shared exponent
+        plain = ScalarFormatter(useOffset=False)
+        plain.set_scientific(False)
+        axis.set_major_formatter(plain)
+    ax.set_ylim(*y_limits(panel, ax.get_ylim()))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)  # below: off the curves
+
+
+def y_limits(panel: Panel, auto: Tuple[float, float]) -> Tuple[float, float]:
+    """The y range of ``panel`` from matplotlib's ``auto`` one: at least :data:`MIN_SPAN` of the largest value
+    tall (centred on the curves), then kept within the panel's :data:`LIMITS`."""
+    lo, hi = auto
+    ys = [y for s in panel.series for y in s.ys]
+    span = MIN_SPAN * max((abs(y) for y in ys), default=0.0)
+    if ys and hi - lo < span:
+        mid = (max(ys) + min(ys)) / 2
+        lo, hi = mid - span / 2, mid + span / 2
+    floor, ceiling = LIMITS.get(panel.name, (-math.inf, math.inf))
+    lo, hi = max(lo, floor), min(hi, ceiling)
+    return (lo, hi) if hi > lo else (floor, ceiling)

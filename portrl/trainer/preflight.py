@@ -16,11 +16,12 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
   ``data.train_batch_size`` prompts within ``data.max_prompt_length``; a run that needs files has them;
 * the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
   truth as the response) without raising and returns a float or a dict with "score";
-* the warm start: ``model.sft_warm_start`` needs a task with built-in SFT rows (portrl.tasks: arith);
+* the warm start: ``model.sft_warm_start`` needs the generated rows of a task with built-in SFT rows (portrl.tasks:
+  arith), without ``data.train_files`` (portrl.trainer.data_fit.warm_start_task);
 * fitted to the user's data (portrl.trainer.data_fit, each with a log line; a value the user set is refused
   instead): an empty ``data.val_files`` becomes the test split beside the training split (or validation is off),
   a preset's ``data.train_batch_size`` / ``actor.ppo_mini_batch_size`` larger than the usable training rows are
-  lowered, and a preset's SFT warm start is turned off for data without built-in SFT rows;
+  lowered, and a preset's SFT warm start is turned off for other data (training files included);
 * checkpoints: ``trainer.resume=PATH`` and ``portrl eval --checkpoint`` name a verified checkpoint;
 * loggers: the packages of ``trainer.loggers`` (tensorboard, wandb, mlflow) are installed; ``train``
   into ``trainer.output_dir`` continues only its own run (``portrl.trainer.run_dir.check_run_dir``);
@@ -50,7 +51,7 @@ from portrl.rewards.manager import RewardTimeoutError, _score_rows, describe_rew
 from portrl.rewards.registry import UnknownDataSource, reward_kind
 from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
 from portrl.rollout import engine_capabilities, engine_factory, offered_engines
-from portrl.tasks import generated_task, names_where
+from portrl.tasks import data_task, generated_task, names_where
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
@@ -75,11 +76,10 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     _check_output_dir(cfg)
     if command == SFT:
         return  # its data are --train-files or a task's built-in SFT rows: portrl.cli.sft checks them
-    if command == TRAIN and generated_task(cfg) is None:
-        if not cfg.data.train_files:
-            raise UserError(no_train_files_message(cfg))
-        fit_warm_start(cfg)  # a preset's warm start off with a note; the user's refused
+    if command == TRAIN and generated_task(cfg) is None and not cfg.data.train_files:
+        raise UserError(no_train_files_message(cfg))
     if command == TRAIN:
+        fit_warm_start(cfg)  # other data than a task's generated rows: a preset's warm start off with a note
         fit_val_files(cfg)  # empty (or a preset's elsewhere): the test split beside the training split, or off
         fit_token_budget(cfg)  # a null micro-batch token budget sized by the model (>= 100M parameters)
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
@@ -207,6 +207,20 @@ def _check_output_dir(cfg: Any) -> None:
 
 
 # -------------------------------------------------------------------------------------------- data
+def _check_preprocessed(cfg: Any, train_files: list, val_files: list) -> None:
+    """A data preset's file that is not there yet (``data=gsm8k`` reads ``~/data/gsm8k/train.parquet``): one line
+    with the `portrl preprocess` command that writes it. Other missing files are read_verl_files' message."""
+    task = data_task(cfg)
+    if task is None or task.generated or task.converter is None:
+        return
+    for key, files in (("data.train_files", train_files), ("data.val_files", val_files)):
+        for f in files:
+            if not Path(f).expanduser().exists():
+                raw = "" if task.default_input else " --input RAW"  # the code task ships its problems
+                raise UserError(f"{key}: dataset file {f!r} does not exist; `portrl preprocess {task.name}{raw} "
+                                f"--output-dir {Path(f).parent}` writes it (see `portrl preprocess --help`)")
+
+
 def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
     d = cfg.data
     generated = generated_task(cfg) is not None
@@ -218,6 +232,7 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
         raise UserError(f"no validation data: data.val_files is empty and only data.name="
                         f"{names_where(lambda t: t.generated)} is generated (data.name={d.name!r}); pass "
                         "data.val_files=[TEST.parquet] (`portrl preprocess` writes test.parquet)")
+    _check_preprocessed(cfg, [] if command == EVAL else train_files, val_files)
     train_rows, train_images = ([], None) if command == EVAL else read_verl_files(train_files, "data.train_files")
     val_rows, val_images = read_verl_files(val_files, "data.val_files")
     processor = _check_processor(cfg, train_images or val_images)

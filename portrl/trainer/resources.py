@@ -25,7 +25,6 @@ from typing import Any, List, Optional, Tuple, cast
 from omegaconf import OmegaConf
 
 from portrl.config.composition import copy_config
-from portrl.data.arith import GENERATOR_VERSION
 from portrl.data.preprocess import write_split
 from portrl.errors import UserError
 from portrl.models import write_tiny_model
@@ -87,7 +86,7 @@ def resolve_model_path(cfg: Any) -> str:
 def _generated_spec(cfg: Any, task: Task) -> dict:
     a = cfg.data[task.name]
     return {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty),
-            "seed": int(a.seed), "generator": GENERATOR_VERSION}
+            "seed": int(a.seed), "generator": task.generator_version}
 
 
 def generated_files(cfg: Any) -> Optional[Tuple[Path, Path]]:

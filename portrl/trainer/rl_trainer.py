@@ -13,10 +13,9 @@ Before step 1 of a fresh run: the SFT warm start (``model.sft_warm_start``), the
 (``critic.pretrain_steps``, portrl.trainer.value_pretrain).
 
 Validation (greedy by default, mean@k accuracy per data source) runs before training and every
-``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL
-controller) every ``trainer.save_freq`` steps (portrl.trainer.run_checkpoints); ``trainer.resume`` =
-auto | off | PATH. Generation seeds derive from (trainer.seed, step), so a resumed run samples
-what an uninterrupted run samples.
+``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL controller) every
+``trainer.save_freq`` steps (portrl.trainer.run_checkpoints); ``trainer.resume`` = auto | off | PATH. Generation
+seeds derive from (trainer.seed, step), so a resumed run samples what an uninterrupted run samples.
 
 SIGINT / SIGTERM end a run between steps with a checkpoint and :class:`portrl.errors.RunStopped`; calls to
 Ray workers have a time limit that follows the step time (portrl.trainer.interrupts).
@@ -44,6 +43,7 @@ from portrl.outputs import OutputExists
 from portrl.trainer.advantage_phase import apply_reward_kl, compute_batch_advantages, old_policy_phase
 from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.checkpoint import CheckpointManager
+from portrl.trainer.data_fit import warm_start_task
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch, run_dataset
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
@@ -119,6 +119,7 @@ class RLTrainer:
             k = cfg.algorithm.kl_ctrl
             self.kl_ctrl = get_kl_controller(str(k.type), float(k.kl_coef), float(k.target_kl), int(k.horizon))
         self.global_step = 0
+        self.traces: Optional[TraceWriter] = None  # train() opens it: train_step alone (benchmarks) writes none
         self.sent_version = 0  # the policy version last sent to the rollout (the step of its update)
         self._train_iter: Optional[Iterator[PromptBatch]] = None
         self.reference_copy = ReferenceCopy()  # the run's reference policy, written once (run_checkpoints)
@@ -154,7 +155,8 @@ class RLTrainer:
                 m["train/skipped"] = 1.0
                 return {**m, **timer.metrics()}
             m.update(agent_metrics(batch))  # multi-turn rollouts: turns, tool calls, tool errors (else nothing)
-            self.traces.observe(step, batch)  # trainer.trace_freq: decoded turns to traces.jsonl
+            if self.traces is not None:  # trainer.trace_freq: decoded turns to traces.jsonl
+                self.traces.observe(step, batch)
             m.update(old_policy_phase(cfg, self.actor, batch, timer))  # old log-probs (or the rollout's)
             if self.use_ref:
                 with timer("ref"):
@@ -241,10 +243,10 @@ class RLTrainer:
             self.load_checkpoint(resume)
             summary["resumed_from"] = str(resume)
         elif cfg.model.sft_warm_start:
-            rows = builtin_sft_rows(cfg, at_least=2000)
-            if rows is None:
-                raise ValueError(f"model.sft_warm_start needs a task with built-in SFT rows (data.name="
-                                 f"{cfg.data.name}); run `portrl sft` first")
+            rows = builtin_sft_rows(cfg, at_least=2000) if warm_start_task(cfg) is not None else None
+            if rows is None:  # the preflight turns a preset's off for such data (portrl.trainer.data_fit)
+                raise ValueError(f"model.sft_warm_start needs the generated rows of a task with built-in SFT rows "
+                                 f"(data.name={cfg.data.name}, data.train_files empty); run `portrl sft` first")
             if t.val_before_train and self.val_prompts is not None:
                 summary["val_before"] = self.validate(-1).get("val/acc/mean")  # the untrained model
             sft = self.actor.metrics("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),

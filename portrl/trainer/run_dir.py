@@ -23,6 +23,11 @@ checkpoint) is checked, and rebuilt when damaged or missing, as the checkpoint l
 
 ``on_existing_run=move_aside`` (default ``refuse``) turns each refusal because of an earlier run into moving
 that run's directory to ``<output_dir>.old-<YYYYmmdd-HHMMSS>`` (nothing deleted) and starting fresh.
+
+An earlier run with nothing to resume and no result (:func:`nothing_to_keep_in_place`: its ``run.json`` but no
+checkpoint, no ``hf_model``, ``plots`` or ``sft`` model, and nothing but a run's files: a run stopped before its
+first checkpoint) blocks nothing: where it would be refused, it is moved aside as with ``move_aside`` and one
+warning line says so and names where it went.
 A trainer object that calls ``fit()`` again (``own_run_id``) continues the run it started itself.
 
 Nothing in the directory is changed before the decision; a fresh start writes ``run.json`` only where none
@@ -68,10 +73,32 @@ def foreign_entries(out_dir: Path) -> List[str]:
     return sorted(e.name for e in out_dir.iterdir() if e.name not in RUN_ENTRIES and not _TEMP.match(e.name))
 
 
-def move_aside(out_dir: Path) -> Path:
+def move_aside(out_dir: Path, announce: bool = True) -> Path:
     """Rename ``out_dir`` to ``<out_dir>.old-<time>`` (portrl.outputs.move_aside); recreate it empty."""
-    target = outputs.move_aside(out_dir)
+    target = outputs.move_aside(out_dir, announce)
     out_dir.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+#: what a run writes only when it finished (or that is a trained model of its own): never moved unasked
+RESULTS = ("hf_model", "plots", "sft")
+
+
+def nothing_to_keep_in_place(out_dir: Path, ckpt: CheckpointManager) -> bool:
+    """``out_dir`` holds a run that recorded itself (``run.json``) and has nothing to resume and no result: no
+    checkpoint (intact or not), none of :data:`RESULTS`, nothing but a run's files (a run stopped before its first
+    checkpoint). Such a folder is moved aside for a new run instead of refusing it."""
+    return ((out_dir / RUN_FILE).is_file() and not ckpt.checkpoints() and not foreign_entries(out_dir)
+            and not any(os.path.lexists(out_dir / name) for name in RESULTS))
+
+
+def take_over(out_dir: Path, ckpt: CheckpointManager) -> Path:
+    """Move aside the run in ``out_dir`` that has nothing to keep in place (:func:`nothing_to_keep_in_place`) for a
+    new run, saying so in one warning line that names where it went; returns that place."""
+    held = ", ".join(run_contents(out_dir, ckpt))
+    target = move_aside(out_dir, announce=False)
+    log.warning("trainer.output_dir=%s held an earlier run with no checkpoint to resume (%s): moved to %s (nothing "
+                "deleted); this run starts in %s", out_dir, held, target, out_dir)
     return target
 
 
@@ -103,11 +130,15 @@ def prepare_run_dir(cfg: Any, out_dir: Path, ckpt: CheckpointManager, identity: 
 
     def aside_or_refuse(why: str) -> None:
         nonlocal rec
-        if on_existing != "move_aside":
+        stopped = nothing_to_keep_in_place(out_dir, ckpt)
+        if on_existing != "move_aside" and not stopped:
             raise _refuse(out_dir, why, resume)
         if dry_run:
             raise _MovedAside
-        move_aside(out_dir)
+        if on_existing == "move_aside":
+            move_aside(out_dir)
+        else:
+            take_over(out_dir, ckpt)  # a run stopped before its first checkpoint: said in one line
         rec = None
 
     def refuse_foreign() -> None:  # a fresh start into a folder of the user's own files
@@ -206,5 +237,5 @@ def check_run_dir(cfg: Any) -> None:
     prepare_run_dir(cfg, out_dir, ckpt, run_identity(cfg), dry_run=True)
 
 
-__all__ = ["ON_EXISTING", "RUN_ENTRIES", "check_run_dir", "foreign_entries", "prepare_run_dir", "move_aside",
-           "run_contents"]
+__all__ = ["ON_EXISTING", "RESULTS", "RUN_ENTRIES", "check_run_dir", "foreign_entries", "move_aside",
+           "nothing_to_keep_in_place", "prepare_run_dir", "run_contents", "take_over"]

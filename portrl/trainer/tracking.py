@@ -6,7 +6,8 @@ non-finite values become ``null``; strings are kept), appends one JSON line
 finished step) and forwards the floats to the selected loggers:
 
 * ``console``: a tqdm progress bar showing a few key metrics (or one log line per step when
-  ``progress_bar`` is False);
+  ``progress_bar`` is False), and while a step or a validation runs, the phase it is in and for how long
+  (portrl.progress: in the bar's description every few seconds, or a log line every 30 s);
 * ``jsonl``: the file above;
 * ``tensorboard`` / ``wandb`` / ``mlflow``: imported only when selected; a selected one that is not
   installed is an ImportError naming the package and ``pip install 'portrl[logging]'``.
@@ -33,6 +34,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from portrl.device import import_optional
+from portrl.progress import BAR_EVERY_S, LOG_EVERY_S, Heartbeat
 from portrl.user_files import temp_name
 
 log = logging.getLogger(__name__)
@@ -120,8 +122,12 @@ class Tracker:
         self._mlflow = None
         self._last_step = self.resume_step
         self._jsonl_pending = "jsonl" in self.loggers  # opened (fresh or cut at resume_step) at the first log
+        self._heartbeat: Optional[Heartbeat] = None
         if "console" in self.loggers and progress_bar:
             self._bar = tqdm(total=total_steps, initial=self.resume_step, desc="train", unit="step", dynamic_ncols=True)
+        if "console" in self.loggers:  # the phase that runs, while it runs (portrl.progress)
+            self._heartbeat = Heartbeat(self._show_activity, lambda: self._last_step + 1,
+                                        BAR_EVERY_S if self._bar is not None else LOG_EVERY_S)
         if "tensorboard" in self.loggers:
             self._tb = self._open_tensorboard()
         if "wandb" in self.loggers:
@@ -201,6 +207,14 @@ class Tracker:
         self._last_step = int(step)
         return record
 
+    def _show_activity(self, text: str) -> None:
+        bar = self._bar
+        if bar is not None:
+            bar.set_description_str(f"train [{text}]")
+        else:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            log.info("running (of %s%s steps): %s", self._last_step, total, text)
+
     def _console(self, numeric: dict, step: int) -> None:
         shown = {}
         for label, keys in CONSOLE_KEYS:
@@ -209,6 +223,7 @@ class Tracker:
                     shown[label] = f"{numeric[k]:.3g}"
                     break
         if self._bar is not None:
+            self._bar.set_description_str("train", refresh=False)
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(max(0, step - self._bar.n))
         else:
@@ -220,6 +235,9 @@ class Tracker:
         cause (a full disk: the last buffered line cannot be written) is a warning, so that the run's own one-line
         error is what the user sees."""
         self._jsonl_pending = False
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._jsonl is not None:
             jsonl, self._jsonl = self._jsonl, None
             try:

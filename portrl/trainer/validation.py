@@ -11,6 +11,7 @@ import torch
 from portrl.rewards import per_source_metrics
 from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.generation import generation_seed, prompt_batch, run_dataset, sampling_params
+from portrl.progress import activity
 from portrl.workers.batch import Batch, response_lengths
 
 
@@ -36,15 +37,18 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
     size = cfg.data.val_batch_size or len(prompts)
     sources: List[str] = []
     acc, score, lens, generated = [], [], [], []
-    for i, chunk in enumerate(prompts.split(int(size))):
-        b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i), greedy=True),
-                       **(extra or {}))
-        r = reward.compute_reward(b)
-        generated.append(Batch(meta=b.meta))  # its meta alone: what agent_metrics reads
-        sources += [str(s) for s in b.meta["data_source"]]
-        acc.append(r.tensors["acc"].float())
-        score.append(r.tensors["seq_scores"].float())
-        lens.append(response_lengths(b).float())  # all valid tokens, as response_length/* (metrics.py)
+    chunks = prompts.split(int(size))
+    with activity("validation") as shown:  # the console shows it while it runs (portrl.progress)
+        for i, chunk in enumerate(chunks):
+            shown[2] = f"{i * int(size)}/{len(prompts)} prompts done" if len(chunks) > 1 else ""
+            b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i),
+                                                                  greedy=True), **(extra or {}))
+            r = reward.compute_reward(b)
+            generated.append(Batch(meta=b.meta))  # its meta alone: what agent_metrics reads
+            sources += [str(s) for s in b.meta["data_source"]]
+            acc.append(r.tensors["acc"].float())
+            score.append(r.tensors["seq_scores"].float())
+            lens.append(response_lengths(b).float())  # all valid tokens, as response_length/* (metrics.py)
     a, s = torch.cat(acc), torch.cat(score)
     out = {k: v for k, v in per_source_metrics(sources, s, a, prefix="val/").items() if "/count/" not in k}
     out["val/acc/mean"] = float(a.mean())

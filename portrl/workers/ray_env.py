@@ -87,6 +87,7 @@ def init_ray(cfg: Any, backend: Backend, *, num_cpus: Optional[int] = None, num_
             ray.init(address=str(address), **common)
             return
         _loopback_only()
+        _patient_local_start()
         ray_watchdog.start(os.path.dirname(ray.__file__))  # before ray.init: a driver killed meanwhile is covered
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, num_gpus=num_gpus,
                  resources=resources, **common)
@@ -144,6 +145,17 @@ def _loopback_only() -> None:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+LOCAL_START_WAIT_S = 120
+
+
+def _patient_local_start() -> None:
+    """Give a local Ray's GCS :data:`LOCAL_START_WAIT_S` seconds to write its port file and answer, not Ray's
+    30 s: on a loaded 2-core host (a test suite beside a run) the GCS has been seen to take longer and
+    ``ray.init`` failed with "Timed out waiting for file .../gcs_server_port_...". Ray reads the wait from
+    ``RAY_gcs_server_port_wait_time_s`` in this process; a value the user set is kept."""
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(LOCAL_START_WAIT_S))
 
 
 def local_device_index(backend: Backend, accelerator_ids: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
