@@ -155,3 +155,41 @@ def test_session_processes_are_this_drivers_and_started_since():
     assert session_processes(99999999, started) == {proc.pid: started}
     assert session_processes(9999999, 0) == {}  # another driver's (a suffix of this one's pid is not a match)
     assert session_processes(99999999, started + 1) == {}  # started before the watchdog
+
+
+SECOND_RAY_DRIVER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from portrl.workers import ray_watchdog
+    ray_dir = sys.argv[1]
+    first = ray_watchdog.start(ray_dir)
+    raylet = subprocess.Popen([sys.executable, ray_dir + "/gcs_server.py"])
+    time.sleep(1.5)  # the first watchdog has seen its Ray
+    raylet.kill()  # the first Ray ends (ray.shutdown) ...
+    raylet.wait()
+    second = ray_watchdog.start(ray_dir)  # ... and a second one starts at once
+    session = f"session_2026-12-05_02-00-00_123456_{os.getpid()}"
+    # the new GCS as the first watchdog's sweep would see it: it names a session of this driver
+    gcs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--session-name={session}"])
+    print(first.pid, second.pid, gcs.pid, first.poll() is not None, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_ray_of_the_same_driver_survives_the_first_watchdog(tmp_path):
+    """A driver that shuts its Ray down and starts another (a pytest process, module after module): the first
+    watchdog is retired before the second Ray starts, so its sweep by session name does not reach the new Ray's
+    processes (CI: the new GCS was killed and ``ray.init`` timed out waiting for its port file)."""
+    ray_dir = tmp_path / "site-packages" / "ray"
+    ray_dir.mkdir(parents=True)
+    (ray_dir / "gcs_server.py").write_text("import time\ntime.sleep(120)\n")
+    driver = subprocess.Popen([sys.executable, "-c", SECOND_RAY_DRIVER, str(ray_dir)], stdout=subprocess.PIPE,
+                              text=True)
+    _STARTED.append(driver.pid)
+    first, second, gcs, first_ended = driver.stdout.readline().split()
+    _STARTED.extend([int(first), int(second), int(gcs)])
+    assert first_ended == "True"  # retired before the second start returned
+    time.sleep(2.0)  # more than a poll and a sweep of the first watchdog
+    assert _running(int(gcs)) and _running(int(second))
+    driver.kill()
+    driver.wait()
+    _gone_within([int(gcs), int(second)], 10)  # the second watchdog still does its job

@@ -152,9 +152,10 @@ LOCAL_START_WAIT_S = 120
 
 def _patient_local_start() -> None:
     """Give a local Ray's GCS :data:`LOCAL_START_WAIT_S` seconds to write its port file and answer, not Ray's
-    30 s: on a loaded 2-core host (a test suite beside a run) the GCS has been seen to take longer and
-    ``ray.init`` failed with "Timed out waiting for file .../gcs_server_port_...". Ray reads the wait from
-    ``RAY_gcs_server_port_wait_time_s`` in this process; a value the user set is kept."""
+    30 s, for a loaded 2-core host (a test suite beside a run). (The "Timed out waiting for file
+    .../gcs_server_port_..." failures CI saw were a GCS killed at birth by the watchdog of an earlier Ray of the
+    same process, fixed in :func:`portrl.workers.ray_watchdog.retire_previous`, not a slow one.) Ray reads the
+    wait from ``RAY_gcs_server_port_wait_time_s`` in this process; a value the user set is kept."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(LOCAL_START_WAIT_S))
 
 

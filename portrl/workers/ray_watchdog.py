@@ -21,6 +21,9 @@ Those are found by name: Ray calls a local session ``session_<date>_<pid of the 
 every process it starts (``--session-name=``, ``--session-dir=``, ``--session_dir=``); at the end the watchdog also
 ends this user's processes started after it whose arguments name a session of its driver (:func:`session_processes`).
 
+A process that starts a second local Ray (after ``ray.shutdown``) first retires the watchdog of the first (:func:`retire_previous`),
+whose final sweep by session name would otherwise reach the new Ray.
+
 Nothing else is touched: a Ray the driver joined (``trainer.ray_address``, a cluster built with ``ray start``)
 gets no watchdog, and its processes are not the driver's children anyway. Linux only (``/proc``); elsewhere
 :func:`start` starts nothing.
@@ -49,12 +52,31 @@ def start(ray_dir: str) -> Optional[subprocess.Popen]:
     where there is no ``/proc``."""
     if not os.path.isdir("/proc/self/task"):
         return None
+    retire_previous()
     proc = subprocess.Popen(
         [sys.executable, "-m", "portrl.workers.ray_watchdog", str(os.getpid()), os.path.abspath(ray_dir)],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _running.append(proc)  # keeps the write end open for as long as this process lives
     threading.Thread(target=proc.wait, name="ray-watchdog-reaper", daemon=True).start()
     return proc
+
+
+def retire_previous(timeout_s: float = GRACE_S + 8.0) -> None:
+    """End the watchdogs of this process's earlier local Rays (``ray.shutdown`` then a new ``ray.init``, as one
+    pytest process does module after module) before the next Ray starts: closing the pipe makes each one end what
+    is left of its own Ray and exit, and this waits for that. Without it, a watchdog whose Ray had just ended
+    swept "every process naming a session of this driver started after it" while the next Ray started, and took
+    the new GCS with it (CI: ``ray.init`` then waited in vain for the GCS's port file). One that does not exit
+    within ``timeout_s`` is killed."""
+    while _running:
+        proc = _running.pop()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # ------------------------------------------------------------------------------------------ /proc
