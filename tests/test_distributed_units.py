@@ -239,3 +239,19 @@ def test_reward_model_scores_pairs(tmp_path):
         scorer.score(prompts[:2], responses[:1])
     with pytest.raises(FileNotFoundError, match="not a local model directory"):
         RewardModelScorer(str(tmp_path / "missing"), get_backend("cpu"))
+
+
+def test_a_rendezvous_port_is_free_and_outside_the_ephemeral_range(monkeypatch):
+    """Ports for rank 0 to listen on come from below the range outgoing connections take their local ports from
+    (a connection of another process could take one between the pick and the listen: CI's EADDRINUSE)."""
+    import socket
+
+    from portrl.workers import parallel
+
+    low, _ = parallel._ephemeral_ports()
+    ports = {parallel.find_free_port() for _ in range(20)}
+    assert all(parallel.LISTEN_PORTS_FROM <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free indeed
+    monkeypatch.setattr(parallel, "_ephemeral_ports", lambda: (parallel.LISTEN_PORTS_FROM + 10, 60999))
+    assert parallel.find_free_port() > 0  # no room below the range: the OS's pick

@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +27,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from portrl.workers.parallel import find_free_port  # below the ephemeral range, as portrl's own rendezvous
+
+    return find_free_port()
 
 
 def _ray_env(tmp_path):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from portrl.backends.cpu import isa, native_build
+from portrl.backends.cpu.decode_attention import decode_attention_fused
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
@@ -23,7 +24,9 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacke
                # Qwen2.5's 151936-token head, 2048 tokens: forward + backward 19.5 -> 10.8 s on 2 cores)
                "logprobs_entropy": ("vocab_blocks", "native"),
                # one pass forward and one backward instead of five (backends/cpu/swiglu.py)
-               "swiglu": ("fused", "native")}
+               "swiglu": ("fused", "native"),
+               # one pass over each row's cache for all heads of a KV head (backends/cpu/decode_attention.py)
+               "decode_attention": ("fused", "native")}
 
 
 #: cost of one SDPA call beyond its math, in units of one query-key pair: about attention over 64 tokens
@@ -197,3 +200,4 @@ def register(registry: KernelRegistry) -> None:
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)
     registry.register("linear_prepacked", "rows", linear_prepacked_rows, available=native_kernels_available)
     registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)
+    registry.register("decode_attention", "fused", decode_attention_fused, available=native_kernels_available)

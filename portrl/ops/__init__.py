@@ -8,6 +8,7 @@ from portrl.ops.attention import (
     check_varlen_inputs,
     cu_seqlens_from_lengths,
     cu_seqlens_from_position_ids,
+    decode_attention,
 )
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, rotate_half, swiglu
 from portrl.ops.logprobs import RowOps, chunked_logprobs_entropy, logprobs_entropy, logprobs_entropy_full
@@ -16,7 +17,8 @@ from portrl.ops.rotary_multimodal import apply_multimodal_rotary, multimodal_cos
 
 __all__ = [
     "OPS", "OpError", "RowOps", "apply_multimodal_rotary", "apply_rotary", "attention_varlen", "check_varlen_inputs",
-    "chunked_logprobs_entropy", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "implementations",
+    "chunked_logprobs_entropy", "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "decode_attention",
+    "implementations",
     "linear_prepacked", "logprobs_entropy", "logprobs_entropy_full", "multimodal_cos_sin", "multimodal_rope_index",
     "register", "rms_norm", "rotate_half", "runnable", "select", "swiglu", "unregister",
 ]

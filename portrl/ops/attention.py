@@ -97,3 +97,25 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs, dim=0).to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden_keys: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one new token per row against its KV cache (a decode step):
+    ``out[b, h] = softmax(scale * q[b, h] k[b, g]^T, -inf where hidden_keys[b]) v[b, g]``, ``g = h // (H / KV)``.
+
+    ``q`` (B, H, 1, D); ``k``, ``v`` (B, KV, L, D) (views of a cache are fine); ``hidden_keys`` (B, L) bool marks
+    the keys a row may not see. Returns (B, H, 1, D). The query heads of each KV head go as one batch (grouped-query
+    attention without repeating k / v): four small ops instead of SDPA's per-call set-up, which dominates at one
+    query. It computes in at least float32 (a copy of k and v for bfloat16 / float16). A row with every key hidden gives NaN (softmax of -inf only)."""
+    B, H, one, D = q.shape
+    KV, L = k.shape[1], k.shape[2]
+    if one != 1 or H % KV or v.shape != k.shape or tuple(hidden_keys.shape) != (B, L):
+        raise ValueError(f"decode_attention needs q (B, H, 1, D), k and v (B, KV, L, D) with H a multiple of KV and "
+                         f"hidden_keys (B, L); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"hidden_keys {tuple(hidden_keys.shape)}")
+    compute = torch.promote_types(q.dtype, torch.float32)  # bfloat16 scores would be off by ~1 % each
+    qg = q.reshape(B, KV, H // KV, D).to(compute)
+    scores = torch.matmul(qg, k.to(compute).transpose(-1, -2)).mul_(scale)  # (B, KV, rep, L)
+    scores.masked_fill_(hidden_keys.view(B, 1, 1, L), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.to(compute)).view(B, H, 1, D).to(q.dtype)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from portrl.ops import registry
-from portrl.ops.attention import attention_varlen, cu_seqlens_from_lengths
+from portrl.ops.attention import attention_varlen, cu_seqlens_from_lengths, decode_attention
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
 from portrl.ops.rotary_multimodal import apply_multimodal_rotary, multimodal_rope_index
@@ -149,6 +149,19 @@ def _swiglu_inputs(s):
                       "up": torch.randn(total, s["intermediate"], generator=g)}
 
 
+def _decode_attention_inputs(s):
+    """One decode step: a query per row against a cache view (its slots beyond the step unused) where each row's
+    left padding (the longest sequence's length minus its own) is hidden."""
+    rows, longest, d = len(s["seq_lens"]), max(s["seq_lens"]), s["head_dim"]
+
+    def make(g):
+        cache = torch.randn(2, rows, s["kv_heads"], longest + 8, d, generator=g)
+        hidden = torch.arange(longest)[None] < torch.tensor([longest - n for n in s["seq_lens"]])[:, None]
+        return {"q": torch.randn(rows, s["heads"], 1, d, generator=g), "k": cache[0, :, :, :longest],
+                "v": cache[1, :, :, :longest], "hidden": hidden}
+    return make
+
+
 def _linear_inputs(s):
     rows = len(s["seq_lens"])  # one decode step: a token per sequence
     return lambda g: {"x": torch.randn(rows, s["hidden"], generator=g),
@@ -169,6 +182,8 @@ def op_specs(size: str = "standard") -> dict[str, tuple]:
         "attention_varlen": (_attention_inputs(s), lambda fn: _attention_fn(fn, max_len), ("q", "k", "v")),
         "attention_varlen_bidirectional": (_vision_attention_inputs(s),
                                            lambda fn: _attention_fn(fn, max_segment, causal=False), ("q", "k", "v")),
+        "decode_attention": (_decode_attention_inputs(s), lambda fn: (lambda x: {
+            "out": fn(x["q"], x["k"], x["v"], x["hidden"], s["head_dim"] ** -0.5)}), ()),  # inference only (decode)
         "linear_prepacked": (_linear_inputs(s), _linear_fn, ()),  # inference only (decode loops)
         "logprobs_entropy": (_logprobs_inputs(s), _logprobs_fn, ("hidden", "weight")),
         "rms_norm": (_rms_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["weight"], 1e-6)}), ("x", "weight")),
@@ -180,7 +195,8 @@ def op_specs(size: str = "standard") -> dict[str, tuple]:
 
 
 def _native(op: str):
-    return {"attention_varlen": attention_varlen, "linear_prepacked": linear_prepacked,
+    return {"attention_varlen": attention_varlen, "decode_attention": decode_attention,
+            "linear_prepacked": linear_prepacked,
             "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm, "rotary": apply_rotary,
             "rotary_multimodal": apply_multimodal_rotary, "swiglu": swiglu}[op]
 

@@ -80,6 +80,11 @@ PREPACK_MIN_STEPS = 16
 
 
 _NO_CACHE = torch.empty(0)  # the KV cache of a decoder between calls (start allocates one)
+#: On the CPU the keys are stored transposed, (head_dim, slots) per row and KV head, with the slots padded to a
+#: multiple of this (64-byte rows of float32): a decode step's scores then take a vector of keys per load with no
+#: horizontal sums (backends/cpu/decode_attention.cpp; on the Qwen2.5-0.5B shapes the fused attention is 2x torch's,
+#: and unaligned rows cost it ~1.5x). ``k_cache`` stays the (layers, rows, KV, slots, head_dim) view.
+KEY_ALIGN = 16
 
 
 class FastDecoder:
@@ -97,9 +102,11 @@ class FastDecoder:
         self.layers: list = []
         self.head: Any = None
         self.tape: Any = None  # a portrl.models.forward_tape.ForwardTape while recording
+        self._k_store: torch.Tensor = _NO_CACHE  # the keys' storage where k_cache is its transposed view (KEY_ALIGN)
         self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
         self._swiglu = select("swiglu", backend=backend)[1]
+        self._attend = select("decode_attention", backend=backend)[1]
 
     @property
     def device(self) -> torch.device:
@@ -135,8 +142,13 @@ class FastDecoder:
         head = self.model.lm_head
         self.head = linear(head.weight, head.bias)
         w = self.inner.embed_tokens.weight
-        self.k_cache = torch.zeros(len(self.layers), rows, self.n_kv, max_len, self.head_dim, dtype=w.dtype, device=w.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        shape = (len(self.layers), rows, self.n_kv, max_len, self.head_dim)
+        if w.device.type == "cpu":
+            self._k_store = torch.zeros(*shape[:3], self.head_dim, -(-max_len // KEY_ALIGN) * KEY_ALIGN, dtype=w.dtype)
+            self.k_cache = self._k_store.transpose(-1, -2)[:, :, :, :max_len]  # keys stored transposed (KEY_ALIGN)
+        else:
+            self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         pos = torch.arange(max_len, device=w.device)[None]
         cos, sin = self.inner.rotary_emb(w[:1, None], pos)  # (1, max_len, head_dim)
         half = self.head_dim // 2
@@ -152,11 +164,15 @@ class FastDecoder:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only cache rows ``index`` (drop finished sequences, or repeat prompts for n samples)."""
-        self.k_cache = self.k_cache.index_select(1, index)
+        if self.k_cache.stride(-1) != 1:  # stored transposed: select on the storage, keep the layout
+            self._k_store = self._k_store.index_select(1, index)
+            self.k_cache = self._k_store.transpose(-1, -2)[:, :, :, : self.k_cache.shape[3]]
+        else:
+            self.k_cache = self.k_cache.index_select(1, index)
         self.v_cache = self.v_cache.index_select(1, index)
 
     def release(self) -> None:
-        self.layers, self.head, self.k_cache, self.v_cache = [], None, _NO_CACHE, _NO_CACHE
+        self.layers, self.head, self.k_cache, self.v_cache, self._k_store = [], None, _NO_CACHE, _NO_CACHE, _NO_CACHE
 
     # ------------------------------------------------------------------------------- forward
     @staticmethod
@@ -194,7 +210,7 @@ class FastDecoder:
             # a query on left padding sees no real key; let it see itself so softmax stays finite
             mask = mask | _diag(S, end, start, ids.device)
         one_token_cpu = S == 1 and ids.device.type == "cpu"
-        hidden_keys = ~mask.view(B, 1, 1, -1) if one_token_cpu else None
+        hidden_keys = ~mask.view(B, -1) if one_token_cpu else None
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj, eps1, eps2) in enumerate(self.layers):
             h = self._rms(x, ln1, eps1)
             qkv = qkv_proj(h)
@@ -205,8 +221,8 @@ class FastDecoder:
             self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
             self.v_cache[li, :, :, start:end] = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
             if hidden_keys is not None:  # one token a row, on the CPU
-                o = _decode_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], hidden_keys,
-                                      self.scale)
+                o = self._attend(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], hidden_keys,
+                                 self.scale)
             else:
                 o = F.scaled_dot_product_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
@@ -220,19 +236,6 @@ class FastDecoder:
                 for which, out in ((1, o), (2, gu), (3, down)):
                     tape.save(li, which, out, record_at)
         return self.head(self._rms(x[:, -1], self.final_norm_w, self.final_eps))
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden_keys: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One query per row: ``softmax(scale q k^T + M) v`` with the query heads of each KV head as one
-    batch (GQA without repeating k/v); ``hidden_keys`` (B, 1, 1, L) bool marks the keys a row may not see.
-    Four small ops instead of SDPA's per-call set-up, which dominates at one query."""
-    B, H, _, D = q.shape
-    KV = k.shape[1]
-    qg = q.view(B, KV, H // KV, D)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # (B, KV, rep, L)
-    scores.masked_fill_(hidden_keys, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).view(B, H, 1, D)
 
 
 def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import math
 import os
+import random
 import socket
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
@@ -38,8 +39,41 @@ STRATEGIES = ("auto", "fsdp", "ddp", "none")
 log = logging.getLogger(__name__)
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+#: the lowest port :func:`find_free_port` picks: above Ray's worker ports (10002-19999 by default)
+LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the OS gives outgoing connections their local ports from (Linux's
+    ``net.ipv4.ip_local_port_range``; 32768-60999, its default, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(x) for x in fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def find_free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A TCP port free on ``host`` now, for a rendezvous that rank 0 will listen on a moment later: a random one
+    from :data:`LISTEN_PORTS_FROM` up to the OS's ephemeral range, tested by binding it.
+
+    Not the OS's pick (binding port 0): that comes from the ephemeral range, which every outgoing connection on the
+    host also draws its local port from, so between this call and the listen a Ray process's connection could take
+    it (CI: ``EADDRINUSE`` in ``init_process_group`` while two test processes ran Ray clusters). Below that range
+    only listeners that choose their port take one. Falls back to the OS's pick when no port there is free (or the
+    ephemeral range starts too low to leave one)."""
+    low = LISTEN_PORTS_FROM
+    high = min(_ephemeral_ports()[0], 65536)
+    rng = random.SystemRandom()
+    for _ in range(attempts if high - low > 100 else 0):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
