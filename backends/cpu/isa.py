@@ -1,4 +1,5 @@
-"""Which instruction-set variant of the CPU's native kernels (backends/cpu/rows_linear.cpp, swiglu.cpp) runs here.
+"""Which instruction-set variant of the CPU's native kernels (backends/cpu/rows_linear.cpp, swiglu.cpp,
+decode_attention.cpp) runs here.
 
 Variants, best first: ``avx512`` (AVX-512 F/BW/VL/DQ, the CPUs torch itself runs as ``AVX512``: Intel Skylake-SP and
 later, AMD Zen 4 and later) and ``avx2`` (AVX2 + FMA: Intel Haswell and later, AMD Zen 1-3, most laptops and cloud

@@ -139,9 +139,9 @@ ROWS_MAX = 64
 
 
 def native_kernels_available() -> bool | str:
-    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp) can run here: True on an x86-64 CPU
-    with AVX-512 or AVX2 + FMA (capped by torch's CPU capability, forced by ``PORTRL_CPU_ISA``: backends/cpu/isa.py)
-    and a C++ compiler, else the reason. Raises :class:`~portrl.errors.UserError` for a bad ``PORTRL_CPU_ISA``."""
+    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp, decode_attention.cpp) can run here:
+    True on an x86-64 CPU with AVX-512 or AVX2 + FMA (capped by torch's CPU capability, forced by
+    ``PORTRL_CPU_ISA``: backends/cpu/isa.py) and a C++ compiler, else the reason. Raises :class:`~portrl.errors.UserError` for a bad ``PORTRL_CPU_ISA``."""
     choice = isa.chosen()
     return True if choice.variant else choice.reason
 
