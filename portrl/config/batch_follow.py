@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from omegaconf import OmegaConf
+
 #: the mini-batch sizes that follow data.train_batch_size (prompts; a null one means "the actor's")
 FOLLOWERS = ("actor.ppo_mini_batch_size", "reward_model.mini_batch_size")
 
@@ -26,24 +28,9 @@ def mini_batch_for(n: int, steps: int) -> int:
     return min((k for k in range(1, n + 1) if n % k == 0), key=lambda k: (abs(n // k - steps), -k))
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _set(cfg: Any, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    node[last] = value
-
-
 def batch_sizes(cfg: Any) -> Dict[str, Optional[int]]:
     """``data.train_batch_size`` and the :data:`FOLLOWERS` of ``cfg`` (as the presets left them)."""
-    return {k: _get(cfg, k) for k in ("data.train_batch_size", *FOLLOWERS)}
+    return {k: OmegaConf.select(cfg, k) for k in ("data.train_batch_size", *FOLLOWERS)}
 
 
 def follow_train_batch(cfg: Any, explicit: set, preset: Dict[str, Optional[int]], origins: Any = None) -> None:
@@ -57,11 +44,11 @@ def follow_train_batch(cfg: Any, explicit: set, preset: Dict[str, Optional[int]]
         return  # refused by the checks (must be >= 1)
     for key in FOLLOWERS:
         mini = preset.get(key)
-        if key in explicit or mini is None or _get(cfg, key) is None or int(mini) < 1:
+        if key in explicit or mini is None or OmegaConf.select(cfg, key) is None or int(mini) < 1:
             continue
         new = mini_batch_for(batch, max(1, preset_batch // int(mini)))
-        if new != _get(cfg, key):
-            _set(cfg, key, new)
+        if new != OmegaConf.select(cfg, key):
+            OmegaConf.update(cfg, key, new, merge=False)
             if origins is not None:
                 origins.derived(key, new, f"following data.train_batch_size={batch}")
 
