@@ -5,20 +5,28 @@
 // can be loaded in one process); built per variant by backends/cpu/native_build.py (AVX-512: -march=native on a
 // CPU with it; AVX2: -mavx2 -mfma, which any AVX2 + FMA CPU runs) and chosen by backends/cpu/isa.py.
 //
-// Tiling: the output columns are cut into tiles of NT = 3 weight rows (3 contiguous streams of K floats). For
-// each tile and each block of up to RB input rows, RB x NT accumulators take acc[r][n] += x[r][k:k+L] * W[n][k:k+L]
-// for k = 0, L, ..., K (the last chunk masked), then each is summed across its L lanes. AVX-512: L = 16 lanes,
-// RB = 8 (24 of the 32 zmm registers accumulate); AVX2: L = 8, RB = 4 (12 of the 16 ymm registers accumulate, 3
-// hold the weights, the input is an FMA memory operand). Per chunk: NT weight loads, RB input loads, RB x NT FMAs,
-// so the FMA units, not the loads, set the pace. The first row block reads the tile from memory; the next blocks
-// find it in L1/L2 (3 x K floats: 10.5 KiB at K = 896, 57 KiB at K = 4864). The next tile is prefetched into L2
-// while the current one computes, so that the memory stream does not wait on the compute of the later row blocks.
-// Tiles are split across torch's intra-op threads. Each output is one dot product summed by L lanes then across
-// them: equal to F.linear up to float32 summation order.
+// Two tilings, chosen by the number of input rows M; each output is y[m][n] summed in float32 (F.linear up to the
+// summation order).
 //
-// Against the packed-panel kernel it replaced (a copy of every weight in a k-major panel layout, made once per
-// generate call): Qwen2.5-0.5B's decode linears at 16 rows on 2 Zen 4 threads read at 16.7 GB/s against its
-// 17.5 (the compute peak at 16 rows is ~18), with no 1.84 GB copy and no 0.7 s of packing per call.
+// Dot tiles (fewer than LANE_ROWS_FROM rows; every AVX2 call): the output columns are cut into tiles of NT = 3 weight
+// rows (3 contiguous streams of K floats). For each tile and each block of up to RB input rows, RB x NT accumulators
+// take acc[r][n] += x[r][k:k+L] * W[n][k:k+L] for k = 0, L, ..., K (the last chunk masked), then each is summed
+// across its L lanes. AVX-512: L = 16 lanes, RB = 8 (24 of the 32 zmm registers accumulate); AVX2: L = 8, RB = 4.
+// The next tile is prefetched into L2 while the current one computes. Few rows waste no lane here.
+//
+// Lane tiles (AVX-512, LANE_ROWS_FROM rows or more): the input rows go across the lanes. x is first transposed into
+// xT (K, V x 16), V = ceil(M / 16) vectors a k, rows past M zero; a tile of NT weight rows keeps NT x V accumulators,
+// acc[n][v] += W[n][k] (one float, broadcast: the FMA's memory operand) * xT[k][v] for k = 0 .. K-1, so each
+// accumulator holds 16 rows' outputs of one column: no sum across lanes, and per k V vector loads for NT x V FMAs.
+// NT = 16 / 8 / 8 / 6 for V = 1..4; a whole 16 x 16 tile is transposed in registers and stored a row at a time. No
+// software prefetch: the hardware's streams do better on this access (measured: every prefetch distance tried lost).
+//
+// Measured (2 threads, Intel Xeon with AVX-512, Qwen2.5-0.5B's decode linears, all 24 layers and the head from memory:
+// benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87-0.89x the time at 16 rows, 0.87 at
+// 32, 0.81 at 64, 1.0 at 12, 1.07 at 8 and 1.35 at 1 row (lanes computed for nothing); the AVX2 build of lane tiles
+// (8 lanes, explicit broadcasts) was 1.09-1.14x its dot tiles at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are
+// split across torch's intra-op threads in contiguous runs. The dot tiles replaced a packed-panel kernel that needed
+// a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of packing per generate call.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,19 +35,20 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
 
 namespace {
 
-
-constexpr int NT = 3;
-constexpr int64_t LINE = 16;  // floats per 64-byte cache line
+constexpr int NT = 3;                  // dot tiles: weight rows a tile
+constexpr int64_t LINE = 16;           // floats per 64-byte cache line
 
 #if defined(__AVX512F__)
 constexpr int RB = 8;
 constexpr int64_t LANES = 16;
+constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (crossover measured above)
 using Vec = __m512;
 using Mask = __mmask16;
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -51,6 +60,7 @@ inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int RB = 4;
 constexpr int64_t LANES = 8;
+constexpr int64_t LANE_ROWS_FROM = INT64_MAX;  // no lane tiles on AVX2 (measured above)
 using Vec = __m256;
 using Mask = __m256i;
 alignas(32) constexpr int32_t MASKS[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -68,6 +78,14 @@ inline float sum(Vec v) {
 #error "rows_linear.cpp needs AVX-512F, or AVX2 and FMA (-mavx2 -mfma)"
 #endif
 
+struct Out {  // where a tile's outputs go: out[m * ldo + n] for m < rows, plus bias[n] if given
+  float* out;
+  int64_t ldo;
+  int64_t rows;
+  const float* bias;
+};
+
+// ------------------------------------------------------------------------------------------------------ dot tiles
 template <int N, int R, bool Tail>
 inline void step(const float* __restrict x, int64_t K, const float* __restrict w, int64_t k, Mask m,
                  Vec (&acc)[R][N]) {
@@ -84,8 +102,8 @@ inline void step(const float* __restrict x, int64_t K, const float* __restrict w
 }
 
 template <int N, int R>
-void tile(const float* __restrict x, int64_t K, const float* __restrict w, const float* __restrict next,
-          int64_t next_lines, const float* __restrict bias, float* __restrict out, int64_t ldo) {
+void dot_tile(const float* __restrict x, int64_t K, const float* __restrict w, const float* __restrict next,
+              int64_t next_lines, const float* __restrict bias, float* __restrict out, int64_t ldo) {
   Vec acc[R][N];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -113,19 +131,19 @@ void tile(const float* __restrict x, int64_t K, const float* __restrict w, const
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const float*, float*, int64_t);
+using DotFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const float*, float*, int64_t);
 
 template <int N, int... Rs>
-constexpr std::array<TileFn, sizeof...(Rs) + 1> rows_table(std::integer_sequence<int, Rs...>) {
-  return {nullptr, &tile<N, Rs + 1>...};
+constexpr std::array<DotFn, sizeof...(Rs) + 1> rows_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, &dot_tile<N, Rs + 1>...};
 }
 template <int N>
-TileFn for_rows(int r) {
+DotFn for_rows(int r) {
   static constexpr auto table = rows_table<N>(std::make_integer_sequence<int, RB>{});
   return table[r];
 }
 
-TileFn tile_fn(int n, int r) {
+DotFn dot_fn(int n, int r) {
   switch (n) {
     case 1: return for_rows<1>(r);
     case 2: return for_rows<2>(r);
@@ -133,6 +151,116 @@ TileFn tile_fn(int n, int r) {
   }
 }
 
+// One dot tile: columns n0 .. n0 + n - 1 (n <= NT) of every row, row block by row block.
+void dot_columns(const float* x, int64_t M, int64_t K, const float* w, int n, const float* next, int64_t next_lines,
+                 const Out& o) {
+  // the next tile, prefetched while this one computes, spread over all row blocks (prefetches never fault, so
+  // running past the weight's end is harmless; the next weight's first tiles are left to the hardware)
+  const int64_t blocks = (M + RB - 1) / RB;
+  for (int64_t m0 = 0; m0 < M; m0 += RB) {
+    const int r = static_cast<int>(std::min<int64_t>(RB, M - m0));
+    const int64_t part = next_lines / blocks, skip = (m0 / RB) * part;
+    const int64_t lines = m0 + RB >= M ? next_lines - skip : part;
+    dot_fn(n, r)(x + m0 * K, K, w, next + skip * LINE, lines, o.bias, o.out + m0 * o.ldo, o.ldo);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------- lane tiles
+#if defined(__AVX512F__)
+constexpr int VMAX = 4;  // input-row vectors a lane tile keeps (64 rows: ROWS_MAX of backends/cpu/kernels.py)
+constexpr int LANE_NT[VMAX + 1] = {0, 16, 8, 8, 6};
+
+inline Vec first(const float* p, int64_t n) { return load(p, tail_mask(n)); }
+inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
+inline Vec lo_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
+inline Vec hi_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
+
+// r[i][j] -> r[j][i] for a 16 x 16 block: pairs of floats, then of doubles, then 128-bit lanes twice
+inline void transpose(Vec (&r)[LANES]) {
+  Vec t[LANES];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane j: rows 4i .. 4i+3 of column 4j + c
+    r[4 * i] = lo_pd(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = hi_pd(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = lo_pd(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = hi_pd(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4j + c takes lane j of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const Vec a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+    const Vec e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+    t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xdd);
+    t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xdd);
+  }
+  for (int i = 0; i < LANES; ++i) r[i] = t[i];
+}
+
+// xT[k][m] = x[m][k] for k < K, m < stride (rows past M zero): (K, stride), stride a multiple of 16
+void transpose_input(const float* __restrict x, int64_t M, int64_t K, float* __restrict xT, int64_t stride) {
+  for (int64_t m0 = 0; m0 < stride; m0 += LANES)
+    for (int64_t k0 = 0; k0 < K; k0 += LANES) {
+      const int64_t kn = std::min<int64_t>(LANES, K - k0);
+      Vec r[LANES];
+      for (int i = 0; i < LANES; ++i) r[i] = m0 + i < M ? first(x + (m0 + i) * K + k0, kn) : zero();
+      transpose(r);
+      for (int j = 0; j < kn; ++j) _mm512_storeu_ps(xT + (k0 + j) * stride + m0, r[j]);
+    }
+}
+
+// One lane tile: columns n0 .. n0 + nvalid - 1 of the V x 16 rows in xT. Weight rows past nvalid read the last
+// valid one (their sums are dropped).
+template <int TN, int V>
+void lane_tile(const float* __restrict xT, int64_t stride, int64_t K, const float* __restrict w, int nvalid,
+               const Out& o) {
+  Vec acc[TN][V];
+  const float* wr[TN];
+  for (int n = 0; n < TN; ++n) {
+    wr[n] = w + std::min(n, nvalid - 1) * K;
+    for (int v = 0; v < V; ++v) acc[n][v] = zero();
+  }
+  constexpr int64_t KU = 8;  // k unrolled (16 lost: 1.05x the time of the dot tiles instead of 0.88x)
+  int64_t k = 0;
+  for (; k + KU <= K; k += KU) {
+#pragma GCC unroll 8
+    for (int64_t kk = k; kk < k + KU; ++kk) {
+      Vec xv[V];
+      for (int v = 0; v < V; ++v) xv[v] = load(xT + kk * stride + v * LANES);
+#pragma GCC unroll 16
+      for (int n = 0; n < TN; ++n) {
+        const Vec b = _mm512_set1_ps(wr[n][kk]);
+        for (int v = 0; v < V; ++v) acc[n][v] = madd(b, xv[v], acc[n][v]);
+      }
+    }
+  }
+  for (; k < K; ++k)
+    for (int n = 0; n < TN; ++n)
+      for (int v = 0; v < V; ++v) acc[n][v] = madd(_mm512_set1_ps(wr[n][k]), load(xT + k * stride + v * LANES), acc[n][v]);
+  if constexpr (V == 1 && TN == LANES) {  // a square block: transposed in registers, stored a row of outputs at a time
+    Vec r[LANES];
+    for (int n = 0; n < LANES; ++n) r[n] = acc[n][0];
+    transpose(r);
+    const Vec bias = o.bias ? first(o.bias, nvalid) : zero();
+    for (int64_t m = 0; m < std::min<int64_t>(LANES, o.rows); ++m)
+      store_first(o.out + m * o.ldo, _mm512_add_ps(r[m], bias), nvalid);
+  } else {
+    alignas(64) float sums[TN][V * LANES];
+    for (int n = 0; n < TN; ++n)
+      for (int v = 0; v < V; ++v) _mm512_store_ps(&sums[n][v * LANES], acc[n][v]);
+    for (int64_t m = 0; m < std::min<int64_t>(V * LANES, o.rows); ++m)
+      for (int n = 0; n < nvalid; ++n) o.out[m * o.ldo + n] = sums[n][m] + (o.bias ? o.bias[n] : 0.0f);
+  }
+}
+
+using LaneFn = void (*)(const float*, int64_t, int64_t, const float*, int, const Out&);
+constexpr LaneFn LANE_TILES[VMAX + 1] = {nullptr, &lane_tile<LANE_NT[1], 1>, &lane_tile<LANE_NT[2], 2>,
+                                         &lane_tile<LANE_NT[3], 3>, &lane_tile<LANE_NT[4], 4>};
+#endif
+
+// ---------------------------------------------------------------------------------------------------------- the op
 void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "rows_linear: ", name,
               " must be a contiguous float32 CPU tensor");
@@ -146,12 +274,25 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   const at::Tensor xc = x.contiguous();
   check_float_cpu(xc, "x");
   const int64_t M = xc.size(0), K = xc.size(1);
+  const bool lanes = M >= LANE_ROWS_FROM && K > 0;
+  int nt = NT;
+  at::Tensor xT;  // lane tiles: x transposed, (K, stride)
+  int64_t stride = 0;
+#if defined(__AVX512F__)
+  TORCH_CHECK(!lanes || M <= VMAX * LANES, "rows_linear: at most ", VMAX * LANES, " rows");
+  if (lanes) {
+    stride = (M + LANES - 1) / LANES * LANES;
+    nt = LANE_NT[stride / LANES];
+    xT = at::empty({K, stride}, xc.options());
+    transpose_input(xc.data_ptr<float>(), M, K, xT.data_ptr<float>(), stride);
+  }
+#endif
   std::vector<int64_t> first_tile{0}, first_col{0};  // per weight: its first global tile and output column
   for (const at::Tensor& w : weights) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "rows_linear: every weight must be (out_features, ", K,
                 "); got ", w.sizes());
     check_float_cpu(w, "weight");
-    first_tile.push_back(first_tile.back() + (w.size(0) + NT - 1) / NT);
+    first_tile.push_back(first_tile.back() + (w.size(0) + nt - 1) / nt);
     first_col.push_back(first_col.back() + w.size(0));
   }
   const int64_t N = first_col.back(), tiles = first_tile.back();
@@ -170,22 +311,17 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_tile[i + 1]) ++i;
       const at::Tensor& w = weights[i];
-      const int64_t n0 = (t - first_tile[i]) * NT, rows_w = w.size(0);
-      const int n = static_cast<int>(std::min<int64_t>(NT, rows_w - n0));
+      const int64_t n0 = (t - first_tile[i]) * nt, rows_w = w.size(0);
+      const int n = static_cast<int>(std::min<int64_t>(nt, rows_w - n0));
       const float* wp = w.data_ptr<float>() + n0 * K;
-      // the next tile in this weight, prefetched while this one computes (prefetches never fault, so
-      // running past the weight's end is harmless; the next weight's first tiles are left to the hardware)
-      const float* next = wp + NT * K;
-      const int64_t next_lines = n * K / LINE;
-      const int64_t blocks = (M + RB - 1) / RB;
-      for (int64_t m0 = 0; m0 < M; m0 += RB) {
-        const int r = static_cast<int>(std::min<int64_t>(RB, M - m0));
-        // the prefetch of the next tile is spread over all row blocks
-        const int64_t part = next_lines / blocks, skip = (m0 / RB) * part;
-        const int64_t lines = m0 + RB >= M ? next_lines - skip : part;
-        tile_fn(n, r)(xp + m0 * K, K, wp, next + skip * LINE, lines, b ? b + first_col[i] + n0 : nullptr,
-                      o + m0 * N + first_col[i] + n0, N);
+      const Out dest{o + first_col[i] + n0, N, M, b ? b + first_col[i] + n0 : nullptr};
+#if defined(__AVX512F__)
+      if (lanes) {
+        LANE_TILES[stride / LANES](xT.data_ptr<float>(), stride, K, wp, n, dest);
+        continue;
       }
+#endif
+      dot_columns(xp, M, K, wp, n, wp + NT * K, n * K / LINE, dest);
     }
   });
   return out;
