@@ -46,6 +46,24 @@ def test_rows_linear_equals_linear_for_every_row_count(bias, parts, in_features,
         torch.testing.assert_close(out, want, atol=2e-6 * in_features, rtol=1e-5)
 
 
+@pytest.mark.skipif("avx512" not in RUNNABLE, reason="the lane tiles are AVX-512 only; this CPU lacks it")
+@pytest.mark.parametrize("parts,in_features", [([100], 72), ([7, 2, 2], 48), ([5, 4], 13), ([33], 5), ([20], 300)])
+def test_both_tilings_of_the_avx512_build_equal_linear_at_every_row_count(parts, in_features):
+    """rows_linear.cpp's lane tiles (input rows across the lanes; 1-4 vectors of rows, a 16 x 16 block transposed
+    in registers or a partial one stored through memory, k unrolled by 8 with a remainder) and dot tiles, each forced
+    at every row count (``lane_rows_from``), equal F.linear; the default switches at LANE_ROWS_FROM."""
+    assert native_build.try_load("rows_linear", "avx512")
+    op = kernels.rows_op("avx512")
+    g = torch.Generator().manual_seed(sum(parts) * in_features)
+    ws = [torch.randn(n, in_features, generator=g) for n in parts]
+    b = torch.randn(sum(parts), generator=g)
+    for m in range(ROWS_MAX + 1):
+        x = torch.randn(m, in_features, generator=g)
+        want = F.linear(x.double(), torch.cat(ws).double(), b.double()).float()
+        for lane_rows_from in (1, 1 << 30, -1):
+            torch.testing.assert_close(op(x, ws, b, lane_rows_from), want, atol=2e-6 * in_features, rtol=1e-5)
+
+
 @variants
 def test_rows_linear_reads_the_weights_at_call_time_and_checks_shapes(variant):
     """No copy: an in-place change of a weight shows in the next call. Mismatched shapes are errors."""

@@ -52,6 +52,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Query heads go R at a time (R <= RMAX, a template parameter so that their accumulators are registers); per
 // vector of keys or of the output, BLOCKS vectors are in flight (AVX-512 has 32 vector registers, AVX2 16).
 constexpr int RMAX = 8;
+constexpr int64_t GRAIN = 1 << 16;  // cache floats per parallel task at least
 constexpr int BLOCKS = Vec::size() == 16 ? 2 : 1;
 constexpr int64_t W = Vec::size();
 
@@ -200,7 +201,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t kstep = by_dim ? k.stride(3) : k.stride(2);  // between head dimensions, or between keys
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2), hs0 = hidden.stride(0);
-  at::parallel_for(0, B * KV, 1, [&](int64_t t0, int64_t t1) {
+  // a task reads 2 L D cache floats; at least GRAIN of them a thread, so a small call stays on one thread
+  const int64_t grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, 2 * L * D));
+  at::parallel_for(0, B * KV, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(RMAX * L);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / KV, g = t % KV;

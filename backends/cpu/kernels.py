@@ -155,11 +155,12 @@ def linear_prepacked_rows(weight, bias=None, rows=None, variant=None):
     """``x -> x @ cat(weight)^T + bias`` reading each weight where it is, once per call (backends/cpu/rows_linear.cpp).
 
     A decode step multiplies a few rows by every weight, so it is bound by reading the weights (up to ~16 rows,
-    then by FLOPs). The kernel computes tiles of 3 output columns times 8 rows (AVX-512; 4 on AVX2) straight from
-    the row-major weights, so nothing is copied: no packed layout, and fused projections (``weight`` a sequence: q/k/v,
-    gate/up) are not concatenated. At 16 rows, Qwen2.5-0.5B's matrices on 2 threads read at ~16.7 GB/s
-    against ~7 GB/s for the plain matmul; at 32 rows two of its layers take 11.8 ms against F.linear's 24.0
-    (the benchmarks' medium model: 7.4 vs 13.5, MKL packed 13.2). For ``rows`` (the decode's row count) up to
+    then by FLOPs). The kernel computes straight from the row-major weights, so nothing is copied: no packed layout,
+    and fused projections (``weight`` a sequence: q/k/v, gate/up) are not concatenated. Below 12 rows (and on AVX2)
+    tiles of 3 output columns times 8 rows (4 on AVX2), each output a dot product across the lanes; from 12 rows on
+    AVX-512, the rows across the lanes and 16 output columns a tile (rows_linear.cpp says why). Qwen2.5-0.5B's
+    whole decode step of linears at 16 rows on 2 threads of an Intel Xeon: 100.5 ms (19.7 GB/s) against F.linear's
+    227 ms (``python benchmarks/rows_kernel_isa.py --model-pass``). For ``rows`` (the decode's row count) up to
     ``ROWS_MAX``; fewer rows (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` per
     part, outputs concatenated. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
     Results equal ``F.linear`` up to float32 summation order. ``variant`` (``avx512`` / ``avx2``): that build of the

@@ -19,14 +19,16 @@
 // acc[n][v] += W[n][k] (one float, broadcast: the FMA's memory operand) * xT[k][v] for k = 0 .. K-1, so each
 // accumulator holds 16 rows' outputs of one column: no sum across lanes, and per k V vector loads for NT x V FMAs.
 // NT = 16 / 8 / 8 / 6 for V = 1..4; a whole 16 x 16 tile is transposed in registers and stored a row at a time. No
-// software prefetch: the hardware's streams do better on this access (measured: every prefetch distance tried lost).
+// software prefetch: none tried did better than the hardware's streams here (the next tile into L2 or L3, or each
+// row 128-1024 floats ahead into L1 or L2: 0.97-1.15x the time without).
 //
-// Measured (2 threads, Intel Xeon with AVX-512, Qwen2.5-0.5B's decode linears, all 24 layers and the head from memory:
-// benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87-0.89x the time at 16 rows, 0.87 at
-// 32, 0.81 at 64, 1.0 at 12, 1.07 at 8 and 1.35 at 1 row (lanes computed for nothing); the AVX2 build of lane tiles
-// (8 lanes, explicit broadcasts) was 1.09-1.14x its dot tiles at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are
-// split across torch's intra-op threads in contiguous runs. The dot tiles replaced a packed-panel kernel that needed
-// a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of packing per generate call.
+// Measured (2 threads, Intel Xeon with AVX-512; Qwen2.5-0.5B's 97 decode linears, 1.98 GB read from memory:
+// benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87x the time at 16 rows (100.5 against
+// 114.7 ms, 19.7 GB/s), 0.89 at 32, 0.88 at 64, 1.0 at 12, 1.04 at 8 and 1.38 at 1 row (lanes computed for nothing).
+// An AVX2 build of lane tiles (8 lanes, NT 12 / 6 / 4 / 3, explicit broadcasts) took 1.12-1.16x its dot tiles' time
+// at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are split across torch's intra-op threads in contiguous runs. The
+// dot tiles replaced a packed-panel kernel that needed a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of
+// packing per generate call.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -44,11 +46,12 @@ namespace {
 
 constexpr int NT = 3;                  // dot tiles: weight rows a tile
 constexpr int64_t LINE = 16;           // floats per 64-byte cache line
+constexpr int64_t GRAIN = 1 << 16;     // weight floats per parallel task at least: a smaller call stays on one thread
 
 #if defined(__AVX512F__)
 constexpr int RB = 8;
 constexpr int64_t LANES = 16;
-constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (crossover measured above)
+constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (the crossover measured above)
 using Vec = __m512;
 using Mask = __mmask16;
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -60,7 +63,6 @@ inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int RB = 4;
 constexpr int64_t LANES = 8;
-constexpr int64_t LANE_ROWS_FROM = INT64_MAX;  // no lane tiles on AVX2 (measured above)
 using Vec = __m256;
 using Mask = __m256i;
 alignas(32) constexpr int32_t MASKS[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -172,8 +174,9 @@ constexpr int LANE_NT[VMAX + 1] = {0, 16, 8, 8, 6};
 
 inline Vec first(const float* p, int64_t n) { return load(p, tail_mask(n)); }
 inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
-inline Vec lo_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
-inline Vec hi_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); }
+inline __m512d pd(Vec a) { return _mm512_castps_pd(a); }
+inline Vec lo_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a), pd(b))); }
+inline Vec hi_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a), pd(b))); }
 
 // r[i][j] -> r[j][i] for a 16 x 16 block: pairs of floats, then of doubles, then 128-bit lanes twice
 inline void transpose(Vec (&r)[LANES]) {
@@ -238,7 +241,8 @@ void lane_tile(const float* __restrict xT, int64_t stride, int64_t K, const floa
   }
   for (; k < K; ++k)
     for (int n = 0; n < TN; ++n)
-      for (int v = 0; v < V; ++v) acc[n][v] = madd(_mm512_set1_ps(wr[n][k]), load(xT + k * stride + v * LANES), acc[n][v]);
+      for (int v = 0; v < V; ++v)
+        acc[n][v] = madd(_mm512_set1_ps(wr[n][k]), load(xT + k * stride + v * LANES), acc[n][v]);
   if constexpr (V == 1 && TN == LANES) {  // a square block: transposed in registers, stored a row of outputs at a time
     Vec r[LANES];
     for (int n = 0; n < LANES; ++n) r[n] = acc[n][0];
@@ -267,14 +271,21 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 }
 
 // x (M, K) times the weights stacked along out features (each (N_i, K)), plus bias (sum N_i) if given
-// -> (M, sum N_i). In this file's anonymous namespace, as everything: the two variants' libraries share no symbol.
-at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias) {
+// -> (M, sum N_i). lane_rows_from: lane tiles from this many rows (< 0: LANE_ROWS_FROM; ignored on AVX2, which has
+// none), so a benchmark can time both tilings. In this file's anonymous namespace, as everything: the two variants'
+// libraries share no symbol.
+at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::optional<at::Tensor>& bias,
+                       int64_t lane_rows_from) {
   TORCH_CHECK(x.dim() == 2, "rows_linear: x must be 2-D (rows, in_features)");
   TORCH_CHECK(!weights.empty(), "rows_linear: no weights");
   const at::Tensor xc = x.contiguous();
   check_float_cpu(xc, "x");
   const int64_t M = xc.size(0), K = xc.size(1);
-  const bool lanes = M >= LANE_ROWS_FROM && K > 0;
+#if defined(__AVX512F__)
+  const bool lanes = M >= (lane_rows_from < 0 ? LANE_ROWS_FROM : lane_rows_from) && M > 0 && K > 0;
+#else
+  const bool lanes = false;
+#endif
   int nt = NT;
   at::Tensor xT;  // lane tiles: x transposed, (K, stride)
   int64_t stride = 0;
@@ -306,7 +317,8 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   if (M == 0 || N == 0) return out;
   const float* xp = xc.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t grain = std::max<int64_t>(1, GRAIN / (nt * std::max<int64_t>(K, 1)));  // tiles a thread at least
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     size_t i = std::upper_bound(first_tile.begin(), first_tile.end(), t0) - first_tile.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first_tile[i + 1]) ++i;
@@ -342,7 +354,7 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
 #endif
 
 PORTRL_LIBRARY(PORTRL_NS, m) {
-  m.def("rows_linear(Tensor x, Tensor[] weights, Tensor? bias) -> Tensor");
+  m.def("rows_linear(Tensor x, Tensor[] weights, Tensor? bias, int lane_rows_from=-1) -> Tensor");
 }
 
 PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) {
