@@ -14,7 +14,7 @@
 // across its L lanes. AVX-512: L = 16 lanes, RB = 8 (24 of the 32 zmm registers accumulate); AVX2: L = 8, RB = 4.
 // The next tile is prefetched into L2 while the current one computes. Few rows waste no lane here.
 //
-// Lane tiles (AVX-512, LANE_ROWS_FROM rows or more): the input rows go across the lanes. x is first transposed into
+// Lane tiles (AVX-512, LANE_ROWS_FROM to 64 rows): the input rows go across the lanes. x is first transposed into
 // xT (K, V x 16), V = ceil(M / 16) vectors a k, rows past M zero; a tile of NT weight rows keeps NT x V accumulators,
 // acc[n][v] += W[n][k] (one float, broadcast: the FMA's memory operand) * xT[k][v] for k = 0 .. K-1, so each
 // accumulator holds 16 rows' outputs of one column: no sum across lanes, and per k V vector loads for NT x V FMAs.
@@ -37,7 +37,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -281,16 +280,12 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   const at::Tensor xc = x.contiguous();
   check_float_cpu(xc, "x");
   const int64_t M = xc.size(0), K = xc.size(1);
-#if defined(__AVX512F__)
-  const bool lanes = M >= (lane_rows_from < 0 ? LANE_ROWS_FROM : lane_rows_from) && M > 0 && K > 0;
-#else
-  const bool lanes = false;
-#endif
+  bool lanes = false;  // lane tiles (AVX-512, up to VMAX vectors of rows), else dot tiles
   int nt = NT;
   at::Tensor xT;  // lane tiles: x transposed, (K, stride)
   int64_t stride = 0;
 #if defined(__AVX512F__)
-  TORCH_CHECK(!lanes || M <= VMAX * LANES, "rows_linear: at most ", VMAX * LANES, " rows");
+  lanes = M >= (lane_rows_from < 0 ? LANE_ROWS_FROM : lane_rows_from) && M > 0 && M <= VMAX * LANES && K > 0;
   if (lanes) {
     stride = (M + LANES - 1) / LANES * LANES;
     nt = LANE_NT[stride / LANES];
@@ -316,6 +311,7 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   at::Tensor out = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xc.data_ptr<float>();
+  const float* xtp = lanes ? xT.data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, GRAIN / (nt * std::max<int64_t>(K, 1)));  // tiles a thread at least
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -329,7 +325,7 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
       const Out dest{o + first_col[i] + n0, N, M, b ? b + first_col[i] + n0 : nullptr};
 #if defined(__AVX512F__)
       if (lanes) {
-        LANE_TILES[stride / LANES](xT.data_ptr<float>(), stride, K, wp, n, dest);
+        LANE_TILES[stride / LANES](xtp, stride, K, wp, n, dest);
         continue;
       }
 #endif
