@@ -15,7 +15,8 @@ machine); compare within one run.
 then the LM head; 1.98 GB of random weights, so each is read from memory as in a real decode, where a single
 shape called back to back may stay in the last-level cache) at each row count, each way in turn, repeated and
 alternated: the AVX-512 build's lane tiles and dot tiles (rows_linear.cpp's two tilings, forced), the AVX2 build
-(dot tiles) and F.linear (a fused weight's parts one call each). Prints ms per pass, the weight read rate and each way's time over the lane tiles'.
+(dot tiles) and F.linear (a fused weight's parts one call each). Prints ms per pass, the weight read rate
+and each way's time over the lane tiles'.
 """
 
 from __future__ import annotations
