@@ -37,7 +37,7 @@ def _logprobs_and_grads(model, batch, rows=None, tape=None):
     logp, ent = compute_logprobs(model, ids, mask, t["responses"].shape[1], temperature=0.9, with_entropy=True,
                                  tape=tape)
     (logp.sum() + 0.1 * ent.sum()).backward()
-    return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _assert_same(a, b):
@@ -142,8 +142,26 @@ def test_replay_under_gradient_checkpointing_equals_fresh_forward_and_runs_no_la
     replayed = _logprobs_and_grads(model, batch, tape=tape)
     _assert_same(replayed, fresh)
     layers = len(model.model.layers)
-    assert len(recomputes) == 2 * layers  # the forward, then the checkpoint's recompute in backward
+    # the forward took each layer's output from the tape (x + o + down); only the recompute in backward ran the layer
+    assert recomputes == [True] * layers
     assert not any(forward_products)  # no layer linear ran: the tape gave every output
+
+
+@pytest.mark.parametrize("case", ["untied-head", "frozen-embedding"])
+def test_checkpointed_replay_without_a_tied_or_trainable_embedding(tmp_path, case):
+    """The sparse embedding gradient is only for a weight the head shares (an untied embedding gets the dense one),
+    and a frozen embedding (the first layer's input needs no grad) still gives every layer its gradients."""
+    path = write_tiny_model(tmp_path / "m", initializer_range=0.3, seed=0, tie_word_embeddings=case != "untied-head")
+    model = load_causal_lm(path, backend="cpu", gradient_checkpointing=True)
+    if case == "frozen-embedding":
+        model.model.embed_tokens.weight.requires_grad_(False)  # tied: the head is frozen too
+    tape, batch, _ = _rollout(model)
+    assert tape.tied_embedding == (case != "untied-head")
+    model.train()
+    fresh = _logprobs_and_grads(model, batch)
+    replayed = _logprobs_and_grads(model, batch, tape=tape)
+    _assert_same(replayed, fresh)
+    assert all(g.layout == torch.strided for g in replayed[2].values())
 
 
 def test_engine_skips_a_recording_over_its_byte_budget(tiny):
