@@ -136,7 +136,8 @@ def kept_free_bytes() -> int:
 #: small benchmark configuration (~30 MiB free at each rollout) trimmed at every rollout faulted 5,000-7,600 pages
 #: a step against 400-900 untrimmed, 0.14-0.19 s a step against 0.11-0.13; the medium one (150-270 MiB free)
 #: 20,000-30,000 against ~0, its update 0.77-1.07 s against 0.52-0.65, for 4 % less peak RSS (1054 vs 1097-1102
-#: MiB). At 0.5B the heap keeps gigabytes (the recording) and is trimmed.
+#: MiB). No step of a run calls it any more (the hf engine stopped emptying the cache before each rollout,
+#: portrl/rollout/hf_engine.py): it serves an explicit ``Backend.empty_cache``.
 RELEASE_MIN_BYTES = 512 << 20
 
 

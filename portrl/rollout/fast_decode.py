@@ -29,7 +29,7 @@ scaled or non-SiLU MLP), and the caller uses the generic forward instead.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -247,23 +247,20 @@ def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:
 
 def decode_chunk(decoder: FastDecoder, prompts: list, params: Any, stop: torch.Tensor, generator: torch.Generator,
                  pad_token_id: int, compact_fraction: float, record: bool = False,
-                 on_allocated: Optional[Callable[[], None]] = None, interrupt: Any = None) -> tuple:
+                 interrupt: Any = None) -> tuple:
     """The hf engine's sampling loop (same prefill-once-then-repeat-n, same :func:`sample_next` calls, same
     stop rule) on :class:`FastDecoder`. Returns ``(response_ids, logprobs, finish_reasons)`` lists, rows
     prompt-major. Finished rows are dropped from the batch and cache once they are ``compact_fraction``
     of it; the loop ends when every row has finished or ``max_new_tokens`` is reached.
 
     ``record``: leave a :class:`portrl.models.forward_tape.ForwardTape` of this call in ``decoder.tape``
-    (None otherwise), for the training forward of the same weights to reuse. ``on_allocated``: called once the
-    call's KV cache and recording are allocated, before the prefill. ``interrupt``: a threading.Event that ends
-    the loop early when set (:class:`portrl.rollout.decode_rows.DecodeRows`)."""
+    (None otherwise), for the training forward of the same weights to reuse. ``interrupt``: a threading.Event that
+    ends the loop early when set (:class:`portrl.rollout.decode_rows.DecodeRows`)."""
     dev, n, max_new = decoder.device, params.n, params.max_new_tokens
     ids, mask, lengths = left_pad(prompts, pad_token_id, dev)
     plen = ids.shape[1]
     decoder.start(len(prompts), plen + max_new, decode_rows=len(prompts) * n, steps=max_new - 1)
     tape = decoder.tape = _new_tape(decoder, prompts, n, plen, max_new - 1) if record and max_new > 1 else None
-    if on_allocated is not None:
-        on_allocated()
     try:
         logits = decoder.forward(ids, (mask.long().cumsum(-1) - 1).clamp_(min=0), 0, mask,
                                  tape.prefill_slots() if tape is not None else None)

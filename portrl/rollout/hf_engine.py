@@ -87,6 +87,13 @@ class HFEngine(RolloutEngine):
     fast path in one chunk leaves a :class:`portrl.models.forward_tape.ForwardTape`, which the trainer's
     forward on the same weights can replay instead of recomputing the matmuls); ``sleep_wake`` (an engine
     that owns its model on an accelerator moves it to host memory); ``interruptible`` (:meth:`set_interrupt`).
+
+    Memory: a generate call gives nothing the device's allocator kept back to the device (no ``empty_cache``, which
+    verl's rollouts call on entry for an engine with a memory pool of its own): this engine allocates from the same
+    allocator as the update, so the blocks the update freed serve its KV cache and recording, and what they do not
+    use the next update takes again. On the CPU, giving them back before each rollout made the next update fault
+    them in again (Qwen2.5-0.5B: ~60,000 faults and 4.5 s of system time an update on a 2-core VM,
+    benchmarks/RESULTS.md).
     """
 
     name = "hf"
@@ -222,14 +229,6 @@ class HFEngine(RolloutEngine):
             return False
         return True
 
-    def _give_back_kept(self) -> None:
-        """Free memory the device's allocator kept (the update's blocks) goes back to the device, as verl's rollout
-        does on entry, but once this call's long-lived buffers (KV cache, recording) exist: allocated first, they
-        reuse the kept memory without new pages. (The CPU heap serves any size from it: at 0.5B, giving it back
-        first made each recording fault its 3 GB in again.)"""
-        if self.backend is not None:
-            self.backend.empty_cache()
-
     def set_interrupt(self, event: threading.Event | None) -> None:
         """Once ``event`` is set, a running ``generate`` ends after the token being sampled: rows still generating
         return their tokens so far with finish reason ``abort`` (checked once per decode step; None: never)."""
@@ -262,10 +261,9 @@ class HFEngine(RolloutEngine):
     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         if self._fast is not None and images is None:
             out = decode_chunk(self._fast, prompts, params, stop, generator, self.pad_token_id, self.compact_fraction,
-                               record=record, on_allocated=self._give_back_kept, interrupt=self._interrupt)
+                               record=record, interrupt=self._interrupt)
             self._last_tape, self._fast.tape = self._fast.tape, None
             return out
-        self._give_back_kept()  # this loop's cache grows step by step: nothing long-lived to allocate first
         dev, n, max_new = self.device, params.n, params.max_new_tokens
         ids, mask, lengths = left_pad(prompts, self.pad_token_id, dev)
         plen = ids.shape[1]
