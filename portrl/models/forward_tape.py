@@ -245,15 +245,15 @@ def _ties_embedding(model: torch.nn.Module) -> bool:
     return head is not None and embedding is not None and head.weight is embedding.weight
 
 
-def _checkpointed_layer(*args: Any) -> torch.Tensor:
+def _checkpointed_layer(x: torch.Tensor, layer: HFModule, li: int, tape: ForwardTape, slots: torch.Tensor,
+                        *rest: Any) -> torch.Tensor:
     """A layer of :func:`replay_hidden_states` under (reentrant) gradient checkpointing. Its forward runs without
     autograd and needs only the layer's output, which the tape gives without the layer: ``x + o + down``, the same
     two sums in the same order as :func:`_replay_layer` (bit for bit), so no norm, rotary, attention or SwiGLU runs
     and only two of the four recorded outputs are read. The recompute in backward (autograd on) runs the whole
     layer to build its graph."""
     if torch.is_grad_enabled():
-        return _replay_layer(*args)
-    x, li, tape, slots = args[0], args[2], args[3], args[4]
+        return _replay_layer(x, layer, li, tape, slots, *rest)
     h = x + tape.outputs(li, O, slots)
     down = tape.outputs(li, DOWN, slots)
     tape.layer_read(li)
