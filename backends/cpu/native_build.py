@@ -8,7 +8,7 @@ ops are registered in their own namespace (``portrl_cpu_rows_avx2``...), so both
 (the tests and benchmarks/rows_kernel_isa.py compare them). OpenMP:  (torch's ``at::parallel_for``
 then runs on torch's own intra-op threads: the library's ``libgomp.so.1`` is the one torch already loaded).
 The library is cached in :func:`cache_root` (default ``~/.cache/portrl/kernels``) under a name hashed
-from the source, the variant's flags, torch's version and the CPU's model and flags, so later processes (Ray workers,
+from the source and the headers of this folder it includes (:func:`source_text`), the variant's flags, torch's version and the CPU's model and flags, so later processes (Ray workers,
 the next run) load it in milliseconds, and a cache folder shared with a different CPU never serves a library
 built for another instruction set. It is compiled to a temporary name and renamed: a concurrent or
 interrupted build never leaves a half-written library under the final name.
@@ -160,10 +160,27 @@ def library_path(name: str, variant: str | None = None) -> Path:
     """Where ``name``'s library of ``variant`` for this source, torch and CPU is (or will be) cached
     (``rows_linear-avx2-<hash>.so``; ``<name>-<hash>.so`` without a variant)."""
     cxx = compiler() or ""
-    source = SOURCE_DIR / f"{name}.cpp"
-    key = hashlib.sha256("\n".join([source.read_text(), " ".join(flags(variant)), torch.__version__, cxx,
+    key = hashlib.sha256("\n".join([source_text(SOURCE_DIR / f"{name}.cpp"), " ".join(flags(variant)), torch.__version__, cxx,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     return cache_root() / (f"{name}-{variant}-{key}.so" if variant else f"{name}-{key}.so")
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def source_text(source: Path) -> str:
+    """``source``'s text followed by that of each header of its folder it includes (``#include "x.h"``, and theirs,
+    each once): what its library is built from, so that editing a shared header builds the library again."""
+    texts, seen, todo = [], set(), [source]
+    while todo:
+        path = todo.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        text = path.read_text()
+        texts.append(text)
+        todo.extend(source.parent / name for name in _LOCAL_INCLUDE.findall(text))
+    return "\n".join(texts)
 
 
 def manifest_path(library: Path) -> Path:

@@ -29,239 +29,11 @@
 // at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are split across torch's intra-op threads in contiguous runs. The
 // dot tiles replaced a packed-panel kernel that needed a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of
 // packing per generate call.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <immintrin.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <array>
-#include <optional>
-#include <utility>
-#include <vector>
+#include "rows_tiles.h"
 
 namespace {
 
-constexpr int NT = 3;                  // dot tiles: weight rows a tile
-constexpr int64_t LINE = 16;           // floats per 64-byte cache line
-constexpr int64_t GRAIN = 1 << 16;     // weight floats per parallel task at least: a smaller call stays on one thread
-
-#if defined(__AVX512F__)
-constexpr int RB = 8;
-constexpr int64_t LANES = 16;
-constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (the crossover measured above)
-using Vec = __m512;
-using Mask = __mmask16;
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline Mask tail_mask(int64_t rem) { return static_cast<Mask>((1u << rem) - 1); }
-inline Vec load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
-inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec madd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int RB = 4;
-constexpr int64_t LANES = 8;
-using Vec = __m256;
-using Mask = __m256i;
-alignas(32) constexpr int32_t MASKS[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline Mask tail_mask(int64_t rem) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(MASKS + 8 - rem)); }
-inline Vec load(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
-inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec madd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float sum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#else
-#error "rows_linear.cpp needs AVX-512F, or AVX2 and FMA (-mavx2 -mfma)"
-#endif
-
-struct Out {  // where a tile's outputs go: out[m * ldo + n] for m < rows, plus bias[n] if given
-  float* out;
-  int64_t ldo;
-  int64_t rows;
-  const float* bias;
-};
-
-// ------------------------------------------------------------------------------------------------------ dot tiles
-template <int N, int R, bool Tail>
-inline void step(const float* __restrict x, int64_t K, const float* __restrict w, int64_t k, Mask m,
-                 Vec (&acc)[R][N]) {
-  // the full chunks take plain loads (which the compiler may fold into the FMA), only the last one masked loads
-  Vec wv[N];
-#pragma GCC unroll 3
-  for (int n = 0; n < N; ++n) wv[n] = Tail ? load(w + n * K + k, m) : load(w + n * K + k);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const Vec xv = Tail ? load(x + r * K + k, m) : load(x + r * K + k);
-#pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) acc[r][n] = madd(xv, wv[n], acc[r][n]);
-  }
-}
-
-template <int N, int R>
-void dot_tile(const float* __restrict x, int64_t K, const float* __restrict w, const float* __restrict next,
-              int64_t next_lines, const float* __restrict bias, float* __restrict out, int64_t ldo) {
-  Vec acc[R][N];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) acc[r][n] = zero();
-  const int64_t full = K / LANES;
-  // the next tile's lines, spread evenly over this pass: one prefetch every `every` chunks
-  const int64_t every = next_lines > 0 ? std::max<int64_t>(1, full / next_lines) : full + 1;
-  int64_t prefetched = 0;
-  for (int64_t c = 0, due = every; c < full; ++c) {
-    if (c + 1 == due && prefetched < next_lines) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + prefetched * LINE), _MM_HINT_T1);
-      ++prefetched;
-      due += every;
-    }
-    step<N, R, false>(x, K, w, c * LANES, Mask{}, acc);  // no mask: full chunks
-  }
-  for (; prefetched < next_lines; ++prefetched)
-    _mm_prefetch(reinterpret_cast<const char*>(next + prefetched * LINE), _MM_HINT_T1);
-  if (K % LANES) step<N, R, true>(x, K, w, full * LANES, tail_mask(K % LANES), acc);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 3
-    for (int n = 0; n < N; ++n) out[r * ldo + n] = sum(acc[r][n]) + (bias ? bias[n] : 0.0f);
-  }
-}
-
-using DotFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, const float*, float*, int64_t);
-
-template <int N, int... Rs>
-constexpr std::array<DotFn, sizeof...(Rs) + 1> rows_table(std::integer_sequence<int, Rs...>) {
-  return {nullptr, &dot_tile<N, Rs + 1>...};
-}
-template <int N>
-DotFn for_rows(int r) {
-  static constexpr auto table = rows_table<N>(std::make_integer_sequence<int, RB>{});
-  return table[r];
-}
-
-DotFn dot_fn(int n, int r) {
-  switch (n) {
-    case 1: return for_rows<1>(r);
-    case 2: return for_rows<2>(r);
-    default: return for_rows<3>(r);
-  }
-}
-
-// One dot tile: columns n0 .. n0 + n - 1 (n <= NT) of every row, row block by row block.
-void dot_columns(const float* x, int64_t M, int64_t K, const float* w, int n, const float* next, int64_t next_lines,
-                 const Out& o) {
-  // the next tile, prefetched while this one computes, spread over all row blocks (prefetches never fault, so
-  // running past the weight's end is harmless; the next weight's first tiles are left to the hardware)
-  const int64_t blocks = (M + RB - 1) / RB;
-  for (int64_t m0 = 0; m0 < M; m0 += RB) {
-    const int r = static_cast<int>(std::min<int64_t>(RB, M - m0));
-    const int64_t part = next_lines / blocks, skip = (m0 / RB) * part;
-    const int64_t lines = m0 + RB >= M ? next_lines - skip : part;
-    dot_fn(n, r)(x + m0 * K, K, w, next + skip * LINE, lines, o.bias, o.out + m0 * o.ldo, o.ldo);
-  }
-}
-
-// ----------------------------------------------------------------------------------------------------- lane tiles
-#if defined(__AVX512F__)
-constexpr int VMAX = 4;  // input-row vectors a lane tile keeps (64 rows: ROWS_MAX of backends/cpu/kernels.py)
-constexpr int LANE_NT[VMAX + 1] = {0, 16, 8, 8, 6};
-
-inline Vec first(const float* p, int64_t n) { return load(p, tail_mask(n)); }
-inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
-inline __m512d pd(Vec a) { return _mm512_castps_pd(a); }
-inline Vec lo_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a), pd(b))); }
-inline Vec hi_pd(Vec a, Vec b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a), pd(b))); }
-
-// r[i][j] -> r[j][i] for a 16 x 16 block: pairs of floats, then of doubles, then 128-bit lanes twice
-inline void transpose(Vec (&r)[LANES]) {
-  Vec t[LANES];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane j: rows 4i .. 4i+3 of column 4j + c
-    r[4 * i] = lo_pd(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = hi_pd(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = lo_pd(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = hi_pd(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // column 4j + c takes lane j of r[c], r[4 + c], r[8 + c], r[12 + c]
-    const Vec a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
-    const Vec e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
-    t[c] = _mm512_shuffle_f32x4(a, e, 0x88);
-    t[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
-    t[8 + c] = _mm512_shuffle_f32x4(a, e, 0xdd);
-    t[12 + c] = _mm512_shuffle_f32x4(b, f, 0xdd);
-  }
-  for (int i = 0; i < LANES; ++i) r[i] = t[i];
-}
-
-// xT[k][m] = x[m][k] for k < K, m < stride (rows past M zero): (K, stride), stride a multiple of 16
-void transpose_input(const float* __restrict x, int64_t M, int64_t K, float* __restrict xT, int64_t stride) {
-  for (int64_t m0 = 0; m0 < stride; m0 += LANES)
-    for (int64_t k0 = 0; k0 < K; k0 += LANES) {
-      const int64_t kn = std::min<int64_t>(LANES, K - k0);
-      Vec r[LANES];
-      for (int i = 0; i < LANES; ++i) r[i] = m0 + i < M ? first(x + (m0 + i) * K + k0, kn) : zero();
-      transpose(r);
-      for (int j = 0; j < kn; ++j) _mm512_storeu_ps(xT + (k0 + j) * stride + m0, r[j]);
-    }
-}
-
-// One lane tile: columns n0 .. n0 + nvalid - 1 of the V x 16 rows in xT. Weight rows past nvalid read the last
-// valid one (their sums are dropped).
-template <int TN, int V>
-void lane_tile(const float* __restrict xT, int64_t stride, int64_t K, const float* __restrict w, int nvalid,
-               const Out& o) {
-  Vec acc[TN][V];
-  const float* wr[TN];
-  for (int n = 0; n < TN; ++n) {
-    wr[n] = w + std::min(n, nvalid - 1) * K;
-    for (int v = 0; v < V; ++v) acc[n][v] = zero();
-  }
-  constexpr int64_t KU = 8;  // k unrolled (16 lost: 1.05x the time of the dot tiles instead of 0.88x)
-  int64_t k = 0;
-  for (; k + KU <= K; k += KU) {
-#pragma GCC unroll 8
-    for (int64_t kk = k; kk < k + KU; ++kk) {
-      Vec xv[V];
-      for (int v = 0; v < V; ++v) xv[v] = load(xT + kk * stride + v * LANES);
-#pragma GCC unroll 16
-      for (int n = 0; n < TN; ++n) {
-        const Vec b = _mm512_set1_ps(wr[n][kk]);
-        for (int v = 0; v < V; ++v) acc[n][v] = madd(b, xv[v], acc[n][v]);
-      }
-    }
-  }
-  for (; k < K; ++k)
-    for (int n = 0; n < TN; ++n)
-      for (int v = 0; v < V; ++v)
-        acc[n][v] = madd(_mm512_set1_ps(wr[n][k]), load(xT + k * stride + v * LANES), acc[n][v]);
-  if constexpr (V == 1 && TN == LANES) {  // a square block: transposed in registers, stored a row of outputs at a time
-    Vec r[LANES];
-    for (int n = 0; n < LANES; ++n) r[n] = acc[n][0];
-    transpose(r);
-    const Vec bias = o.bias ? first(o.bias, nvalid) : zero();
-    for (int64_t m = 0; m < std::min<int64_t>(LANES, o.rows); ++m)
-      store_first(o.out + m * o.ldo, _mm512_add_ps(r[m], bias), nvalid);
-  } else {
-    alignas(64) float sums[TN][V * LANES];
-    for (int n = 0; n < TN; ++n)
-      for (int v = 0; v < V; ++v) _mm512_store_ps(&sums[n][v * LANES], acc[n][v]);
-    for (int64_t m = 0; m < std::min<int64_t>(V * LANES, o.rows); ++m)
-      for (int n = 0; n < nvalid; ++n) o.out[m * o.ldo + n] = sums[n][m] + (o.bias ? o.bias[n] : 0.0f);
-  }
-}
-
-using LaneFn = void (*)(const float*, int64_t, int64_t, const float*, int, const Out&);
-constexpr LaneFn LANE_TILES[VMAX + 1] = {nullptr, &lane_tile<LANE_NT[1], 1>, &lane_tile<LANE_NT[2], 2>,
-                                         &lane_tile<LANE_NT[3], 3>, &lane_tile<LANE_NT[4], 4>};
-#endif
+using namespace rows;
 
 // ---------------------------------------------------------------------------------------------------------- the op
 void check_float_cpu(const at::Tensor& t, const char* name) {
@@ -280,28 +52,14 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   const at::Tensor xc = x.contiguous();
   check_float_cpu(xc, "x");
   const int64_t M = xc.size(0), K = xc.size(1);
-  bool lanes = false;  // lane tiles (AVX-512, up to VMAX vectors of rows), else dot tiles
-  int nt = NT;
-  at::Tensor xT;  // lane tiles: x transposed, (K, stride)
-  int64_t stride = 0;
-#if defined(__AVX512F__)
-  lanes = M >= (lane_rows_from < 0 ? LANE_ROWS_FROM : lane_rows_from) && M > 0 && M <= VMAX * LANES && K > 0;
-  if (lanes) {
-    stride = (M + LANES - 1) / LANES * LANES;
-    nt = LANE_NT[stride / LANES];
-    xT = at::empty({K, stride}, xc.options());
-    transpose_input(xc.data_ptr<float>(), M, K, xT.data_ptr<float>(), stride);
-  }
-#endif
-  std::vector<int64_t> first_tile{0}, first_col{0};  // per weight: its first global tile and output column
+  const Plan plan = plan_for(M, K, lane_rows_from);
   for (const at::Tensor& w : weights) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "rows_linear: every weight must be (out_features, ", K,
                 "); got ", w.sizes());
     check_float_cpu(w, "weight");
-    first_tile.push_back(first_tile.back() + (w.size(0) + nt - 1) / nt);
-    first_col.push_back(first_col.back() + w.size(0));
   }
-  const int64_t N = first_col.back(), tiles = first_tile.back();
+  const Stack stack(weights, K, plan.nt);
+  const int64_t N = stack.N(), tiles = stack.tiles();
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_float_cpu(*bias, "bias");
@@ -310,27 +68,21 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
   }
   at::Tensor out = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out;
-  const float* xp = xc.data_ptr<float>();
-  const float* xtp = lanes ? xT.data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, GRAIN / (nt * std::max<int64_t>(K, 1)));  // tiles a thread at least
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    size_t i = std::upper_bound(first_tile.begin(), first_tile.end(), t0) - first_tile.begin() - 1;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (t >= first_tile[i + 1]) ++i;
-      const at::Tensor& w = weights[i];
-      const int64_t n0 = (t - first_tile[i]) * nt, rows_w = w.size(0);
-      const int n = static_cast<int>(std::min<int64_t>(nt, rows_w - n0));
-      const float* wp = w.data_ptr<float>() + n0 * K;
-      const Out dest{o + first_col[i] + n0, N, M, b ? b + first_col[i] + n0 : nullptr};
+  at::Tensor xT;  // lane tiles: x transposed, (K, stride)
 #if defined(__AVX512F__)
-      if (lanes) {
-        LANE_TILES[stride / LANES](xtp, stride, K, wp, n, dest);
-        continue;
-      }
+  if (plan.lanes) {
+    xT = at::empty({K, plan.stride}, xc.options());
+    transpose_input(xc.data_ptr<float>(), M, K, xT.data_ptr<float>(), plan.stride);
+  }
 #endif
-      dot_columns(xp, M, K, wp, n, wp + NT * K, n * K / LINE, dest);
-    }
+  const float* xp = xc.data_ptr<float>();
+  const float* xtp = plan.lanes ? xT.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, GRAIN / (plan.nt * std::max<int64_t>(K, 1)));  // tiles a thread at least
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    size_t i = stack.weight_of(t0);
+    int n = 0;
+    for (int64_t t = t0; t < t1; ++t) stack.run(t, i, plan, xp, xtp, M, o, N, b, &n);
   });
   return out;
 }
