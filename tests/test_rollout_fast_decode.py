@@ -71,6 +71,9 @@ def test_unsupported_architectures_fall_back():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
     assert fast_decoder_for(gpt2) is None
     assert fast_decoder_for(torch.nn.Linear(2, 2)) is None
+    biased = _llama()
+    biased.config.mlp_bias = True  # Llama's MLP with biases (gate, up, down): the fast path has none
+    assert fast_decoder_for(biased) is None
 
 
 def test_engine_samples_identical_tokens_with_and_without_fast_path():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from portrl.backends.cpu import isa, native_build
 from portrl.backends.cpu.decode_attention import decode_attention_fused
+from portrl.backends.cpu.decode_layer import decode_layer_fused
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
@@ -26,7 +27,9 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacke
                # one pass forward and one backward instead of five (backends/cpu/swiglu.py)
                "swiglu": ("fused", "native"),
                # one pass over each row's cache for all heads of a KV head (backends/cpu/decode_attention.py)
-               "decode_attention": ("fused", "native")}
+               "decode_attention": ("fused", "native"),
+               # a decode step's whole layer in one call and one parallel region (backends/cpu/decode_layer.py)
+               "decode_layer": ("fused", "native")}
 
 
 #: cost of one SDPA call beyond its math, in units of one query-key pair: about attention over 64 tokens
@@ -202,3 +205,4 @@ def register(registry: KernelRegistry) -> None:
     registry.register("linear_prepacked", "rows", linear_prepacked_rows, available=native_kernels_available)
     registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)
     registry.register("decode_attention", "fused", decode_attention_fused, available=native_kernels_available)
+    registry.register("decode_layer", "fused", decode_layer_fused, available=native_kernels_available)

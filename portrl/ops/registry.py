@@ -22,6 +22,7 @@ from typing import Any, Callable
 from portrl.device import get_backend, resolve_backend
 from portrl.device.backend import Backend
 from portrl.ops.attention import attention_varlen, decode_attention
+from portrl.ops.decode_layer import decode_layer
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
 from portrl.ops.logprobs_vocab import logprobs_entropy_vocab_blocks
@@ -30,7 +31,7 @@ from portrl.ops.rotary_multimodal import apply_multimodal_rotary
 log = logging.getLogger(__name__)
 
 #: the ops every backend may serve; each has a native implementation in portrl.ops
-OPS = ("attention_varlen", "decode_attention", "linear_prepacked", "logprobs_entropy", "rms_norm", "rotary",
+OPS = ("attention_varlen", "decode_attention", "decode_layer", "linear_prepacked", "logprobs_entropy", "rms_norm", "rotary",
        "rotary_multimodal", "swiglu")
 NATIVE = "native"
 
@@ -92,6 +93,7 @@ def unregister(op: str, impl: str) -> None:
 
 # the pure-torch implementation of every op, always available
 for _op, _fn in (("attention_varlen", attention_varlen), ("decode_attention", decode_attention),
+                 ("decode_layer", decode_layer),
                  ("linear_prepacked", linear_prepacked),
                  ("logprobs_entropy", logprobs_entropy), ("rms_norm", rms_norm), ("rotary", apply_rotary),
                  ("rotary_multimodal", apply_multimodal_rotary), ("swiglu", swiglu)):

@@ -19,6 +19,7 @@ import torch
 
 from portrl.ops import registry
 from portrl.ops.attention import attention_varlen, cu_seqlens_from_lengths, decode_attention
+from portrl.ops.decode_layer import decode_layer
 from portrl.ops.layers import apply_rotary, linear_prepacked, rms_norm, swiglu
 from portrl.ops.logprobs import logprobs_entropy
 from portrl.ops.rotary_multimodal import apply_multimodal_rotary, multimodal_rope_index
@@ -162,6 +163,44 @@ def _decode_attention_inputs(s):
     return make
 
 
+def _decode_layer_inputs(s):
+    """One decode step of one decoder layer (portrl.ops.decode_layer): a token per row at slot ``longest`` of a
+    cache whose keys are stored transposed, each row's left padding hidden, q/k/v with a bias."""
+    rows, longest, d, kv = len(s["seq_lens"]), max(s["seq_lens"]), s["head_dim"], s["kv_heads"]
+    hid, inter, qkv = s["hidden"], s["intermediate"], (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]
+
+    def make(g):
+        def w(*shape):
+            return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+        angle = torch.rand(rows, d, generator=g) * 6.0
+        sin = angle.sin()
+        sin[:, : d // 2] = -sin[:, : d // 2]  # signed, as portrl/rollout/fast_decode.py stores it
+        hidden = torch.arange(longest + 1)[None] < torch.tensor([longest - n for n in s["seq_lens"]])[:, None]
+        return {"x": torch.randn(rows, hid, generator=g), "ln1": 1 + 0.1 * torch.randn(hid, generator=g),
+                "w_qkv": w(qkv, hid), "b_qkv": torch.randn(qkv, generator=g), "w_o": w(hid, s["heads"] * d),
+                "ln2": 1 + 0.1 * torch.randn(hid, generator=g), "w_gu": w(2 * inter, hid), "w_down": w(hid, inter),
+                "k_store": torch.randn(rows, kv, d, longest + 16, generator=g),
+                "v_cache": torch.randn(rows, kv, longest + 8, d, generator=g), "cos": angle.cos(), "sin": sin,
+                "hidden": hidden}
+    return make
+
+
+def _decode_layer_fn(s):
+    """The op on copies of the state it updates; every output and the updated state compared."""
+    longest, heads, kv, d = max(s["seq_lens"]), s["heads"], s["kv_heads"], s["head_dim"]
+
+    def wrap(fn):
+        def run(x):
+            h, k, v = x["x"].clone(), x["k_store"].clone(), x["v_cache"].clone()
+            qkv_w, gu_w = x["w_qkv"].split([heads * d, kv * d, kv * d]), x["w_gu"].chunk(2)
+            outs = fn(h, x["ln1"], [t.contiguous() for t in qkv_w], x["b_qkv"], x["w_o"], None, x["ln2"],
+                      [t.contiguous() for t in gu_w], x["w_down"], k, v, x["cos"], x["sin"], x["hidden"], longest,
+                      1e-6, 1e-6, d ** -0.5, heads, kv)
+            return dict(zip(("qkv", "o", "gu", "down"), outs), x=h, k_store=k, v_cache=v)
+        return run
+    return wrap
+
+
 def _linear_inputs(s):
     rows = len(s["seq_lens"])  # one decode step: a token per sequence
     return lambda g: {"x": torch.randn(rows, s["hidden"], generator=g),
@@ -184,6 +223,7 @@ def op_specs(size: str = "standard") -> dict[str, tuple]:
                                            lambda fn: _attention_fn(fn, max_segment, causal=False), ("q", "k", "v")),
         "decode_attention": (_decode_attention_inputs(s), lambda fn: (lambda x: {
             "out": fn(x["q"], x["k"], x["v"], x["hidden"], s["head_dim"] ** -0.5)}), ()),  # inference only (decode)
+        "decode_layer": (_decode_layer_inputs(s), _decode_layer_fn(s), ()),  # inference only (decode)
         "linear_prepacked": (_linear_inputs(s), _linear_fn, ()),  # inference only (decode loops)
         "logprobs_entropy": (_logprobs_inputs(s), _logprobs_fn, ("hidden", "weight")),
         "rms_norm": (_rms_inputs(s), lambda fn: (lambda x: {"out": fn(x["x"], x["weight"], 1e-6)}), ("x", "weight")),
@@ -195,7 +235,7 @@ def op_specs(size: str = "standard") -> dict[str, tuple]:
 
 
 def _native(op: str):
-    return {"attention_varlen": attention_varlen, "decode_attention": decode_attention,
+    return {"attention_varlen": attention_varlen, "decode_attention": decode_attention, "decode_layer": decode_layer,
             "linear_prepacked": linear_prepacked,
             "logprobs_entropy": logprobs_entropy, "rms_norm": rms_norm, "rotary": apply_rotary,
             "rotary_multimodal": apply_multimodal_rotary, "swiglu": swiglu}[op]

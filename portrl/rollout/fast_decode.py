@@ -24,7 +24,7 @@ float32 weights and activations: the same formula in one op).
 
 :func:`fast_decoder_for` returns None for any model this path does not reproduce exactly
 (another architecture, q/k norms, sliding windows, attention soft-capping, a PEFT wrapper, a
-scaled or non-SiLU MLP), and the caller uses the generic forward instead.
+scaled, biased or non-SiLU MLP), and the caller uses the generic forward instead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
+from portrl.ops.registry import NATIVE
 from portrl.ops.layers import linear_prepacked
 from portrl.progress import note
 from portrl.rollout.decode_rows import DecodeRows, left_pad
@@ -60,7 +61,8 @@ def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = Non
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "sliding_window", None) and getattr(
             cfg, "use_sliding_window", True) and getattr(cfg, "model_type", "") == "mistral":
         return None
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "attn_logit_softcapping", None):
+    if (getattr(cfg, "pretraining_tp", 1) not in (None, 1) or getattr(cfg, "attn_logit_softcapping", None)
+            or getattr(cfg, "mlp_bias", False)):
         return None
     if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
         return None
@@ -107,6 +109,9 @@ class FastDecoder:
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
         self._swiglu = select("swiglu", backend=backend)[1]
         self._attend = select("decode_attention", backend=backend)[1]
+        name, layer_op = select("decode_layer", backend=backend)
+        self._layer_op = layer_op if name != NATIVE else None  # the backend's one-call layer, if it has one
+        self._fused: list = []  # per layer: decode_layer's weight arguments, when this call's steps use it
 
     @property
     def device(self) -> torch.device:
@@ -125,20 +130,12 @@ class FastDecoder:
         def linear(w: Any, b: Optional[torch.Tensor] = None):  # w: a weight or the parts of a fused one
             return make(w, b, decode_rows)
 
-        self.layers = []
-        for layer in self.inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            w_qkv = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            b_qkv = torch.cat(biases) if all(b is not None for b in biases) else None
-            if b_qkv is None and any(b is not None for b in biases):
-                b_qkv = torch.cat([b if b is not None else p.weight.new_zeros(p.weight.shape[0])
-                                   for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
-            w_gu = [m.gate_proj.weight, m.up_proj.weight]
-            self.layers.append((layer.input_layernorm.weight, linear(w_qkv, b_qkv), linear(a.o_proj.weight, a.o_proj.bias),
-                                layer.post_attention_layernorm.weight, linear(w_gu), linear(m.down_proj.weight),
-                                getattr(layer.input_layernorm, "variance_epsilon", self.eps),
-                                getattr(layer.post_attention_layernorm, "variance_epsilon", self.eps)))
+        fuse = (self._layer_op is not None and _float32_cpu(self.inner)
+                and (decode_rows or rows) <= getattr(self._layer_op, "max_rows", rows))
+        weights = [_layer_arguments(layer, self.eps) for layer in self.inner.layers]
+        self._fused = weights if fuse else []
+        self.layers = [(ln1, linear(w_qkv, b_qkv), linear(w_o, b_o), ln2, linear(w_gu), linear(w_down), eps1, eps2)
+                       for ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2 in weights]
         head = self.model.lm_head
         self.head = linear(head.weight, head.bias)
         w = self.inner.embed_tokens.weight
@@ -173,6 +170,7 @@ class FastDecoder:
 
     def release(self) -> None:
         self.layers, self.head, self.k_cache, self.v_cache, self._k_store = [], None, _NO_CACHE, _NO_CACHE, _NO_CACHE
+        self._fused = []
 
     # ------------------------------------------------------------------------------- forward
     @staticmethod
@@ -211,6 +209,8 @@ class FastDecoder:
             mask = mask | _diag(S, end, start, ids.device)
         one_token_cpu = S == 1 and ids.device.type == "cpu"
         hidden_keys = ~mask.view(B, -1) if one_token_cpu else None
+        if hidden_keys is not None and self._fused:
+            return self._forward_fused(x.view(B, -1), positions[:, 0], start, hidden_keys, tape, record_at)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj, eps1, eps2) in enumerate(self.layers):
             h = self._rms(x, ln1, eps1)
             qkv = qkv_proj(h)
@@ -236,6 +236,39 @@ class FastDecoder:
                 for which, out in ((1, o), (2, gu), (3, down)):
                     tape.save(li, which, out, record_at)
         return self.head(self._rms(x[:, -1], self.final_norm_w, self.final_eps))
+
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, start: int, hidden_keys: torch.Tensor,
+                       tape: Any, record_at: Any) -> torch.Tensor:
+        """:meth:`forward` of one token a row through the backend's ``decode_layer`` op (x (B, hidden), its own)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        for li, weights in enumerate(self._fused):
+            outs = self._layer_op(x, *weights[:8], self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start,
+                                  *weights[8:], self.scale, self.n_heads, self.n_kv)
+            if tape is not None:
+                for which, out in enumerate(outs):
+                    tape.save(li, which, out, record_at)
+        return self.head(self._rms(x, self.final_norm_w, self.final_eps))
+
+
+def _float32_cpu(inner: Any) -> bool:
+    """Whether the decoder's weights are float32 on the CPU (where the keys are stored transposed)."""
+    w = inner.embed_tokens.weight
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
+def _layer_arguments(layer: Any, eps: float) -> tuple:
+    """The ``decode_layer`` op's weight arguments of one decoder layer: ln1, q/k/v parts, their bias, o, its bias,
+    ln2, gate/up parts, down; then the two norms' eps (``eps``: the config's where a norm has none)."""
+    a, m = layer.self_attn, layer.mlp
+    parts = (a.q_proj, a.k_proj, a.v_proj)
+    b_qkv = None
+    if any(p.bias is not None for p in parts):
+        b_qkv = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.weight.shape[0]) for p in parts])
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    return (n1.weight, [p.weight for p in parts], b_qkv, a.o_proj.weight, a.o_proj.bias, n2.weight,
+            [m.gate_proj.weight, m.up_proj.weight], m.down_proj.weight,
+            getattr(n1, "variance_epsilon", eps), getattr(n2, "variance_epsilon", eps))
 
 
 def _diag(S: int, end: int, start: int, device: Any) -> torch.Tensor:

@@ -1,0 +1,298 @@
+// One decoder layer of a one-token decode step, float32 on the CPU, in one call and one parallel region: the
+// layer portrl/rollout/fast_decode.py runs op by op, for Llama-family pre-norm layers (Qwen2 / Qwen2.5, Llama,
+// Mistral).
+//
+// Registered as torch ops (torch.ops.portrl_cpu_decode_layer_<isa>.layer, <isa> = PORTRL_ISA: avx512 or avx2);
+// built per variant by backends/cpu/native_build.py, chosen by backends/cpu/isa.py, used by
+// backends/cpu/decode_layer.py (op decode_layer, implementation "fused").
+//
+//   h = rms(x, ln1);  qkv = h [Wq; Wk; Wv]^T (+ b);  q, k = rope(q), rope(k);  k, v -> cache slot `start`
+//   x += o = attn(q, cache[: start + 1]) Wo^T (+ bo);  gu = rms(x, ln2) [Wg; Wu]^T;  x += down = (silu(g) * u) Wd^T
+//   rms(x, w) = x / sqrt(mean(x^2) + eps) * w;  rope(t) = t * cos + [t2, t1] * sin (sin signed: -sin on the first half)
+//
+// x (M, hidden) is updated in place, so are the layer's caches; returns qkv, o, gu and down (the outputs a forward
+// recording saves, portrl/models/forward_tape.py). The linears are the rows kernel's tiles (rows_tiles.h: the same
+// tilings and sums as rows_linear), the attention the decode attention's (attention_heads.h), keys stored
+// transposed; results equal the op-by-op layer up to float32 summation order (norm and rope).
+//
+// Why one region: op by op a layer is ~10 torch calls and 5 parallel regions, and between regions torch's OpenMP
+// threads go to sleep (portrl sets GOMP_SPINCOUNT=1000); waking one costs 50-100 us on a VM. Here the layer's nine
+// phases run in one region: each phase's items (rows, tiles, (row, KV head) pairs) go to whichever thread claims
+// them next (an atomic counter), and a thread that finds none left waits for the phase's last items. A thread that
+// arrives late finds work already taken and a single thread does everything, so no phase waits for a thread to
+// wake and no count of threads is assumed. A layer of fewer than INLINE_FLOATS weight floats runs on the calling
+// thread alone (a region's wake would cost more than it saves).
+#include "attention_heads.h"
+#include "rows_tiles.h"
+
+#include <atomic>
+#include <thread>
+#include <tuple>
+
+namespace {
+
+using VecF = at::vec::Vectorized<float>;
+constexpr int64_t INLINE_FLOATS = 1 << 19;  // a layer with fewer weight floats stays on the calling thread
+constexpr int64_t ITEM_FLOATS = 1 << 14;    // weight floats a tile item reads at least (fewer atomic claims)
+constexpr int SPINS = 1 << 12;              // pauses before a waiting thread yields its core
+
+// Items 0 .. total - 1, claimed one at a time by whichever thread asks; run() returns when all are done.
+struct Phase {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t total = 0;
+
+  template <typename Fn>
+  void run(const Fn& fn) {
+    int64_t mine = 0;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total; ++mine) fn(i);
+    if (mine) done.fetch_add(mine, std::memory_order_acq_rel);
+    for (int spins = 0; done.load(std::memory_order_acquire) < total; ++spins) {
+      if (spins < SPINS) _mm_pause(); else std::this_thread::yield();
+    }
+  }
+};
+
+// Where a linear's input goes: row-major (dot tiles) or transposed into (K, stride) (lane tiles, rows_tiles.h)
+struct Input {
+  float* x;
+  int64_t K;
+  const rows::Plan& plan;
+  void put(int64_t m, const float* row) const {
+    if (!plan.lanes) {
+      std::copy(row, row + K, x + m * K);
+      return;
+    }
+    for (int64_t k = 0; k < K; ++k) x[k * plan.stride + m] = row[k];
+  }
+};
+
+float* scratch(int64_t n) {  // a per-thread buffer of at least n floats
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w
+void rms_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  VecF acc(0.f);
+  int64_t i = 0;
+  for (; i + VecF::size() <= n; i += VecF::size()) {
+    const VecF v = VecF::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float ss = at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  const VecF r(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
+  for (i = 0; i + VecF::size() <= n; i += VecF::size()) (VecF::loadu(x + i) * r * VecF::loadu(w + i)).store(out + i);
+  const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (; i < n; ++i) out[i] = x[i] * rs * w[i];
+}
+
+// out = silu(g) * u, the formula of swiglu.cpp
+void swiglu_row(const float* g, const float* u, int64_t n, float* out) {
+  const VecF one(1.f);
+  int64_t i = 0;
+  for (; i + VecF::size() <= n; i += VecF::size()) {
+    const VecF gv = VecF::loadu(g + i);
+    (gv * (one / (one + gv.neg().exp())) * VecF::loadu(u + i)).store(out + i);
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// out[d] = t[d] cos[d] + t[(d + D/2) mod D] sin[d] for each of `heads` heads of D
+void rope_heads(const float* t, int64_t heads, int64_t D, const float* cos, const float* sin, float* out, int64_t os) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* th = t + h * D;
+    float* oh = out + h * os;
+    for (int64_t d = 0; d < D; ++d) oh[d] = th[d] * cos[d] + th[d < half ? d + half : d - half] * sin[d];
+  }
+}
+
+void check(const at::Tensor& t, const char* name, bool contiguous = true) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && (!contiguous || t.is_contiguous()),
+              "decode_layer: ", name, " must be a", contiguous ? " contiguous" : "", " float32 CPU tensor");
+}
+
+const float* data_or_null(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check(*t, name);
+  TORCH_CHECK(t->numel() == n, "decode_layer: ", name, " must have ", n, " elements");
+  return t->data_ptr<float>();
+}
+
+// A stacked linear's tiles as phase items of at least ITEM_FLOATS weight floats: y = in W^T (+ bias), then
+// x[:, c] += y[:, c] when `residual` (the layer's x)
+struct Linear {
+  rows::Stack stack;
+  const rows::Plan& plan;
+  int64_t chunk;
+  Linear(at::TensorList w, int64_t K, const rows::Plan& p)
+      : stack(checked(w, K), K, p.nt), plan(p),
+        chunk(std::max<int64_t>(1, ITEM_FLOATS / (p.nt * std::max<int64_t>(K, 1)))) {}
+  static at::TensorList checked(at::TensorList w, int64_t K) {
+    TORCH_CHECK(!w.empty(), "decode_layer: no weights");
+    for (const at::Tensor& t : w) {
+      check(t, "every weight");
+      TORCH_CHECK(t.dim() == 2 && t.size(1) == K, "decode_layer: a weight must be (out_features, ", K, ")");
+    }
+    return w;
+  }
+  int64_t items() const { return (stack.tiles() + chunk - 1) / chunk; }
+  void item(int64_t it, const float* in, int64_t M, float* y, const float* bias, float* residual) const {
+    const int64_t t0 = it * chunk, t1 = std::min(stack.tiles(), t0 + chunk), N = stack.N();
+    size_t i = stack.weight_of(t0);
+    int n = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = stack.run(t, i, plan, in, in, M, y, N, bias, &n);
+      if (residual)
+        for (int64_t m = 0; m < M; ++m)
+          for (int j = 0; j < n; ++j) residual[m * N + c0 + j] += y[m * N + c0 + j];
+    }
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, const at::Tensor& ln1, at::TensorList qkv_w, const std::optional<at::Tensor>& qkv_b,
+    const at::Tensor& o_w, const std::optional<at::Tensor>& o_b, const at::Tensor& ln2, at::TensorList gate_up_w,
+    const at::Tensor& down_w, at::Tensor k_store, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& hidden, int64_t start, double eps1, double eps2, double scale, int64_t heads, int64_t kv_heads) {
+  check(x, "x");
+  check(cos, "cos");
+  check(sin, "sin");
+  check(k_store, "k_store", false);
+  check(v_cache, "v_cache", false);
+  TORCH_CHECK(x.dim() == 2, "decode_layer: x must be (rows, hidden)");
+  const int64_t M = x.size(0), Hd = x.size(1), H = heads, KV = kv_heads, L = start + 1;
+  TORCH_CHECK(H > 0 && KV > 0 && H % KV == 0, "decode_layer: heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_store.dim() == 4 && k_store.size(0) == M && k_store.size(1) == KV && k_store.stride(3) == 1 &&
+                  k_store.size(3) >= L,
+              "decode_layer: k_store must be (rows, kv_heads, head_dim, >= start + 1) with unit stride along the keys");
+  const int64_t D = k_store.size(2), I = down_w.dim() == 2 ? down_w.size(1) : 0;
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.size(0) == M && v_cache.size(1) == KV && v_cache.size(2) >= L &&
+                  v_cache.size(3) == D && v_cache.stride(3) == 1,
+              "decode_layer: v_cache must be (rows, kv_heads, >= start + 1, head_dim) with unit stride along D");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == M && cos.size(1) == D,
+              "decode_layer: cos and sin must be (rows, head_dim)");
+  TORCH_CHECK(hidden.scalar_type() == at::kBool && hidden.dim() == 2 && hidden.size(0) == M && hidden.size(1) == L &&
+                  hidden.stride(1) == 1,
+              "decode_layer: hidden must be (rows, start + 1) bool with unit stride");
+  check(ln1, "ln1");
+  check(ln2, "ln2");
+  TORCH_CHECK(ln1.numel() == Hd && ln2.numel() == Hd, "decode_layer: ln1 and ln2 must have hidden elements");
+  const rows::Plan plan = rows::plan_for(M, Hd, -1), plan_o = rows::plan_for(M, H * D, -1),
+                   plan_d = rows::plan_for(M, I, -1);
+  const Linear qkv_l(qkv_w, Hd, plan), o_l({o_w}, H * D, plan_o), gu_l(gate_up_w, Hd, plan), down_l({down_w}, I, plan_d);
+  const int64_t Nqkv = qkv_l.stack.N(), Ngu = gu_l.stack.N();
+  TORCH_CHECK(Nqkv == (H + 2 * KV) * D && o_l.stack.N() == Hd && Ngu == 2 * I && down_l.stack.N() == Hd,
+              "decode_layer: the weights' shapes do not fit hidden, heads, kv_heads and head_dim");
+  const float* bq = data_or_null(qkv_b, Nqkv, "qkv_bias");
+  const float* bo = data_or_null(o_b, Hd, "o_bias");
+
+  const auto opts = x.options();
+  at::Tensor qkv = at::empty({M, Nqkv}, opts), o = at::empty({M, Hd}, opts), gu = at::empty({M, Ngu}, opts),
+             down = at::empty({M, Hd}, opts);
+  // the linears' inputs, row-major or transposed (columns past M zero: lane tiles read them)
+  auto input = [&](int64_t K, const rows::Plan& p) {
+    if (!p.lanes) return at::empty({M, K}, opts);
+    at::Tensor t = at::empty({K, p.stride}, opts);
+    if (p.stride > M) t.narrow(1, M, p.stride - M).zero_();
+    return t;
+  };
+  at::Tensor h_in = input(Hd, plan), a_in = input(H * D, plan_o), s_in = input(I, plan_d);
+  at::Tensor q = at::empty({M, H * D}, opts), attn = at::empty({M, H * D}, opts);
+  const Input hin{h_in.data_ptr<float>(), Hd, plan}, ain{a_in.data_ptr<float>(), H * D, plan_o},
+      act{s_in.data_ptr<float>(), I, plan_d};
+  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *op = o.data_ptr<float>(),
+        *gup = gu.data_ptr<float>(), *downp = down.data_ptr<float>(), *qp = q.data_ptr<float>(),
+        *attnp = attn.data_ptr<float>(), *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float *w1 = ln1.data_ptr<float>(), *w2 = ln2.data_ptr<float>(), *cp = cos.data_ptr<float>(),
+              *sp = sin.data_ptr<float>();
+  const bool* hid = hidden.data_ptr<bool>();
+  const int64_t hs0 = hidden.stride(0);
+  const int64_t ks0 = k_store.stride(0), ks1 = k_store.stride(1), ks2 = k_store.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2), rep = H / KV;
+  const float sc = static_cast<float>(scale);
+
+  Phase p[9];
+  const int64_t counts[9] = {M, qkv_l.items(), M, M * KV, o_l.items(), M, gu_l.items(), M, down_l.items()};
+  for (int i = 0; i < 9; ++i) p[i].total = counts[i];
+  auto body = [&] {
+    p[0].run([&](int64_t m) {
+      float* row = scratch(Hd);
+      rms_row(xp + m * Hd, w1, Hd, static_cast<float>(eps1), row);
+      hin.put(m, row);
+    });
+    p[1].run([&](int64_t it) { qkv_l.item(it, hin.x, M, qkvp, bq, nullptr); });
+    p[2].run([&](int64_t m) {  // rope; the new key and value into the cache at slot `start`
+      const float* r = qkvp + m * Nqkv;
+      const float *c = cp + m * D, *s = sp + m * D;
+      rope_heads(r, H, D, c, s, qp + m * H * D, D);
+      float* k = scratch(KV * D);
+      rope_heads(r + H * D, KV, D, c, s, k, D);
+      for (int64_t g = 0; g < KV; ++g)
+        for (int64_t d = 0; d < D; ++d) {
+          kp[m * ks0 + g * ks1 + d * ks2 + start] = k[g * D + d];
+          vp[m * vs0 + g * vs1 + start * vs2 + d] = r[(H + KV + g) * D + d];
+        }
+    });
+    p[3].run([&](int64_t t) {  // one row's query heads of one KV head
+      const int64_t m = t / KV, g = t % KV;
+      float* scores = scratch(attn::RMAX * L);
+      for (int64_t r0 = 0; r0 < rep; r0 += attn::RMAX) {
+        const int R = static_cast<int>(std::min<int64_t>(attn::RMAX, rep - r0));
+        const int64_t h = g * rep + r0;
+        attn::HEADS[R](qp + m * H * D + h * D, D, kp + m * ks0 + g * ks1, ks2, true, vp + m * vs0 + g * vs1, vs2,
+                       hid + m * hs0, L, D, sc, scores, attnp + m * H * D + h * D, D);
+      }
+      if (plan_o.lanes)
+        for (int64_t j = g * rep * D; j < (g + 1) * rep * D; ++j) ain.x[j * plan_o.stride + m] = attnp[m * H * D + j];
+    });
+    p[4].run([&](int64_t it) { o_l.item(it, plan_o.lanes ? ain.x : attnp, M, op, bo, xp); });
+    p[5].run([&](int64_t m) {
+      float* row = scratch(Hd);
+      rms_row(xp + m * Hd, w2, Hd, static_cast<float>(eps2), row);
+      hin.put(m, row);
+    });
+    p[6].run([&](int64_t it) { gu_l.item(it, hin.x, M, gup, nullptr, nullptr); });
+    p[7].run([&](int64_t m) {
+      float* row = scratch(I);
+      swiglu_row(gup + m * Ngu, gup + m * Ngu + I, I, row);
+      act.put(m, row);
+    });
+    p[8].run([&](int64_t it) { down_l.item(it, act.x, M, downp, nullptr, xp); });
+  };
+  const int64_t weights = (Nqkv + Ngu) * Hd + 2 * Hd * I;
+  const int64_t threads = weights < INLINE_FLOATS ? 1 : at::get_num_threads();
+  if (threads <= 1 || M == 0) {
+    body();
+  } else {
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      for (; b < e; ++b) body();
+    });
+  }
+  return {qkv, o, gu, down};
+}
+
+}  // namespace (everything: the two variants' libraries share no symbol)
+
+// The namespace portrl_cpu_decode_layer_<PORTRL_ISA> (swiglu.cpp explains the macros).
+#define PORTRL_CAT_(a, b) a##_##b
+#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
+#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+#ifdef PORTRL_ISA
+#define PORTRL_NS PORTRL_CAT(portrl_cpu_decode_layer, PORTRL_ISA)
+#else
+#define PORTRL_NS portrl_cpu_decode_layer
+#endif
+
+PORTRL_LIBRARY(PORTRL_NS, m) {
+  m.def(
+      "layer(Tensor(a!) x, Tensor ln1, Tensor[] qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor ln2, "
+      "Tensor[] gate_up_w, Tensor down_w, Tensor(b!) k_store, Tensor(c!) v_cache, Tensor cos, Tensor sin, "
+      "Tensor hidden, int start, float eps1, float eps2, float scale, int heads, int kv_heads) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) { m.impl("layer", &decode_layer); }

@@ -1,0 +1,44 @@
+"""The CPU's one-call decode layer (op ``decode_layer``, implementation ``fused``): the whole layer of a one-token
+decode step in one native call and one parallel region (backends/cpu/decode_layer.cpp, the AVX-512 or AVX2 build
+backends/cpu/isa.py chooses), for float32 CPU tensors with nothing to differentiate and at most ``ROWS_MAX`` rows
+(the rows kernel's range); anything else takes the native op (portrl.ops.decode_layer).
+
+Op by op the layer is ~10 torch calls and five parallel regions, and torch's OpenMP threads sleep between regions
+(GOMP_SPINCOUNT=1000); on a VM each wake costs 50-100 us, and for a small model the calls' set-up is most of the
+step. decode_layer.cpp says how its phases share one region.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portrl.backends.cpu import isa, native_build
+from portrl.ops.decode_layer import decode_layer as native_decode_layer
+
+LIBRARY = "decode_layer"
+#: most rows the fused layer serves: the rows kernel's (backends/cpu/kernels.py ROWS_MAX, kept equal by a test)
+ROWS_MAX = 64
+
+
+def _fits(x: torch.Tensor, tensors: tuple) -> bool:
+    return (x.dim() == 2 and 0 < x.shape[0] <= ROWS_MAX and x.is_contiguous()
+            and all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
+
+
+def decode_layer_fused(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden,
+                       start, eps1, eps2, scale, heads, kv_heads, variant: str | None = None):
+    """The ``decode_layer`` op's contract (portrl.ops.decode_layer), in one native call where it fits (see the
+    module docstring); weights and norms must be contiguous. ``variant`` (``avx512`` / ``avx2``): that build, which
+    this CPU must run (tests); None: backends/cpu/isa.py's."""
+    args = (x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden, start, eps1,
+            eps2, scale, heads, kv_heads)
+    variant = variant or isa.chosen().variant
+    if (not _fits(x, (x, ln1, *qkv_w, qkv_b, o_w, o_b, ln2, *gate_up_w, down_w, k_store, v_cache, cos, sin))
+            or variant is None or not native_build.try_load(LIBRARY, variant)):
+        return native_decode_layer(*args)
+    return getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant)).layer(*args)
+
+
+#: a decode loop with more rows keeps its op-by-op layer (portrl/rollout/fast_decode.py reads this)
+decode_layer_fused.max_rows = ROWS_MAX  # type: ignore[attr-defined]
