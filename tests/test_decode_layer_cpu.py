@@ -139,3 +139,16 @@ def test_decoder_with_more_rows_than_the_kernel_keeps_its_layer():
     with torch.inference_mode():
         dec.start(ROWS_MAX + 1, 8, decode_rows=ROWS_MAX + 1, steps=4)
     assert dec._fused == []
+
+
+def test_a_run_choosing_the_native_layer_steps_op_by_op():
+    from portrl.ops import registry
+
+    registry.choose({"decode_layer": "native"})  # device.kernels.decode_layer=native
+    try:
+        dec = fast_decoder_for(_qwen2(), "cpu")
+        with torch.inference_mode():
+            dec.start(4, 8, decode_rows=4, steps=4)
+        assert dec._layer_op is None and dec._fused == []
+    finally:
+        registry.choose({})

@@ -15,6 +15,9 @@ attention is :func:`portrl.ops.attention.decode_attention` (query head h reads K
 head_dim, slots), values ``v_cache`` (M, kv_heads, slots, head_dim). ``qkv_w`` and ``gate_up_w`` are the parts of
 the fused projections (not concatenated); biases may be None. Returns ``(qkv, o, gu, down)``, the four matmul
 outputs a forward recording saves (portrl/models/forward_tape.py).
+
+A backend's implementation may carry ``max_rows``: the most rows it serves fast (the CPU's: its decode linear's
+range); portrl/rollout/fast_decode.py steps a batch with more rows op by op.
 """
 
 from __future__ import annotations

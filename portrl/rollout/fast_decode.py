@@ -29,7 +29,7 @@ scaled, biased or non-SiLU MLP), and the caller uses the generic forward instead
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,8 @@ from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
-from portrl.ops.registry import NATIVE
 from portrl.ops.layers import linear_prepacked
+from portrl.ops.registry import NATIVE
 from portrl.progress import note
 from portrl.rollout.decode_rows import DecodeRows, left_pad
 from portrl.rollout.sampling import sample_next
@@ -110,7 +110,7 @@ class FastDecoder:
         self._swiglu = select("swiglu", backend=backend)[1]
         self._attend = select("decode_attention", backend=backend)[1]
         name, layer_op = select("decode_layer", backend=backend)
-        self._layer_op = layer_op if name != NATIVE else None  # the backend's one-call layer, if it has one
+        self._layer_op: Optional[Callable] = layer_op if name != NATIVE else None  # the backend's one-call layer
         self._fused: list = []  # per layer: decode_layer's weight arguments, when this call's steps use it
 
     @property
@@ -130,7 +130,9 @@ class FastDecoder:
         def linear(w: Any, b: Optional[torch.Tensor] = None):  # w: a weight or the parts of a fused one
             return make(w, b, decode_rows)
 
-        fuse = (self._layer_op is not None and _float32_cpu(self.inner)
+        w = self.inner.embed_tokens.weight
+        # the one-call layer takes the keys stored transposed (the CPU's cache, below) and serves float32
+        fuse = (self._layer_op is not None and w.device.type == "cpu" and w.dtype == torch.float32
                 and (decode_rows or rows) <= getattr(self._layer_op, "max_rows", rows))
         weights = [_layer_arguments(layer, self.eps) for layer in self.inner.layers]
         self._fused = weights if fuse else []
@@ -138,7 +140,6 @@ class FastDecoder:
                        for ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2 in weights]
         head = self.model.lm_head
         self.head = linear(head.weight, head.bias)
-        w = self.inner.embed_tokens.weight
         shape = (len(self.layers), rows, self.n_kv, max_len, self.head_dim)
         if w.device.type == "cpu":
             self._k_store = torch.zeros(*shape[:3], self.head_dim, -(-max_len // KEY_ALIGN) * KEY_ALIGN, dtype=w.dtype)
@@ -237,24 +238,18 @@ class FastDecoder:
                     tape.save(li, which, out, record_at)
         return self.head(self._rms(x[:, -1], self.final_norm_w, self.final_eps))
 
-
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, start: int, hidden_keys: torch.Tensor,
                        tape: Any, record_at: Any) -> torch.Tensor:
         """:meth:`forward` of one token a row through the backend's ``decode_layer`` op (x (B, hidden), its own)."""
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin, layer_op = self.cos[positions], self.sin[positions], self._layer_op
+        assert layer_op is not None  # start() fuses only with one
         for li, weights in enumerate(self._fused):
-            outs = self._layer_op(x, *weights[:8], self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start,
+            outs = layer_op(x, *weights[:8], self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start,
                                   *weights[8:], self.scale, self.n_heads, self.n_kv)
             if tape is not None:
                 for which, out in enumerate(outs):
                     tape.save(li, which, out, record_at)
         return self.head(self._rms(x, self.final_norm_w, self.final_eps))
-
-
-def _float32_cpu(inner: Any) -> bool:
-    """Whether the decoder's weights are float32 on the CPU (where the keys are stored transposed)."""
-    w = inner.embed_tokens.weight
-    return w.device.type == "cpu" and w.dtype == torch.float32
 
 
 def _layer_arguments(layer: Any, eps: float) -> tuple:
