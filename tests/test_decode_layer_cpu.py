@@ -48,9 +48,17 @@ def _run(fn, inputs, dtype=torch.float32):
 
 
 def _fused(variant):
+    """The native op itself (no fallback): its outputs allocated here."""
     assert native_build.try_load("decode_layer", variant)
     op = getattr(torch.ops, native_build.ops_namespace("decode_layer", variant)).layer
-    return lambda **a: op(*a.values())
+
+    def run(**a):
+        x, heads, kv, d = a["x"], a["heads"], a["kv_heads"], a["k_store"].shape[2]
+        outs = tuple(x.new_empty(x.shape[0], n) for n in ((heads + 2 * kv) * d, x.shape[1],
+                                                          2 * a["down_w"].shape[1], x.shape[1]))
+        op(*a.values(), *outs)
+        return outs
+    return run
 
 
 @variants
@@ -116,7 +124,7 @@ def test_decoder_steps_through_the_fused_layer_as_op_by_op():
     dec = fast_decoder_for(model, "cpu")
     calls = []
     fused = dec._layer_op
-    dec._layer_op = lambda *a: calls.append(1) or fused(*a)
+    dec._layer_op = lambda *a, **k: calls.append(1) or fused(*a, **k)
     ids = torch.randint(2, 80, (6, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(6, 9, dtype=torch.bool)
     logits = {}

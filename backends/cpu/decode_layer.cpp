@@ -10,8 +10,8 @@
 //   x += o = attn(q, cache[: start + 1]) Wo^T (+ bo);  gu = rms(x, ln2) [Wg; Wu]^T;  x += down = (silu(g) * u) Wd^T
 //   rms(x, w) = x / sqrt(mean(x^2) + eps) * w;  rope(t) = t * cos + [t2, t1] * sin (sin signed: -sin on the first half)
 //
-// x (M, hidden) is updated in place, so are the layer's caches; returns qkv, o, gu and down (the outputs a forward
-// recording saves, portrl/models/forward_tape.py). The linears are the rows kernel's tiles (rows_tiles.h: the same
+// x (M, hidden) is updated in place, so are the layer's caches; qkv, o, gu and down (the outputs a forward recording
+// saves, portrl/models/forward_tape.py) are written to the four tensors given last (contiguous: a recording's slots). The linears are the rows kernel's tiles (rows_tiles.h: the same
 // tilings and sums as rows_linear), the attention the decode attention's (attention_heads.h), keys stored
 // transposed; results equal the op-by-op layer up to float32 summation order (norm and rope).
 //
@@ -27,7 +27,6 @@
 
 #include <atomic>
 #include <thread>
-#include <tuple>
 
 namespace {
 
@@ -185,11 +184,20 @@ Dims check_arguments(const at::Tensor& x, const at::Tensor& ln1, const at::Tenso
   return d;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layer(
+// An output's storage: (rows, n), contiguous float32 (the caller's, e.g. a recording's slots)
+float* output(const at::Tensor& t, int64_t rows, int64_t n, const char* name) {
+  check(t, name);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == n, "decode_layer: ", name, " must be (", rows, ", ", n,
+              ")");
+  return t.data_ptr<float>();
+}
+
+void decode_layer(
     at::Tensor x, const at::Tensor& ln1, at::TensorList qkv_w, const std::optional<at::Tensor>& qkv_b,
     const at::Tensor& o_w, const std::optional<at::Tensor>& o_b, const at::Tensor& ln2, at::TensorList gate_up_w,
     const at::Tensor& down_w, at::Tensor k_store, at::Tensor v_cache, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& hidden, int64_t start, double eps1, double eps2, double scale, int64_t heads, int64_t kv_heads) {
+    const at::Tensor& hidden, int64_t start, double eps1, double eps2, double scale, int64_t heads, int64_t kv_heads,
+    const at::Tensor& qkv_out, const at::Tensor& o_out, const at::Tensor& gu_out, const at::Tensor& down_out) {
   const auto [M, Hd, H, KV, D, I, L] =
       check_arguments(x, ln1, ln2, down_w, k_store, v_cache, cos, sin, hidden, start, heads, kv_heads);
   const rows::Plan plan = rows::plan_for(M, Hd, -1), plan_o = rows::plan_for(M, H * D, -1),
@@ -202,8 +210,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layer(
   const float* bo = data_or_null(o_b, Hd, "o_bias");
 
   const auto opts = x.options();
-  at::Tensor qkv = at::empty({M, Nqkv}, opts), o = at::empty({M, Hd}, opts), gu = at::empty({M, Ngu}, opts),
-             down = at::empty({M, Hd}, opts);
+  float *qkvp = output(qkv_out, M, Nqkv, "qkv_out"), *op = output(o_out, M, Hd, "o_out"),
+        *gup = output(gu_out, M, Ngu, "gu_out"), *downp = output(down_out, M, Hd, "down_out");
   // the linears' inputs, row-major or transposed (columns past M zero: lane tiles read them)
   auto input = [&](int64_t K, const rows::Plan& p) {
     if (!p.lanes) return at::empty({M, K}, opts);
@@ -215,9 +223,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layer(
   at::Tensor q = at::empty({M, H * D}, opts), attn = at::empty({M, H * D}, opts);
   const Input hin{h_in.data_ptr<float>(), Hd, plan}, ain{a_in.data_ptr<float>(), H * D, plan_o},
       act{s_in.data_ptr<float>(), I, plan_d};
-  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *op = o.data_ptr<float>(),
-        *gup = gu.data_ptr<float>(), *downp = down.data_ptr<float>(), *qp = q.data_ptr<float>(),
-        *attnp = attn.data_ptr<float>(), *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *qp = q.data_ptr<float>(), *attnp = attn.data_ptr<float>(),
+        *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   const float *w1 = ln1.data_ptr<float>(), *w2 = ln2.data_ptr<float>(), *cp = cos.data_ptr<float>(),
               *sp = sin.data_ptr<float>();
   const bool* hid = hidden.data_ptr<bool>();
@@ -278,7 +285,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_layer(
       for (; b < e; ++b) body();
     });
   }
-  return {qkv, o, gu, down};
 }
 
 }  // namespace (everything: the two variants' libraries share no symbol)
@@ -298,8 +304,8 @@ PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def(
       "layer(Tensor(a!) x, Tensor ln1, Tensor[] qkv_w, Tensor? qkv_b, Tensor o_w, Tensor? o_b, Tensor ln2, "
       "Tensor[] gate_up_w, Tensor down_w, Tensor(b!) k_store, Tensor(c!) v_cache, Tensor cos, Tensor sin, "
-      "Tensor hidden, int start, float eps1, float eps2, float scale, int heads, int kv_heads) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor hidden, int start, float eps1, float eps2, float scale, int heads, int kv_heads, "
+      "Tensor(d!) qkv_out, Tensor(e!) o_out, Tensor(f!) gu_out, Tensor(g!) down_out) -> ()");
 }
 
 PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) { m.impl("layer", &decode_layer); }

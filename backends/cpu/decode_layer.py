@@ -27,7 +27,7 @@ def _fits(x: torch.Tensor, tensors: tuple) -> bool:
 
 
 def decode_layer_fused(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden,
-                       start, eps1, eps2, scale, heads, kv_heads, variant: str | None = None):
+                       start, eps1, eps2, scale, heads, kv_heads, out=None, variant: str | None = None):
     """The ``decode_layer`` op's contract (portrl.ops.decode_layer), in one native call where it fits (see the
     module docstring); weights and norms must be contiguous. ``variant`` (``avx512`` / ``avx2``): that build, which
     this CPU must run (tests); None: backends/cpu/isa.py's."""
@@ -36,8 +36,13 @@ def decode_layer_fused(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k
     variant = variant or isa.chosen().variant
     if (not _fits(x, (x, ln1, *qkv_w, qkv_b, o_w, o_b, ln2, *gate_up_w, down_w, k_store, v_cache, cos, sin))
             or variant is None or not native_build.try_load(LIBRARY, variant)):
-        return native_decode_layer(*args)
-    return getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant)).layer(*args)
+        return native_decode_layer(*args, out=out)
+    if out is None:
+        rows, widths = x.shape[0], (sum(w.shape[0] for w in qkv_w), o_w.shape[0], sum(w.shape[0] for w in gate_up_w),
+                                    down_w.shape[0])
+        out = tuple(x.new_empty(rows, n) for n in widths)
+    getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant)).layer(*args, *out)
+    return tuple(out)
 
 
 #: a decode loop with more rows keeps its op-by-op layer (portrl/rollout/fast_decode.py reads this)

@@ -106,6 +106,11 @@ class ForwardTape:
         else:
             buf.index_copy_(0, slots, out.reshape(-1, buf.shape[1]))
 
+    def destinations(self, layer: int, slots) -> Optional[list[torch.Tensor]]:
+        """Where :meth:`save` of ``layer``'s outputs at ``slots`` would copy them, for a producer to write into
+        directly (contiguous rows: ``slots`` a slice); None for scattered slots."""
+        return [b[slots] for b in self._layer_buffers(layer)] if isinstance(slots, slice) else None
+
     def finish(self, response_ids: Sequence[Sequence[int]]) -> None:
         """Name the rows: (prompt, response) -> output row."""
         for r, resp in enumerate(response_ids):

@@ -14,7 +14,8 @@ attention is :func:`portrl.ops.attention.decode_attention` (query head h reads K
 ``hidden`` (M, start + 1) True where a row may not look). Keys are stored transposed, ``k_store`` (M, kv_heads,
 head_dim, slots), values ``v_cache`` (M, kv_heads, slots, head_dim). ``qkv_w`` and ``gate_up_w`` are the parts of
 the fused projections (not concatenated); biases may be None. Returns ``(qkv, o, gu, down)``, the four matmul
-outputs a forward recording saves (portrl/models/forward_tape.py).
+outputs a forward recording saves (portrl/models/forward_tape.py), written into ``out`` when it is given (four
+contiguous tensors of their shapes: a recording's slots, saving a copy).
 
 A backend's implementation may carry ``max_rows``: the most rows it serves fast (the CPU's: its decode linear's
 range); portrl/rollout/fast_decode.py steps a batch with more rows op by op.
@@ -35,7 +36,7 @@ def decode_layer(x: torch.Tensor, ln1: torch.Tensor, qkv_w: Sequence[torch.Tenso
                  o_w: torch.Tensor, o_b: Optional[torch.Tensor], ln2: torch.Tensor, gate_up_w: Sequence[torch.Tensor],
                  down_w: torch.Tensor, k_store: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, hidden: torch.Tensor, start: int, eps1: float, eps2: float, scale: float,
-                 heads: int, kv_heads: int) -> tuple:
+                 heads: int, kv_heads: int, out: Optional[Sequence[torch.Tensor]] = None) -> tuple:
     """The module docstring's layer, in torch ops (any device and dtype)."""
     M, D = x.shape[0], k_store.shape[2]
     qkv = _linear(rms_norm(x, ln1, eps1), qkv_w, qkv_b)
@@ -50,7 +51,11 @@ def decode_layer(x: torch.Tensor, ln1: torch.Tensor, qkv_w: Sequence[torch.Tenso
     gu = _linear(rms_norm(x, ln2, eps2), gate_up_w, None)
     down = F.linear(swiglu(*gu.chunk(2, dim=-1)), down_w)
     x += down
-    return qkv, o, gu, down
+    if out is None:
+        return qkv, o, gu, down
+    for dest, value in zip(out, (qkv, o, gu, down)):
+        dest.copy_(value)
+    return tuple(out)
 
 
 def _linear(x: torch.Tensor, parts: Sequence[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -244,9 +244,10 @@ class FastDecoder:
         cos, sin, layer_op = self.cos[positions], self.sin[positions], self._layer_op
         assert layer_op is not None  # start() fuses only with one
         for li, weights in enumerate(self._fused):
+            into = tape.destinations(li, record_at) if tape is not None else None  # the recording's own slots
             outs = layer_op(x, *weights[:8], self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start,
-                                  *weights[8:], self.scale, self.n_heads, self.n_kv)
-            if tape is not None:
+                            *weights[8:], self.scale, self.n_heads, self.n_kv, out=into)
+            if tape is not None and into is None:
                 for which, out in enumerate(outs):
                     tape.save(li, which, out, record_at)
         return self.head(self._rms(x, self.final_norm_w, self.final_eps))
