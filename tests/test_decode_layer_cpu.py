@@ -102,6 +102,13 @@ def test_fused_layer_refuses_keys_not_stored_transposed(variant):
         _run(_fused(variant), inputs)
 
 
+def test_a_strided_weight_takes_the_op():
+    inputs = _layer_inputs(4, *SMALL)
+    inputs["o_w"] = inputs["o_w"].t().contiguous().t()  # the same values, column-major
+    for a, b in zip(_run(decode_layer_fused, inputs), _run(decode_layer, inputs)):
+        assert torch.equal(a, b)
+
+
 def test_more_rows_than_the_kernel_serves_take_the_op():
     assert ROWS_MAX == kernels.ROWS_MAX
     inputs = _layer_inputs(ROWS_MAX + 1, *SMALL)

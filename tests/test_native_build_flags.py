@@ -101,3 +101,15 @@ def test_flags_that_do_not_fit_torchs_headers_are_one_line(fresh_build, monkeypa
     assert len(fresh_build) == 1 and "\n" not in fresh_build[0] and fresh_build[0].startswith("WARNING ")
     assert "-std=c++11, exit 1): " in fresh_build[0] and " error: " in fresh_build[0]
     assert fresh_build[0].endswith("; instead, the decode linear takes MKL's packed matmul")
+
+
+def test_the_cache_key_covers_the_headers_a_source_includes(monkeypatch, tmp_path):
+    (tmp_path / "k.cpp").write_text('#include "a.h"\n#include <vector>\n#include "missing.h"\nint k;\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\nint a;\n')
+    (tmp_path / "b.h").write_text('#pragma once\n#include "a.h"\nint b;\n')  # included twice: read once
+    text = native_build.source_text(tmp_path / "k.cpp")
+    assert [text.count(s) for s in ("int k;", "int a;", "int b;")] == [1, 1, 1]
+    monkeypatch.setattr(native_build, "SOURCE_DIR", tmp_path)
+    before = native_build.library_path("k", "avx2")
+    (tmp_path / "b.h").write_text('#pragma once\nint b = 2;\n')  # a header two levels down changes
+    assert native_build.library_path("k", "avx2") != before

@@ -11,9 +11,10 @@
 //   rms(x, w) = x / sqrt(mean(x^2) + eps) * w;  rope(t) = t * cos + [t2, t1] * sin (sin signed: -sin on the first half)
 //
 // x (M, hidden) is updated in place, so are the layer's caches; qkv, o, gu and down (the outputs a forward recording
-// saves, portrl/models/forward_tape.py) are written to the four tensors given last (contiguous: a recording's slots). The linears are the rows kernel's tiles (rows_tiles.h: the same
-// tilings and sums as rows_linear), the attention the decode attention's (attention_heads.h), keys stored
-// transposed; results equal the op-by-op layer up to float32 summation order (norm and rope).
+// saves, portrl/models/forward_tape.py) are written to the four tensors given last (contiguous: a recording's
+// slots). The linears are the rows kernel's tiles (rows_tiles.h: the same tilings and sums as rows_linear), the
+// attention the decode attention's (attention_heads.h), keys stored transposed; results equal the op-by-op layer up
+// to float32 summation order (norm and rope).
 //
 // Why one region: op by op a layer is ~10 torch calls and 5 parallel regions, and between regions torch's OpenMP
 // threads go to sleep (portrl sets GOMP_SPINCOUNT=1000); waking one costs 50-100 us on a VM. Here the layer's nine
@@ -202,7 +203,8 @@ void decode_layer(
       check_arguments(x, ln1, ln2, down_w, k_store, v_cache, cos, sin, hidden, start, heads, kv_heads);
   const rows::Plan plan = rows::plan_for(M, Hd, -1), plan_o = rows::plan_for(M, H * D, -1),
                    plan_d = rows::plan_for(M, I, -1);
-  const Linear qkv_l(qkv_w, Hd, plan), o_l({o_w}, H * D, plan_o), gu_l(gate_up_w, Hd, plan), down_l({down_w}, I, plan_d);
+  const Linear qkv_l(qkv_w, Hd, plan), o_l({o_w}, H * D, plan_o), gu_l(gate_up_w, Hd, plan),
+      down_l({down_w}, I, plan_d);
   const int64_t Nqkv = qkv_l.stack.N(), Ngu = gu_l.stack.N();
   TORCH_CHECK(Nqkv == (H + 2 * KV) * D && o_l.stack.N() == Hd && Ngu == 2 * I && down_l.stack.N() == Hd,
               "decode_layer: the weights' shapes do not fit hidden, heads, kv_heads and head_dim");

@@ -20,21 +20,25 @@ LIBRARY = "decode_layer"
 ROWS_MAX = 64
 
 
-def _fits(x: torch.Tensor, tensors: tuple) -> bool:
-    return (x.dim() == 2 and 0 < x.shape[0] <= ROWS_MAX and x.is_contiguous()
-            and all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
+def _fits(x: torch.Tensor, tensors: tuple, caches: tuple) -> bool:
+    """Whether the kernel serves these arguments: float32 CPU tensors with nothing to differentiate, 1 to ROWS_MAX
+    rows, every tensor but the caches contiguous (the caches' layout the kernel checks itself)."""
+    every = (*tensors, *caches)
+    return (x.dim() == 2 and 0 < x.shape[0] <= ROWS_MAX
+            and all(t is None or t.is_contiguous() for t in tensors)
+            and all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in every)
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in every)))
 
 
 def decode_layer_fused(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden,
                        start, eps1, eps2, scale, heads, kv_heads, out=None, variant: str | None = None):
     """The ``decode_layer`` op's contract (portrl.ops.decode_layer), in one native call where it fits (see the
-    module docstring); weights and norms must be contiguous. ``variant`` (``avx512`` / ``avx2``): that build, which
+    module docstring). ``variant`` (``avx512`` / ``avx2``): that build, which
     this CPU must run (tests); None: backends/cpu/isa.py's."""
     args = (x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden, start, eps1,
             eps2, scale, heads, kv_heads)
     variant = variant or isa.chosen().variant
-    if (not _fits(x, (x, ln1, *qkv_w, qkv_b, o_w, o_b, ln2, *gate_up_w, down_w, k_store, v_cache, cos, sin))
+    if (not _fits(x, (x, ln1, *qkv_w, qkv_b, o_w, o_b, ln2, *gate_up_w, down_w, cos, sin), (k_store, v_cache))
             or variant is None or not native_build.try_load(LIBRARY, variant)):
         return native_decode_layer(*args, out=out)
     if out is None:

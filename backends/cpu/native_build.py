@@ -8,10 +8,11 @@ ops are registered in their own namespace (``portrl_cpu_rows_avx2``...), so both
 (the tests and benchmarks/rows_kernel_isa.py compare them). OpenMP:  (torch's ``at::parallel_for``
 then runs on torch's own intra-op threads: the library's ``libgomp.so.1`` is the one torch already loaded).
 The library is cached in :func:`cache_root` (default ``~/.cache/portrl/kernels``) under a name hashed
-from the source and the headers of this folder it includes (:func:`source_text`), the variant's flags, torch's version and the CPU's model and flags, so later processes (Ray workers,
-the next run) load it in milliseconds, and a cache folder shared with a different CPU never serves a library
-built for another instruction set. It is compiled to a temporary name and renamed: a concurrent or
-interrupted build never leaves a half-written library under the final name.
+from the source and the headers of this folder it includes (:func:`source_text`), the variant's flags, torch's
+version and the CPU's model and flags, so later processes (Ray workers, the next run) load it in milliseconds, and
+a cache folder shared with a different CPU never serves a library built for another instruction set. It is compiled
+to a temporary name and renamed: a concurrent or interrupted build never leaves a half-written library under the
+final name.
 
 Only what this user built is loaded. Beside each library, a manifest (``<library>.json``, written under a
 temporary name and renamed) records the sha256 of the bytes the build produced. A cached library is loaded
@@ -110,8 +111,8 @@ def flags(variant: str | None = None) -> tuple[str, ...]:
 
 def ops_namespace(name: str, variant: str) -> str:
     """The torch.ops namespace of library ``name``'s ``variant``: ``portrl_cpu_rows_avx2`` for rows_linear."""
-    return {"rows_linear": "portrl_cpu_rows", "swiglu": "portrl_cpu_swiglu",
-            "decode_attention": "portrl_cpu_decode_attention", "decode_layer": "portrl_cpu_decode_layer"}[name] + f"_{variant}"
+    return {"rows_linear": "portrl_cpu_rows", "swiglu": "portrl_cpu_swiglu", "decode_attention":
+            "portrl_cpu_decode_attention", "decode_layer": "portrl_cpu_decode_layer"}[name] + f"_{variant}"
 
 
 def _key(name: str, variant: str | None) -> str:
@@ -161,7 +162,8 @@ def library_path(name: str, variant: str | None = None) -> Path:
     """Where ``name``'s library of ``variant`` for this source, torch and CPU is (or will be) cached
     (``rows_linear-avx2-<hash>.so``; ``<name>-<hash>.so`` without a variant)."""
     cxx = compiler() or ""
-    key = hashlib.sha256("\n".join([source_text(SOURCE_DIR / f"{name}.cpp"), " ".join(flags(variant)), torch.__version__, cxx,
+    text = source_text(SOURCE_DIR / f"{name}.cpp")
+    key = hashlib.sha256("\n".join([text, " ".join(flags(variant)), torch.__version__, cxx,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     return cache_root() / (f"{name}-{variant}-{key}.so" if variant else f"{name}-{key}.so")
 
