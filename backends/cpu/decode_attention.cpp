@@ -18,6 +18,7 @@
 // gives NaN, as torch's softmax does. The output is allocated (B, 1, H, D) and returned as its (B, H, 1, D)
 // transpose, so the caller's transpose(1, 2).reshape(B, 1, H * D) is a view. exp is torch's vectorised one
 // (Sleef), so values match torch's to float32 summation order.
+#include "op_namespace.h"
 #include "attention_heads.h"
 
 namespace {
@@ -83,16 +84,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace (everything: the two variants' libraries share no symbol)
 
-// The namespace portrl_cpu_decode_attention_<PORTRL_ISA> (swiglu.cpp explains the macros).
-#define PORTRL_CAT_(a, b) a##_##b
-#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
-#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-#ifdef PORTRL_ISA
-#define PORTRL_NS PORTRL_CAT(portrl_cpu_decode_attention, PORTRL_ISA)
-#else
-#define PORTRL_NS portrl_cpu_decode_attention
-#endif
+// The namespace portrl_cpu_decode_attention_<PORTRL_ISA> (op_namespace.h).
+#define PORTRL_NS PORTRL_OPS_NS(portrl_cpu_decode_attention)
 
 PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor hidden, float scale) -> Tensor");

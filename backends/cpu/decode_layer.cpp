@@ -23,6 +23,7 @@
 // arrives late finds work already taken and a single thread does everything, so no phase waits for a thread to
 // wake and no count of threads is assumed. A layer of fewer than INLINE_FLOATS weight floats runs on the calling
 // thread alone (a region's wake would cost more than it saves).
+#include "op_namespace.h"
 #include "attention_heads.h"
 #include "rows_tiles.h"
 
@@ -291,16 +292,8 @@ void decode_layer(
 
 }  // namespace (everything: the two variants' libraries share no symbol)
 
-// The namespace portrl_cpu_decode_layer_<PORTRL_ISA> (swiglu.cpp explains the macros).
-#define PORTRL_CAT_(a, b) a##_##b
-#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
-#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-#ifdef PORTRL_ISA
-#define PORTRL_NS PORTRL_CAT(portrl_cpu_decode_layer, PORTRL_ISA)
-#else
-#define PORTRL_NS portrl_cpu_decode_layer
-#endif
+// The namespace portrl_cpu_decode_layer_<PORTRL_ISA> (op_namespace.h).
+#define PORTRL_NS PORTRL_OPS_NS(portrl_cpu_decode_layer)
 
 PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def(

@@ -29,6 +29,7 @@
 // at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are split across torch's intra-op threads in contiguous runs. The
 // dot tiles replaced a packed-panel kernel that needed a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of
 // packing per generate call.
+#include "op_namespace.h"
 #include "rows_tiles.h"
 
 namespace {
@@ -89,17 +90,8 @@ at::Tensor rows_linear(const at::Tensor& x, at::TensorList weights, const std::o
 
 }  // namespace
 
-// The namespace portrl_cpu_rows_<PORTRL_ISA>: the macros below expand PORTRL_ISA before TORCH_LIBRARY pastes
-// it. Built with no PORTRL_ISA (native_build.load(name): this CPU's flags, no variant), it is portrl_cpu_rows.
-#define PORTRL_CAT_(a, b) a##_##b
-#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
-#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-#ifdef PORTRL_ISA
-#define PORTRL_NS PORTRL_CAT(portrl_cpu_rows, PORTRL_ISA)
-#else
-#define PORTRL_NS portrl_cpu_rows
-#endif
+// The namespace portrl_cpu_rows_<PORTRL_ISA> (op_namespace.h).
+#define PORTRL_NS PORTRL_OPS_NS(portrl_cpu_rows)
 
 PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def("rows_linear(Tensor x, Tensor[] weights, Tensor? bias, int lane_rows_from=-1) -> Tensor");

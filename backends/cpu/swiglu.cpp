@@ -15,6 +15,7 @@
 // gate/up projection are views); outputs are contiguous. exp is torch's own vectorised one
 // (at::vec::Vectorized<float>::exp, Sleef, 1 ulp), so values match torch's silu to float32 rounding.
 #include <ATen/Parallel.h>
+#include "op_namespace.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
@@ -109,17 +110,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, c
 
 }  // namespace (everything: the two variants' libraries share no symbol)
 
-// The namespace portrl_cpu_swiglu_<PORTRL_ISA>: the macros below expand PORTRL_ISA before TORCH_LIBRARY pastes
-// it. Built with no PORTRL_ISA (native_build.load(name): this CPU's flags, no variant), it is portrl_cpu_swiglu.
-#define PORTRL_CAT_(a, b) a##_##b
-#define PORTRL_CAT(a, b) PORTRL_CAT_(a, b)
-#define PORTRL_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define PORTRL_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-#ifdef PORTRL_ISA
-#define PORTRL_NS PORTRL_CAT(portrl_cpu_swiglu, PORTRL_ISA)
-#else
-#define PORTRL_NS portrl_cpu_swiglu
-#endif
+// The namespace portrl_cpu_swiglu_<PORTRL_ISA> (op_namespace.h).
+#define PORTRL_NS PORTRL_OPS_NS(portrl_cpu_swiglu)
 
 PORTRL_LIBRARY(PORTRL_NS, m) {
   m.def("forward(Tensor gate, Tensor up) -> Tensor");
