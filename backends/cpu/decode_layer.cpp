@@ -36,6 +36,7 @@ using VecF = at::vec::Vectorized<float>;
 constexpr int64_t INLINE_FLOATS = 1 << 19;  // a layer with fewer weight floats stays on the calling thread
 constexpr int64_t ITEM_FLOATS = 1 << 18;    // weight floats a tile item reads at least: long runs of each weight a
                                             // thread (64 KiB items: the 0.5B layers 5 % slower)
+constexpr int64_t SWIGLU_COLS = 512;       // columns a SwiGLU item (a multiple of 16)
 constexpr int SPINS = 1 << 12;              // pauses before a waiting thread yields its core
 
 // Items 0 .. total - 1, claimed one at a time by whichever thread asks; run() returns when all are done.
@@ -54,25 +55,42 @@ struct Phase {
   }
 };
 
-// Where a linear's input goes: row-major (dot tiles) or transposed into (K, stride) (lane tiles, rows_tiles.h)
-struct Input {
-  float* x;
-  int64_t K;
-  const rows::Plan& plan;
-  void put(int64_t m, const float* row) const {
-    if (!plan.lanes) {
-      std::copy(row, row + K, x + m * K);
-      return;
-    }
-    for (int64_t k = 0; k < K; ++k) x[k * plan.stride + m] = row[k];
-  }
-};
-
 float* scratch(int64_t n) {  // a per-thread buffer of at least n floats
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
 }
+
+// Where a linear's input goes: row-major (dot tiles) or transposed into (K, stride) (lane tiles, rows_tiles.h), and
+// the phase items that fill it. Transposed, an item is a block of 16 rows (x cols columns), computed row-major into
+// a scratch block and transposed in registers (rows::transpose_block): each thread writes whole cache lines. (Rows
+// one at a time put two threads' scalar stores into the same lines of xT: the medium layer's norm and SwiGLU phases
+// took 3-4x their one-thread time on two threads.)
+struct Input {
+  float* x;
+  int64_t K;
+  const rows::Plan& plan;
+  int64_t M;
+  int64_t cols;  // columns an item (a multiple of rows::LANES, or K: whole rows)
+  int64_t row_items() const { return plan.lanes ? (M + rows::LANES - 1) / rows::LANES : M; }
+  int64_t items() const { return row_items() * ((K + cols - 1) / cols); }
+  // Item `it`: fn(m, c0, w, out) writes row m's columns c0 .. c0 + w - 1 to out, for each of the item's rows
+  template <typename Fn>
+  void fill(int64_t it, const Fn& fn) const {
+    const int64_t chunks = (K + cols - 1) / cols, b = it / chunks, c0 = it % chunks * cols;
+    const int64_t w = std::min(cols, K - c0);
+#if defined(__AVX512F__)
+    if (plan.lanes) {
+      const int64_t m0 = b * rows::LANES, n = std::min<int64_t>(rows::LANES, M - m0);
+      float* block = scratch(rows::LANES * w);
+      for (int64_t i = 0; i < n; ++i) fn(m0 + i, c0, w, block + i * w);
+      rows::transpose_block(block, w, n, w, x + c0 * plan.stride + m0, plan.stride);
+      return;
+    }
+#endif
+    fn(b, c0, w, x + b * K + c0);
+  }
+};
 
 // out = x / sqrt(mean(x^2) + eps) * w
 void rms_row(const float* x, const float* w, int64_t n, float eps, float* out) {
@@ -124,15 +142,20 @@ const float* data_or_null(const std::optional<at::Tensor>& t, int64_t n, const c
   return t->data_ptr<float>();
 }
 
-// A stacked linear's tiles as phase items of at least ITEM_FLOATS weight floats: y = in W^T (+ bias), then
+// A stacked linear's tiles as phase items of about ITEM_FLOATS weight floats or more: y = in W^T (+ bias), then
 // x[:, c] += y[:, c] when `residual` (the layer's x)
 struct Linear {
   rows::Stack stack;
   const rows::Plan& plan;
   int64_t chunk;
-  Linear(at::TensorList w, int64_t K, const rows::Plan& p)
-      : stack(checked(w, K), K, p.nt), plan(p),
-        chunk(std::max<int64_t>(1, ITEM_FLOATS / (p.nt * std::max<int64_t>(K, 1)))) {}
+  // items of about ITEM_FLOATS weight floats or more, as many as a multiple of `threads` (equal shares: a 1 MiB
+  // weight split into 1 MiB items left one of two threads idle)
+  Linear(at::TensorList w, int64_t K, const rows::Plan& p, int64_t threads)
+      : stack(checked(w, K), K, p.nt), plan(p), chunk(1) {
+    const int64_t floats = stack.tiles() * p.nt * K, share = threads * ITEM_FLOATS;
+    const int64_t items = threads * std::max<int64_t>(1, (floats + share - 1) / share);
+    chunk = std::max<int64_t>(1, (stack.tiles() + items - 1) / items);
+  }
   static at::TensorList checked(at::TensorList w, int64_t K) {
     TORCH_CHECK(!w.empty(), "decode_layer: no weights");
     for (const at::Tensor& t : w) {
@@ -204,8 +227,12 @@ void decode_layer(
       check_arguments(x, ln1, ln2, down_w, k_store, v_cache, cos, sin, hidden, start, heads, kv_heads);
   const rows::Plan plan = rows::plan_for(M, Hd, -1), plan_o = rows::plan_for(M, H * D, -1),
                    plan_d = rows::plan_for(M, I, -1);
-  const Linear qkv_l(qkv_w, Hd, plan), o_l({o_w}, H * D, plan_o), gu_l(gate_up_w, Hd, plan),
-      down_l({down_w}, I, plan_d);
+  int64_t weights = o_w.numel() + down_w.numel();
+  for (const at::TensorList ws : {qkv_w, gate_up_w})
+    for (const at::Tensor& t : ws) weights += t.numel();
+  const int64_t threads = weights < INLINE_FLOATS || M == 0 ? 1 : at::get_num_threads();
+  const Linear qkv_l(qkv_w, Hd, plan, threads), o_l({o_w}, H * D, plan_o, threads),
+      gu_l(gate_up_w, Hd, plan, threads), down_l({down_w}, I, plan_d, threads);
   const int64_t Nqkv = qkv_l.stack.N(), Ngu = gu_l.stack.N();
   TORCH_CHECK(Nqkv == (H + 2 * KV) * D && o_l.stack.N() == Hd && Ngu == 2 * I && down_l.stack.N() == Hd,
               "decode_layer: the weights' shapes do not fit hidden, heads, kv_heads and head_dim");
@@ -215,19 +242,16 @@ void decode_layer(
   const auto opts = x.options();
   float *qkvp = output(qkv_out, M, Nqkv, "qkv_out"), *op = output(o_out, M, Hd, "o_out"),
         *gup = output(gu_out, M, Ngu, "gu_out"), *downp = output(down_out, M, Hd, "down_out");
-  // the linears' inputs, row-major or transposed (columns past M zero: lane tiles read them)
+  // the linears' inputs, row-major or transposed (every 16-row block written whole, the columns past M zero: lane
+  // tiles read them)
   auto input = [&](int64_t K, const rows::Plan& p) {
-    if (!p.lanes) return at::empty({M, K}, opts);
-    at::Tensor t = at::empty({K, p.stride}, opts);
-    if (p.stride > M) t.narrow(1, M, p.stride - M).zero_();
-    return t;
+    return p.lanes ? at::empty({K, p.stride}, opts) : at::empty({M, K}, opts);
   };
   at::Tensor h_in = input(Hd, plan), a_in = input(H * D, plan_o), s_in = input(I, plan_d);
   at::Tensor q = at::empty({M, H * D}, opts), attn = at::empty({M, H * D}, opts);
-  const Input hin{h_in.data_ptr<float>(), Hd, plan}, ain{a_in.data_ptr<float>(), H * D, plan_o},
-      act{s_in.data_ptr<float>(), I, plan_d};
+  const Input hin{h_in.data_ptr<float>(), Hd, plan, M, Hd}, act{s_in.data_ptr<float>(), I, plan_d, M, SWIGLU_COLS};
   float *xp = x.data_ptr<float>(), *qp = q.data_ptr<float>(), *attnp = attn.data_ptr<float>(),
-        *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+        *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>(), *ain = a_in.data_ptr<float>();
   const float *w1 = ln1.data_ptr<float>(), *w2 = ln2.data_ptr<float>(), *cp = cos.data_ptr<float>(),
               *sp = sin.data_ptr<float>();
   const bool* hid = hidden.data_ptr<bool>();
@@ -235,16 +259,20 @@ void decode_layer(
   const int64_t ks0 = k_store.stride(0), ks1 = k_store.stride(1), ks2 = k_store.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2), rep = H / KV;
   const float sc = static_cast<float>(scale);
+  // attention items: (row, KV head), or (16-row block, KV head) when o's input is transposed (whole cache lines)
+  const int64_t arows = plan_o.lanes ? rows::LANES : 1, ablocks = (M + arows - 1) / arows;
 
   Phase p[9];
-  const int64_t counts[9] = {M, qkv_l.items(), M, M * KV, o_l.items(), M, gu_l.items(), M, down_l.items()};
+  const int64_t counts[9] = {hin.items(), qkv_l.items(), M,           ablocks * KV,   o_l.items(),
+                             hin.items(), gu_l.items(),  act.items(), down_l.items()};
   for (int i = 0; i < 9; ++i) p[i].total = counts[i];
+  auto norm = [&](const float* w, double eps) {
+    return [&, w, eps](int64_t m, int64_t, int64_t, float* out) {
+      rms_row(xp + m * Hd, w, Hd, static_cast<float>(eps), out);
+    };
+  };
   auto body = [&] {
-    p[0].run([&](int64_t m) {
-      float* row = scratch(Hd);
-      rms_row(xp + m * Hd, w1, Hd, static_cast<float>(eps1), row);
-      hin.put(m, row);
-    });
+    p[0].run([&](int64_t it) { hin.fill(it, norm(w1, eps1)); });
     p[1].run([&](int64_t it) { qkv_l.item(it, hin.x, M, qkvp, bq, nullptr); });
     p[2].run([&](int64_t m) {  // rope; the new key and value into the cache at slot `start`
       const float* r = qkvp + m * Nqkv;
@@ -253,35 +281,35 @@ void decode_layer(
       for (int64_t g = 0; g < KV; ++g)
         std::copy(r + (H + KV + g) * D, r + (H + KV + g + 1) * D, vp + m * vs0 + g * vs1 + start * vs2);
     });
-    p[3].run([&](int64_t t) {  // one row's query heads of one KV head
-      const int64_t m = t / KV, g = t % KV;
+    p[3].run([&](int64_t t) {  // the query heads of one KV head, for one row or a block of rows
+      const int64_t g = t % KV, m0 = t / KV * arows, n = std::min(arows, M - m0);
       float* scores = scratch(attn::RMAX * L);
-      for (int64_t r0 = 0; r0 < rep; r0 += attn::RMAX) {
-        const int R = static_cast<int>(std::min<int64_t>(attn::RMAX, rep - r0));
-        const int64_t h = g * rep + r0;
-        attn::HEADS[R](qp + m * H * D + h * D, D, kp + m * ks0 + g * ks1, ks2, true, vp + m * vs0 + g * vs1, vs2,
-                       hid + m * hs0, L, D, sc, scores, attnp + m * H * D + h * D, D);
+      for (int64_t m = m0; m < m0 + n; ++m)
+        for (int64_t r0 = 0; r0 < rep; r0 += attn::RMAX) {
+          const int R = static_cast<int>(std::min<int64_t>(attn::RMAX, rep - r0));
+          const int64_t h = g * rep + r0;
+          attn::HEADS[R](qp + m * H * D + h * D, D, kp + m * ks0 + g * ks1, ks2, true, vp + m * vs0 + g * vs1, vs2,
+                         hid + m * hs0, L, D, sc, scores, attnp + m * H * D + h * D, D);
+        }
+#if defined(__AVX512F__)
+      if (plan_o.lanes) {
+        const int64_t c0 = g * rep * D;
+        rows::transpose_block(attnp + m0 * H * D + c0, H * D, n, rep * D, ain + c0 * plan_o.stride + m0,
+                              plan_o.stride);
       }
-      if (plan_o.lanes)
-        for (int64_t j = g * rep * D; j < (g + 1) * rep * D; ++j) ain.x[j * plan_o.stride + m] = attnp[m * H * D + j];
+#endif
     });
-    p[4].run([&](int64_t it) { o_l.item(it, plan_o.lanes ? ain.x : attnp, M, op, bo, xp); });
-    p[5].run([&](int64_t m) {
-      float* row = scratch(Hd);
-      rms_row(xp + m * Hd, w2, Hd, static_cast<float>(eps2), row);
-      hin.put(m, row);
-    });
+    p[4].run([&](int64_t it) { o_l.item(it, plan_o.lanes ? ain : attnp, M, op, bo, xp); });
+    p[5].run([&](int64_t it) { hin.fill(it, norm(w2, eps2)); });
     p[6].run([&](int64_t it) { gu_l.item(it, hin.x, M, gup, nullptr, nullptr); });
-    p[7].run([&](int64_t m) {
-      float* row = scratch(I);
-      swiglu_row(gup + m * Ngu, gup + m * Ngu + I, I, row);
-      act.put(m, row);
+    p[7].run([&](int64_t it) {
+      act.fill(it, [&](int64_t m, int64_t c0, int64_t w, float* out) {
+        swiglu_row(gup + m * Ngu + c0, gup + m * Ngu + I + c0, w, out);
+      });
     });
     p[8].run([&](int64_t it) { down_l.item(it, act.x, M, downp, nullptr, xp); });
   };
-  const int64_t weights = (Nqkv + Ngu) * Hd + 2 * Hd * I;
-  const int64_t threads = weights < INLINE_FLOATS ? 1 : at::get_num_threads();
-  if (threads <= 1 || M == 0) {
+  if (threads <= 1) {
     body();
   } else {
     at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {

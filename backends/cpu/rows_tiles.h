@@ -176,16 +176,24 @@ inline void transpose(Vec (&r)[LANES]) {
   for (int i = 0; i < LANES; ++i) r[i] = t[i];
 }
 
+// xT[k * stride + i] = x[i * ldx + k] for k < K and i < 16 (rows i >= rows zero): a block of up to 16 rows into
+// 16 consecutive columns of a transposed input, whole 64-byte vectors per k (so threads writing different blocks of
+// a row-major xT share no cache line when stride is a multiple of 16 and xT is 64-byte aligned)
+void transpose_block(const float* __restrict x, int64_t ldx, int64_t rows, int64_t K, float* __restrict xT,
+                     int64_t stride) {
+  for (int64_t k0 = 0; k0 < K; k0 += LANES) {
+    const int64_t kn = std::min<int64_t>(LANES, K - k0);
+    Vec r[LANES];
+    for (int i = 0; i < LANES; ++i) r[i] = i < rows ? first(x + i * ldx + k0, kn) : zero();
+    transpose(r);
+    for (int j = 0; j < kn; ++j) _mm512_storeu_ps(xT + (k0 + j) * stride, r[j]);
+  }
+}
+
 // xT[k][m] = x[m][k] for k < K, m < stride (rows past M zero): (K, stride), stride a multiple of 16
 void transpose_input(const float* __restrict x, int64_t M, int64_t K, float* __restrict xT, int64_t stride) {
   for (int64_t m0 = 0; m0 < stride; m0 += LANES)
-    for (int64_t k0 = 0; k0 < K; k0 += LANES) {
-      const int64_t kn = std::min<int64_t>(LANES, K - k0);
-      Vec r[LANES];
-      for (int i = 0; i < LANES; ++i) r[i] = m0 + i < M ? first(x + (m0 + i) * K + k0, kn) : zero();
-      transpose(r);
-      for (int j = 0; j < kn; ++j) _mm512_storeu_ps(xT + (k0 + j) * stride + m0, r[j]);
-    }
+    transpose_block(x + std::min(m0, M) * K, K, std::max<int64_t>(0, M - m0), K, xT + m0, stride);
 }
 
 // One lane tile: columns n0 .. n0 + nvalid - 1 of the V x 16 rows in xT. Weight rows past nvalid read the last
