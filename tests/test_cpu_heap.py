@@ -79,9 +79,27 @@ print(*(round(m[f"memory/peak_gib/{k}"] * 1024) for k in ("big", "small", "step"
       round(m["memory/peak_resident_gib"] * 1024) - before)
 """
 
+# A step's tensors again: a large one (huge pages advised) among small allocations, freed, then the same sizes.
+_SAME_SIZES_AGAIN = _PRELUDE + """
+import resource
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+ptrs = []
+for step in range(3):
+    small = [torch.ones(1000 + i) for i in range(50)]
+    big = torch.empty(6 << 20)  # 24 MiB
+    before = faults()
+    big.fill_(1)
+    touched = faults() - before
+    aligned = big.data_ptr() % (2 << 20) == 0
+    ptrs.append(big.data_ptr())
+    del small, big
+print(touched, int(aligned), int(ptrs[2] == ptrs[1]))
+"""
 
-def _run(code: str, keep: str = "1") -> list[int]:
-    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": "0",
+
+def _run(code: str, keep: str = "1", huge_pages: str = "0") -> list[int]:
+    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": huge_pages,
            heap.KEEP_FREED_MEMORY_VAR: keep}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -117,6 +135,15 @@ def test_memory_the_heap_keeps_is_counted_as_available_until_given_back():
     assert rise > 320  # other processes move MemAvailable too: half the block is the margin
     assert after_release < 32
     assert _run(_KEPT_IS_AVAILABLE, keep="0")[0] < 32  # nothing kept: the kernel has it, MemAvailable counts it
+
+
+@pytest.mark.parametrize("huge_pages", ["0", "1"])
+def test_the_same_sizes_again_reuse_pages_already_faulted_in(huge_pages):
+    # each tensor asks glibc for one chunk of its size plus its alignment, and the count allocates nothing: the
+    # chunk a freed tensor left fits the next one of its size (c10's posix_memalign for huge pages did not)
+    touched, aligned, same_chunk = _run(_SAME_SIZES_AGAIN, huge_pages=huge_pages)
+    assert same_chunk and touched < 64  # a fresh 24 MiB: 6144 faults (4 KiB pages) or 12 or more (2 MiB)
+    assert aligned == (huge_pages == "1")
 
 
 def test_tensor_bytes_are_counted_exactly_with_their_peak():

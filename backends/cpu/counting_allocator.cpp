@@ -10,48 +10,77 @@
 // Registered as torch ops (torch.ops.portrl_cpu_memory.*); built and loaded by backends/cpu/native_build.py.
 #include <ATen/core/Tensor.h>
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
-#include <unordered_map>
+#include <string>
 #include <vector>
 
 namespace {
 
+// Each allocation is one malloc of its bytes plus room to align them, with its start and size in a header just
+// before the data, so counting allocates nothing else and the same size of tensor asks glibc for the same size of
+// chunk every time: a freed one fits it again, its pages already faulted in (backends/cpu/heap.py keeps them).
+// Two things of torch's own allocation undid that: a map of pointer -> size (its small nodes split the large
+// chunks freed tensors left) and c10::alloc_cpu's posix_memalign for huge pages (glibc's memalign asks for the size
+// plus 2 MiB and gives the ends back as separate free chunks, which small allocations then take); the medium
+// benchmark's step faulted ~1,500 pages in during its decode alone, every step. The alignment and the huge-page
+// advice are c10::alloc_cpu's: 64 bytes, or 2 MiB and madvise(MADV_HUGEPAGE) for 2 MiB or more when
+// THP_MEM_ALLOC_ENABLE is set (portrl/process_env.py sets it).
+constexpr size_t ALIGN = 64, HUGE_PAGE = size_t{2} << 20;
+
+struct Header {  // just before each allocation's data
+  void* start;   // what malloc returned
+  size_t nbytes;
+};
+
+bool huge_pages_enabled() {
+  const char* v = std::getenv("THP_MEM_ALLOC_ENABLE");
+  if (v == nullptr) return false;
+  std::string s(v);
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s == "1" || s == "on" || s == "yes" || s == "true" || s == "y";
+}
+
 std::mutex mutex;
-std::unordered_map<void*, size_t> sizes;  // live allocation -> bytes
 int64_t live = 0, peak = 0;
 
-void counted_free(void* ptr) {
-  if (ptr == nullptr) return;
+void counted_free(void* data) {
+  if (data == nullptr) return;
+  const Header h = reinterpret_cast<Header*>(data)[-1];
   {
     std::lock_guard<std::mutex> guard(mutex);
-    auto it = sizes.find(ptr);
-    if (it != sizes.end()) {
-      live -= static_cast<int64_t>(it->second);
-      sizes.erase(it);
-    }
+    live -= static_cast<int64_t>(h.nbytes);
   }
-  c10::profiledCPUMemoryReporter().Delete(ptr);
-  c10::free_cpu(ptr);
+  c10::profiledCPUMemoryReporter().Delete(data);
+  std::free(h.start);
 }
 
 struct CountingAllocator final : at::Allocator {
+  bool huge = huge_pages_enabled();
   at::DataPtr allocate(size_t nbytes) override {
-    void* ptr = c10::alloc_cpu(nbytes);  // nullptr for 0 bytes
-    if (ptr != nullptr) {
-      {
-        std::lock_guard<std::mutex> guard(mutex);
-        sizes.emplace(ptr, nbytes);
-        live += static_cast<int64_t>(nbytes);
-        peak = std::max(peak, live);
-      }
-      c10::profiledCPUMemoryReporter().New(ptr, nbytes);  // what torch's default allocator reports too
+    if (nbytes == 0) return {nullptr, nullptr, &counted_free, at::Device(at::DeviceType::CPU)};
+    const size_t align = huge && nbytes >= HUGE_PAGE ? HUGE_PAGE : ALIGN;
+    void* start = std::malloc(nbytes + align + sizeof(Header));
+    TORCH_CHECK(start != nullptr, "DefaultCPUAllocator: not enough memory: you tried to allocate ", nbytes,
+                " bytes.");
+    const uintptr_t first = reinterpret_cast<uintptr_t>(start) + sizeof(Header);
+    void* data = reinterpret_cast<void*>((first + align - 1) / align * align);
+    reinterpret_cast<Header*>(data)[-1] = Header{start, nbytes};
+    if (align == HUGE_PAGE) madvise(data, nbytes, MADV_HUGEPAGE);  // advice: failure only means small pages
+    {
+      std::lock_guard<std::mutex> guard(mutex);
+      live += static_cast<int64_t>(nbytes);
+      peak = std::max(peak, live);
     }
-    return {ptr, ptr, &counted_free, at::Device(at::DeviceType::CPU)};
+    c10::profiledCPUMemoryReporter().New(data, nbytes);  // what torch's default allocator reports too
+    return {data, data, &counted_free, at::Device(at::DeviceType::CPU)};
   }
   at::DeleterFnPtr raw_deleter() const override { return &counted_free; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
