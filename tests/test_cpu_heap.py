@@ -97,6 +97,13 @@ for step in range(3):
 print(touched, int(aligned), int(ptrs[2] == ptrs[1]))
 """
 
+_TOO_LARGE = _PRELUDE + """
+try:
+    torch.empty(1 << 60, dtype=torch.uint8)
+except torch.OutOfMemoryError as e:
+    print(int("not enough memory" in str(e)))
+"""
+
 
 def _run(code: str, keep: str = "1", huge_pages: str = "0") -> list[int]:
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": huge_pages,
@@ -144,6 +151,10 @@ def test_the_same_sizes_again_reuse_pages_already_faulted_in(huge_pages):
     touched, aligned, same_chunk = _run(_SAME_SIZES_AGAIN, huge_pages=huge_pages)
     assert same_chunk and touched < 64  # a fresh 24 MiB: 6144 faults (4 KiB pages) or 12 or more (2 MiB)
     assert aligned == (huge_pages == "1")
+
+
+def test_an_allocation_larger_than_memory_is_torchs_out_of_memory_error():
+    assert _run(_TOO_LARGE) == [1]
 
 
 def test_tensor_bytes_are_counted_exactly_with_their_peak():

@@ -15,7 +15,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -40,12 +39,9 @@ struct Header {  // just before each allocation's data
   size_t nbytes;
 };
 
-bool huge_pages_enabled() {
+bool huge_pages_enabled() {  // c10's reading of the variable: "1" on, anything else off
   const char* v = std::getenv("THP_MEM_ALLOC_ENABLE");
-  if (v == nullptr) return false;
-  std::string s(v);
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s == "1" || s == "on" || s == "yes" || s == "true" || s == "y";
+  return v != nullptr && std::string(v) == "1";
 }
 
 std::mutex mutex;
@@ -67,9 +63,9 @@ struct CountingAllocator final : at::Allocator {
   at::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, nullptr, &counted_free, at::Device(at::DeviceType::CPU)};
     const size_t align = huge && nbytes >= HUGE_PAGE ? HUGE_PAGE : ALIGN;
-    void* start = std::malloc(nbytes + align + sizeof(Header));
-    TORCH_CHECK(start != nullptr, "DefaultCPUAllocator: not enough memory: you tried to allocate ", nbytes,
-                " bytes.");
+    void* start = nbytes <= SIZE_MAX - align - sizeof(Header) ? std::malloc(nbytes + align + sizeof(Header)) : nullptr;
+    TORCH_CHECK_WITH(OutOfMemoryError, start != nullptr, "CPU: not enough memory: tried to allocate ", nbytes,
+                     " bytes");
     const uintptr_t first = reinterpret_cast<uintptr_t>(start) + sizeof(Header);
     void* data = reinterpret_cast<void*>((first + align - 1) / align * align);
     reinterpret_cast<Header*>(data)[-1] = Header{start, nbytes};
