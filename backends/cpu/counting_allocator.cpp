@@ -69,7 +69,9 @@ struct CountingAllocator final : at::Allocator {
     const uintptr_t first = reinterpret_cast<uintptr_t>(start) + sizeof(Header);
     void* data = reinterpret_cast<void*>((first + align - 1) / align * align);
     reinterpret_cast<Header*>(data)[-1] = Header{start, nbytes};
+#ifdef MADV_HUGEPAGE
     if (align == HUGE_PAGE) madvise(data, nbytes, MADV_HUGEPAGE);  // advice: failure only means small pages
+#endif
     {
       std::lock_guard<std::mutex> guard(mutex);
       live += static_cast<int64_t>(nbytes);
