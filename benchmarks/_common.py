@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -121,6 +122,18 @@ def set_threads(n: int) -> None:
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn, warmup: int, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def run_side(script: Path, args: list[str], timeout: float = 3600, verbose: bool = False,

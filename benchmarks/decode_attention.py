@@ -34,17 +34,6 @@ SHAPES = {"small": (32, 4, 2, 32, 40), "medium": (32, 8, 2, 64, 40), "qwen2.5-0.
           "qwen2.5-0.5b L=250": (16, 14, 2, 64, 250), "64 rows, L=512": (64, 14, 2, 64, 512)}
 
 
-def timed(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 #: --generate workloads: name -> (config fields, prompts x samples, prompt tokens, new tokens)
 GENERATE = {"small": (_common.CONFIGS["small"], 8, 4, 24, 32), "medium": (_common.CONFIGS["medium"], 8, 4, 24, 32),
             "qwen2.5-0.5b": (_common.QWEN25_05B_CONFIG, 4, 4, 120, 128)}
@@ -112,15 +101,15 @@ def main() -> None:
         hidden = torch.rand(B, L) < 0.2
         hidden[:, -1] = False
         gb = 2 * B * KV * L * D * 4 / 1e9
-        base = timed(lambda: decode_attention(q, k, v, hidden, D ** -0.5), args.warmup, args.repeats)
+        base = _common.timed(lambda: decode_attention(q, k, v, hidden, D ** -0.5), args.warmup, args.repeats)
         print(f"{name} (B={B} H={H} KV={KV} D={D} L={L}), us per layer (cache GB/s, speed-up over torch):\n"
               f"  torch, keys as rows   {base * 1e6:8.1f} ({gb / base:5.1f})", flush=True)
         for label, keys in (("keys as rows", k), ("keys transposed", k_t)):
             if keys is k_t:
-                t = timed(lambda: decode_attention(q, keys, v, hidden, D ** -0.5), args.warmup, args.repeats)
+                t = _common.timed(lambda: decode_attention(q, keys, v, hidden, D ** -0.5), args.warmup, args.repeats)
                 print(f"  torch, {label:15s}{t * 1e6:8.1f} ({gb / t:5.1f}, {base / t:4.1f}x)", flush=True)
             for variant in variants:
-                t = timed(lambda: decode_attention_fused(q, keys, v, hidden, D ** -0.5, variant=variant), args.warmup,
+                t = _common.timed(lambda: decode_attention_fused(q, keys, v, hidden, D ** -0.5, variant=variant), args.warmup,
                           args.repeats)
                 print(f"  {variant}, {label:15s}{t * 1e6:9.1f} ({gb / t:5.1f}, {base / t:4.1f}x)", flush=True)
     if args.generate:

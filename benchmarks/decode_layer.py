@@ -6,7 +6,9 @@ many as the model has, so that the weights stream from memory or the last-level 
 For each shape it prints the median milliseconds for all its layers, the weight read rate (GB/s: the layers' weights
 over the time) and fused / linears: the share of the layer's time its glue costs (norms, rotary, attention, SwiGLU,
 the residuals, the phases' waits), which can fall below 1 where the linears alone leave a thread idle. Compare within
-one run; run it with the process environment portrl commands use (``GOMP_SPINCOUNT=1000 THP_MEM_ALLOC_ENABLE=1``).
+one run. It runs in the environment portrl commands give themselves (portrl/process_env.py: ``GOMP_SPINCOUNT=1000``,
+under which a sleeping OpenMP thread wakes for each parallel region, and ``THP_MEM_ALLOC_ENABLE=1``) unless you set
+those variables; with libgomp's default spin the linears alone pay no wakes and the ratios rise (0.5B: 1.10).
 
     python benchmarks/decode_layer.py
     python benchmarks/decode_layer.py --threads 1 --repeats 20
@@ -15,13 +17,16 @@ one run; run it with the process environment portrl commands use (``GOMP_SPINCOU
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-import torch
+from portrl import process_env
 
-from portrl.backends.cpu import isa, native_build
-from portrl.backends.cpu.decode_layer import LIBRARY
+process_env.apply_defaults()  # before torch loads libgomp (module docstring)
+
+import torch  # noqa: E402
+
+import _common  # noqa: E402
+from portrl.backends.cpu import isa, native_build  # noqa: E402
+from portrl.backends.cpu.decode_layer import LIBRARY  # noqa: E402
 
 #: name -> (rows, hidden, heads, KV heads, head dim, intermediate, layers, keys): the decode steps of vs_trl's
 #: configurations (32 rows of 8 prompts x 4 samples; Qwen2.5-0.5B: 4 x 4 rows, ~120 prompt tokens plus new ones)
@@ -44,16 +49,6 @@ def layer_inputs(rows, hidden, heads, kv, d, inter, keys, g):
                 k_store=torch.randn(rows, kv, d, keys + 8, generator=g),
                 v_cache=torch.randn(rows, kv, keys + 8, d, generator=g), cos=angle.cos(), sin=angle.sin(),
                 hidden=hidden_keys, start=keys - 1, eps1=1e-6, eps2=1e-6, scale=d ** -0.5, heads=heads, kv_heads=kv)
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -90,7 +85,7 @@ def main() -> None:
 
         gb = n_layers * 4 * sum(t.numel() for a in layers[:1] for t in (*a["qkv_w"], a["o_w"], *a["gate_up_w"],
                                                                           a["down_w"])) / 1e9
-        t_fused, t_lin = timed(fused, args.repeats), timed(linears, args.repeats)
+        t_fused, t_lin = _common.timed(fused, 1, args.repeats), _common.timed(linears, 1, args.repeats)
         print(f"{name} ({rows} rows, {n_layers} layers, {gb * 1e3:.0f} MB of weights): fused {t_fused * 1e3:.2f} ms "
               f"({gb / t_fused:.1f} GB/s), four linears alone {t_lin * 1e3:.2f} ms ({gb / t_lin:.1f} GB/s); "
               f"fused / linears {t_fused / t_lin:.3f}", flush=True)
