@@ -1,6 +1,6 @@
-// The CPU allocator the CPU backend installs (backends/cpu/heap.py): torch's own allocation (c10::alloc_cpu:
-// its alignment, its transparent-huge-page advice) plus a count of the bytes of live tensors and their peak,
-// the CPU's counterpart of a GPU caching allocator's "allocated" statistics.
+// The CPU allocator the CPU backend installs (backends/cpu/heap.py): one malloc per tensor with c10::alloc_cpu's
+// alignment and transparent-huge-page advice (below: why not c10::alloc_cpu itself), plus a count of the bytes of
+// live tensors and their peak, the CPU's counterpart of a GPU caching allocator's "allocated" statistics.
 //
 // Why count: the CPU backend keeps freed memory in the process (glibc mallopt), so the process's resident size
 // no longer falls when a phase's tensors are freed and cannot tell one phase's peak from another's. The count

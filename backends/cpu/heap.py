@@ -11,8 +11,9 @@ never given back), the CPU counterpart of a GPU's caching allocator; :func:`rele
 
 The process's resident size cannot tell one phase's peak from another's (its high-water mark can only be reset
 through /proc/self/clear_refs, which also resets the ``ru_maxrss`` that ``time -v`` and the benchmarks read; and
-with memory kept it stays at its high-water mark), so :func:`count_tensors` installs torch's CPU allocator with a
-count of live tensor bytes (backends/cpu/counting_allocator.cpp, built by the host's C++ compiler once):
+with memory kept it stays at its high-water mark), so :func:`count_tensors` installs a CPU allocator with a count of
+live tensor bytes (backends/cpu/counting_allocator.cpp, built by the host's C++ compiler once; one ``malloc`` a
+tensor, so that a freed tensor's chunk fits the next one of its size, its pages already faulted in):
 :func:`tensor_bytes` is then what a GPU's ``memory_allocated`` / ``max_memory_allocated`` are. Without a
 compiler there is no count; off glibc (musl, macOS) or with ``PORTRL_KEEP_FREED_MEMORY=0`` nothing is kept.
 
