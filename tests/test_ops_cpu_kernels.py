@@ -96,3 +96,29 @@ def test_cpu_sdpa_causal_paths_match_native(lengths):
     assert padded == (lengths[0] == 7)
     for got, want in zip(_run(attention_varlen_sdpa, q, k, v, cu, go, True), _run(ops.attention_varlen, q, k, v, cu, go, True)):
         assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[7, 3, 12, 4], [200, 9, 1, 5]], ids=["padded-call", "per-sequence-calls"])
+def test_cpu_sdpa_selects_a_plans_rows_itself(lengths):
+    """gather / keep (a shared-prompt plan): the same values and gradients as gathering before and selecting after."""
+    g = torch.Generator().manual_seed(3)
+    packed = sum(lengths) - 5  # fewer packed tokens than virtual positions: some rows are gathered twice
+    q, k, v = (torch.randn(packed, h, 16, generator=g).requires_grad_() for h in (4, 2, 2))
+    gather = torch.randint(0, packed, (sum(lengths),), generator=g)
+    keep = torch.randperm(sum(lengths), generator=g)[:packed]
+    cu = ops.cu_seqlens_from_lengths(lengths)
+    go = torch.randn(packed, 4, 16, generator=g)
+    assert attention_varlen_sdpa.GATHERS
+
+    def run(selects_itself):
+        if selects_itself:
+            out = attention_varlen_sdpa(q, k, v, cu, max(lengths), None, True, gather=gather, keep=keep)
+        else:
+            qg, kg, vg = (t.index_select(0, gather) for t in (q, k, v))
+            out = attention_varlen_sdpa(qg, kg, vg, cu, max(lengths), None, True).index_select(0, keep)
+        return (out, *torch.autograd.grad(out, (q, k, v), go))
+
+    for got, want in zip(run(True), run(False)):
+        assert (got - want).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match=f"end at total_tokens={sum(lengths) - 1};"):
+        attention_varlen_sdpa(q, k, v, cu, max(lengths), None, True, gather=gather[1:], keep=keep)

@@ -15,7 +15,9 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
   output is scattered back (padded positions get zeros);
 * ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
 * a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
-  q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output;
+  q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output (an
+  implementation with a true ``GATHERS`` attribute takes the plan's ``gather`` and ``keep`` as keywords and
+  selects the rows itself, e.g. folded into its own padding: backends/cpu/kernels.py);
 * a bidirectional call (``is_causal=False``, or a module with ``is_causal = False``: the vision tower of
   Qwen2-VL / Qwen2.5-VL, whose blocks attend within each image or window) without a mask: the varlen op
   with ``causal=False``, each row one sequence. transformers calls the vision attention once per image or
@@ -94,6 +96,10 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None and attention_mask is None:
             plan.reads += 1
+            if getattr(varlen_fn, "GATHERS", False):  # it selects the plan's rows itself (folded into its own)
+                out = varlen_fn(q, k, v, plan.cu_seqlens, plan.max_seqlen, scaling, causal, gather=plan.gather,
+                                keep=plan.keep)
+                return out.reshape(batch, seq, *out.shape[1:]), None
             # index_select, not indexing: its backward is index_add (indexing's is a slower index_put)
             qg, kg, vg = (t.index_select(0, plan.gather) for t in (q, k, v))
             out = varlen_fn(qg, kg, vg, plan.cu_seqlens, plan.max_seqlen, scaling, causal).index_select(0, plan.keep)

@@ -19,8 +19,9 @@ import torch
 
 
 def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                        softmax_scale: float | None = None) -> tuple[float, int]:
-    """Validate packed attention inputs; return ``(scale, n_rep)`` where ``n_rep = Hq // Hkv``."""
+                        softmax_scale: float | None = None, rows: int | None = None) -> tuple[float, int]:
+    """Validate packed attention inputs; return ``(scale, n_rep)`` where ``n_rep = Hq // Hkv``. ``rows``: the
+    sequences' total tokens where they are gathered from q, k, v (default: all of q's rows)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be (total_tokens, heads, head_dim); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -33,8 +34,9 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor of B+1 cumulative lengths, got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0 or last != q.shape[0]:
-        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={q.shape[0]}; got {first}..{last}")
+    total = q.shape[0] if rows is None else rows
+    if first != 0 or last != total:
+        raise ValueError(f"cu_seqlens must start at 0 and end at total_tokens={total}; got {first}..{last}")
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError("cu_seqlens must be non-decreasing")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
