@@ -89,6 +89,20 @@ def test_replay_runs_the_recording_engines_swiglu_without_detecting_the_backend(
     assert len(calls) == len(model.model.layers)
 
 
+def test_replay_runs_the_recording_backends_rms_norm_for_every_norm(tiny, monkeypatch):
+    """Each layer's two norms and the final one go through the tape's rms_norm op (the CPU's fused kernel)."""
+    from portrl import ops
+
+    model = load_causal_lm(tiny, backend="cpu")
+    tape, batch, _ = _rollout(model)
+    assert tape.rms_norm is ops.select("rms_norm", backend="cpu")[1]
+    calls = []
+    monkeypatch.setattr(tape, "rms_norm", lambda x, w, eps: calls.append(eps) or ops.rms_norm(x, w, eps))
+    model.train()
+    _logprobs_and_grads(model, batch, tape=tape)
+    assert calls == [model.config.rms_norm_eps] * (2 * len(model.model.layers) + 1)
+
+
 def test_changed_weights_or_unknown_rows_fall_back(tiny, monkeypatch):
     model = load_causal_lm(tiny, backend="cpu")
     tape, batch, _ = _rollout(model)

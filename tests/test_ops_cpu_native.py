@@ -1,6 +1,7 @@
 """The CPU's native kernels: the decode linear on the weights as they are (backends/cpu/rows_linear.cpp), the fused
-SwiGLU (swiglu.cpp) and their build (native_build.py). The kernel tests run for every instruction-set variant this
-CPU runs (an AVX-512 host runs both the AVX-512 and the AVX2 + FMA build; the choice between them: test_cpu_isa.py)."""
+SwiGLU (swiglu.cpp) and RMSNorm (rms_norm.cpp), and their build (native_build.py). The kernel tests run for every
+instruction-set variant this CPU runs (an AVX-512 host runs both the AVX-512 and the AVX2 + FMA build; the choice
+between them: test_cpu_isa.py)."""
 
 import logging
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from portrl import ops
 from portrl.backends.cpu import isa, kernels, native_build
 from portrl.backends.cpu.kernels import ROWS_MAX, linear_prepacked_rows, native_kernels_available
+from portrl.backends.cpu.rms_norm import rms_norm_fused
 from portrl.backends.cpu.swiglu import swiglu_fused
 
 needs_rows = pytest.mark.skipif(native_kernels_available() is not True,
@@ -210,3 +212,40 @@ def test_fused_swiglu_takes_the_halves_of_a_fused_projection_and_other_dtypes_go
     x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.equal(swiglu_fused(x, x), F.silu(x) * x)
     assert ops.select("swiglu", backend="cpu")[0] == ("fused" if native_kernels_available() is True else "native")
+
+
+@variants
+@pytest.mark.parametrize("shape", [(7, 37), (2, 3, 64), (300, 48), (1, 1, 17), (1140, 512)])
+def test_fused_rms_norm_equals_the_native_op_with_gradients(shape, variant):
+    """Values and both gradients against portrl.ops' rms_norm (transformers' formula), widths with and without a
+    vector tail, and the same bits on a second run (the weight's gradient sums each thread's rows in thread order)."""
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).requires_grad_()
+    w = torch.randn(shape[-1], generator=g).requires_grad_()
+    grad = torch.randn(*shape, generator=g)
+    got = rms_norm_fused(x, w, 1e-5, variant=variant)
+    want = ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got, (x, w), grad)
+    for a, b in zip(grads, torch.autograd.grad(want, (x, w), grad)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+    again = torch.autograd.grad(rms_norm_fused(x, w, 1e-5, variant=variant), (x, w), grad)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@variants
+def test_fused_rms_norm_takes_row_strided_views_runs_alone_without_gradients_and_other_dtypes_go_native(variant):
+    wide = torch.randn(5, 2, 96, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    x = wide[..., :40]  # rows 96 floats apart
+    w = torch.rand(40) + 0.5
+    out = rms_norm_fused(x, w, 1e-6, variant=variant)
+    torch.testing.assert_close(out, ops.rms_norm(x, w, 1e-6), atol=1e-6, rtol=1e-5)
+    (grad,) = torch.autograd.grad(out.square().sum(), wide)
+    (want,) = torch.autograd.grad(ops.rms_norm(x, w, 1e-6).square().sum(), wide)
+    torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        alone = rms_norm_fused(x, w, 1e-6, variant=variant)
+    assert alone.grad_fn is None and torch.equal(alone, out.detach())
+    x64, w64 = torch.randn(3, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
+    assert torch.equal(rms_norm_fused(x64, w64), ops.rms_norm(x64, w64))
+    assert ops.select("rms_norm", backend="cpu")[0] == ("fused" if native_kernels_available() is True else "native")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from portrl.backends.cpu import isa, native_build
 from portrl.backends.cpu.decode_attention import decode_attention_fused
 from portrl.backends.cpu.decode_layer import decode_layer_fused
+from portrl.backends.cpu.rms_norm import rms_norm_fused
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
@@ -26,6 +27,8 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacke
                "logprobs_entropy": ("vocab_blocks", "native"),
                # one pass forward and one backward instead of five (backends/cpu/swiglu.py)
                "swiglu": ("fused", "native"),
+               # the same for RMSNorm: one pass each way instead of five and nine (backends/cpu/rms_norm.py)
+               "rms_norm": ("fused", "native"),
                # one pass over each row's cache for all heads of a KV head (backends/cpu/decode_attention.py)
                "decode_attention": ("fused", "native"),
                # a decode step's whole layer in one call and one parallel region (backends/cpu/decode_layer.py)
@@ -167,7 +170,8 @@ ROWS_MAX = 64
 
 
 def native_kernels_available() -> bool | str:
-    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp, decode_attention.cpp) can run here:
+    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp, rms_norm.cpp, decode_attention.cpp,
+    decode_layer.cpp) can run here:
     True on an x86-64 CPU with AVX-512 or AVX2 + FMA (capped by torch's CPU capability, forced by
     ``PORTRL_CPU_ISA``: backends/cpu/isa.py) and a C++ compiler, else the reason. Raises :class:`~portrl.errors.UserError` for a bad ``PORTRL_CPU_ISA``."""
     choice = isa.chosen()
@@ -229,5 +233,6 @@ def register(registry: KernelRegistry) -> None:
     registry.register("linear_prepacked", "mkl", linear_prepacked_mkl, available=mkl_packing_available)
     registry.register("linear_prepacked", "rows", linear_prepacked_rows, available=native_kernels_available)
     registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)
+    registry.register("rms_norm", "fused", rms_norm_fused, available=native_kernels_available)
     registry.register("decode_attention", "fused", decode_attention_fused, available=native_kernels_available)
     registry.register("decode_layer", "fused", decode_layer_fused, available=native_kernels_available)

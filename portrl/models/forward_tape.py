@@ -56,10 +56,13 @@ class ForwardTape:
 
     def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, prompt_slots: int,
                  steps: int, widths: Sequence[int], num_layers: int, dtype: torch.dtype, device: Any,
-                 reuse: Optional["ForwardTape"] = None, swiglu: Any = None):
+                 reuse: Optional["ForwardTape"] = None, swiglu: Any = None, rms_norm: Any = None):
         #: the recording decoder's swiglu kernel (portrl.ops "swiglu"), which the replay's SiLU MLPs run too; None:
         #: the model's own ``act_fn(gate) * up``
         self.swiglu = swiglu
+        #: the recording decoder's backend's rms_norm kernel (portrl.ops "rms_norm"), which the replay's norms run
+        #: (the decoder computed them as that op's formula); None: the model's own norm modules
+        self.rms_norm = rms_norm
         self.prompts = [tuple(p) for p in prompts]
         self.n, self.prompt_slots, self.steps = int(n), int(prompt_slots), int(steps)
         self.rows = len(self.prompts) * self.n
@@ -227,7 +230,14 @@ def replay_hidden_states(base: HFModule, tape: ForwardTape, layout: Any, slots: 
             x = checkpoint(_checkpointed_layer, *args, use_reentrant=True)
         else:  # e.g. a frozen embedding: the layer's weights still need their gradients
             x = checkpoint(_replay_layer, *args, use_reentrant=False)
-    return base.norm(x)
+    return _norm(base.norm, x, tape.rms_norm)
+
+
+def _norm(module: HFModule, x: torch.Tensor, rms_norm: Any) -> torch.Tensor:
+    """``module(x)`` for an RMSNorm module of a Llama-family model, through the op ``rms_norm`` when given (the same
+    formula: ``weight * x / sqrt(mean(x^2) + variance_epsilon)``); a module without ``variance_epsilon`` runs itself."""
+    eps = getattr(module, "variance_epsilon", None)
+    return module(x) if rms_norm is None or eps is None else rms_norm(x, module.weight, eps)
 
 
 def _embed(embedding: torch.nn.Embedding, ids: torch.Tensor, sparse_grad: bool) -> torch.Tensor:
@@ -270,14 +280,15 @@ def _replay_layer(x: torch.Tensor, layer: HFModule, li: int, tape: ForwardTape, 
     """One decoder layer of :func:`replay_hidden_states` on the hidden states ``x (N, H)``."""
     a, m = layer.self_attn, layer.mlp
     N, H, D, KV = x.shape[0], a.config.num_attention_heads, a.head_dim, a.config.num_key_value_heads
-    q, k, v = _recorded_linear(layer.input_layernorm(x), tape.outputs(li, QKV, slots), [a.q_proj, a.k_proj, a.v_proj])
+    q, k, v = _recorded_linear(_norm(layer.input_layernorm, x, tape.rms_norm), tape.outputs(li, QKV, slots),
+                               [a.q_proj, a.k_proj, a.v_proj])
     q, k, v = q.reshape(N, H, D), k.reshape(N, KV, D), v.reshape(N, KV, D)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
                        **{PLAN_KWARG: plan})
     x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]
-    gate, up = _recorded_linear(layer.post_attention_layernorm(x), tape.outputs(li, GATE_UP, slots),
-                                [m.gate_proj, m.up_proj])
+    gate, up = _recorded_linear(_norm(layer.post_attention_layernorm, x, tape.rms_norm),
+                                tape.outputs(li, GATE_UP, slots), [m.gate_proj, m.up_proj])
     act = swiglu(gate, up) if swiglu is not None else m.act_fn(gate) * up
     down = tape.outputs(li, DOWN, slots)
     # before the last op: a checkpoint's recompute stops once the last tensor backward needs is saved

@@ -108,6 +108,7 @@ class FastDecoder:
         self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
         self._swiglu = select("swiglu", backend=backend)[1]
+        self._rms_norm = select("rms_norm", backend=backend)[1]  # for the tape's replay (training) only
         self._attend = select("decode_attention", backend=backend)[1]
         name, layer_op = select("decode_layer", backend=backend)
         self._layer_op: Optional[Callable] = layer_op if name != NATIVE else None  # the backend's one-call layer
@@ -328,5 +329,5 @@ def _new_tape(decoder: FastDecoder, prompts: list, n: int, prompt_slots: int, st
     w = decoder.inner.embed_tokens.weight
     decoder._last_tape = ForwardTape(decoder.model, prompts, n, prompt_slots, steps, tape_widths(decoder.model),
                                      len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape,
-                                     swiglu=decoder._swiglu)
+                                     swiglu=decoder._swiglu, rms_norm=decoder._rms_norm)
     return decoder._last_tape
