@@ -9,7 +9,13 @@ For logits ``z`` (rows, vocab) and temperature ``T > 0``:
 * the token is drawn by inverse CDF: ``u ~ U(0, 1]`` from ``generator`` (one number per row), and
   the first token whose cumulative kept mass reaches ``u * total`` (without truncation ``exp(z/T - max)`` is
   computed once for both the draw and ``logsumexp = max + log(sum)``). One uniform per row is far
-  cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race).
+  cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race). The weights are
+  ``exp2(x * log2(e))`` (:func:`_exp_`): torch's CPU ``exp`` of a float tensor goes through MKL's vector math,
+  which opens three OpenMP regions a call, each waking a sleeping thread, and takes ~150 cycles an element whose
+  result is subnormal (x < -87); ``exp2`` is torch's own vectorised loop. The product's rounding makes the weights
+  differ from ``exp(x)`` by at most ~3e-7 relatively for x > -10 (4e-6 near -87); the sampled token's ``logp``
+  keeps the logit itself. Small benchmark model (32 rows, 259 tokens, 2 threads): generation 0.044 -> 0.040 s
+  a step.
 
 ``T == 0`` is greedy: ``argmax(z)``, with ``logp = log_softmax(z)`` at that token.
 
@@ -25,6 +31,14 @@ from __future__ import annotations
 import torch
 
 from portrl.errors import UserError
+
+
+LOG2E = 1.4426950408889634  # log2(e), the float nearest
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` in place as ``exp2(x * log2(e))`` (module docstring: why)."""
+    return x.mul_(LOG2E).exp2_()
 
 
 class NonFiniteLogitsError(UserError):
@@ -78,10 +92,10 @@ def sample_next(
     scaled = logits / temperature if temperature != 1.0 else logits
     if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
         lse = torch.logsumexp(scaled, dim=-1)
-        cdf = (_truncate_top_k_top_p(scaled, top_k, top_p) - lse[:, None]).exp_().cumsum_(dim=-1)
+        cdf = _exp_(_truncate_top_k_top_p(scaled, top_k, top_p) - lse[:, None]).cumsum_(dim=-1)
     else:  # nothing truncated: one exp pass serves the log-sum-exp and the (unnormalised) cdf
         top = scaled.amax(dim=-1, keepdim=True)
-        weights = torch.sub(scaled, top).exp_()
+        weights = _exp_(torch.sub(scaled, top))
         lse = (top + weights.sum(dim=-1, keepdim=True).log()).squeeze(-1)
         cdf = weights.cumsum_(dim=-1)
     # u in (0, total]: the first index with cdf >= u never lands on a zero-mass token (its cdf equals
