@@ -132,19 +132,30 @@ class ForwardTape:
 
     def positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> Optional[torch.Tensor]:
         """``(B, L)`` slot of each real token of a verl-layout batch (0 elsewhere), or None when some row
-        was not recorded. A response's last token maps to its row's last slot (it is never run)."""
+        was not recorded. A response's last token maps to its row's last slot (it is never run).
+
+        Prompt column ``c`` of row ``b`` (recorded as output row ``r``, prompt ``g = r // n``, ``P`` prompt tokens) is
+        prefill slot ``g * prompt_slots + prompt_slots - split + c`` (prompts are left-padded there as here); response
+        column ``split + t`` is decode slot ``decode_base + min(t, steps - 1) * rows + r``. The row lookup is Python
+        over plain lists, the slots one vectorised pass (per-row tensor indexing cost ~25 small ops a row)."""
         ids, mask = input_ids.cpu(), attention_mask.bool().cpu()
         batch, length = ids.shape
         split = length - int(response_length)
-        out = torch.zeros(batch, length, dtype=torch.long)
-        for b in range(batch):
-            P, R = int(mask[b, :split].sum()), int(mask[b, split:].sum())
-            r = self._rows.get((tuple(ids[b, split - P:split].tolist()), tuple(ids[b, split:split + R].tolist())))
+        prompt_len, resp_len = mask[:, :split].sum(1), mask[:, split:].sum(1)
+        rows_list = ids.tolist()
+        recorded = []
+        for b, (P, R) in enumerate(zip(prompt_len.tolist(), resp_len.tolist())):
+            r = self._rows.get((tuple(rows_list[b][split - P:split]), tuple(rows_list[b][split:split + R])))
             if r is None or P > self.prompt_slots or R > self.steps + 1:
                 return None
-            g = r // self.n
-            out[b, split - P:split] = g * self.prompt_slots + self.prompt_slots - P + torch.arange(P)
-            out[b, split:split + R] = self.decode_base + torch.arange(R).clamp_(max=self.steps - 1) * self.rows + r
+            recorded.append(r)
+        r = torch.tensor(recorded, dtype=torch.long)[:, None]
+        col = torch.arange(length)[None]
+        prompt_slot = (r // self.n) * self.prompt_slots + self.prompt_slots - split + col
+        resp_slot = self.decode_base + (col - split).clamp(0, max(self.steps - 1, 0)) * self.rows + r
+        in_prompt = (col >= split - prompt_len[:, None]) & (col < split)
+        in_resp = (col >= split) & (col < split + resp_len[:, None])
+        out = torch.where(in_prompt, prompt_slot, torch.where(in_resp, resp_slot, 0))
         return out.to(input_ids.device)
 
     def outputs(self, layer: int, which: int, slots: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ def plan_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     prompt_len = mask_cpu[:, :split].sum(1).tolist()
     resp_len = mask_cpu[:, split:].sum(1).tolist()
     rows_of: dict[tuple, list[int]] = {}
+    id_rows = ids_cpu.tolist()  # plain lists: slicing a tensor row costs two ops a row
     for b in range(batch):
-        key = tuple(ids_cpu[b, split - prompt_len[b]:split].tolist())
+        key = tuple(id_rows[b][split - prompt_len[b]:split])
         rows_of.setdefault(key, []).append(b)
 
     # every index list below is a concatenation of ranges (start, length): O(rows) Python, O(tokens) torch
