@@ -168,20 +168,20 @@ def test_registry_selects_backend_preference_and_native(caplog):
         ops.select("attention_varlen", backend="cpu")
     assert name == "sdpa"
     assert sum("attention_varlen -> sdpa" in r.getMessage() for r in caplog.records) <= 1
-    assert ops.select("rms_norm", backend="cpu") == ("native", ops.rms_norm)
+    assert ops.select("rotary", backend="cpu") == ("native", ops.apply_rotary)  # an op the CPU has no kernel for
     assert ops.select("attention_varlen", impl="eager", backend="cpu")[0] == "eager"
     assert {"native", "sdpa", "eager"} <= set(ops.runnable("attention_varlen"))
 
 
 def test_registry_errors_list_what_can_run():
-    ops.register("rms_norm", "test_unavailable", ops.rms_norm, available=lambda: "needs the test-only package")
+    ops.register("rotary", "test_unavailable", ops.apply_rotary, available=lambda: "needs the test-only package")
     try:
-        assert ops.implementations("rms_norm")["test_unavailable"] == "needs the test-only package"
+        assert ops.implementations("rotary")["test_unavailable"] == "needs the test-only package"
         with pytest.raises(ops.OpError, match=r"needs the test-only package.*that can: native"):
-            ops.select("rms_norm", impl="test_unavailable", backend="cpu")
-        assert ops.select("rms_norm", backend="cpu")[0] == "native"
+            ops.select("rotary", impl="test_unavailable", backend="cpu")
+        assert ops.select("rotary", backend="cpu")[0] == "native"
     finally:
-        ops.unregister("rms_norm", "test_unavailable")
+        ops.unregister("rotary", "test_unavailable")
     with pytest.raises(ops.OpError, match="not registered.*that can:.*sdpa"):
         ops.select("attention_varlen", impl="nope", backend="cpu")
     with pytest.raises(ops.OpError, match="valid ops: attention_varlen"):
