@@ -94,6 +94,15 @@ def test_gradient_checkpointing_same_gradients(tiny):
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
+def test_models_load_without_hub_kernels(tiny):
+    """transformers 5.x kernelizes a model by default (Hub kernels for its norms and MLPs off the CPU); portrl's
+    models run portrl's kernels only."""
+    model = load_causal_lm(tiny, backend="cpu")
+    assert not getattr(model, "use_kernels", False)
+    model.train()
+    assert not getattr(model, "use_kernels", False) and getattr(model, "_kernels_mode", None) is None
+
+
 def test_llama_runs_on_portrl_attention(tiny_llama):
     model = load_causal_lm(tiny_llama, backend="cpu")
     ref = load_causal_lm(tiny_llama, backend="cpu", attn_impl="hf_eager")

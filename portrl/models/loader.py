@@ -167,8 +167,13 @@ def load_causal_lm(path, dtype="float32", backend: Backend | None = None, attn_i
     # implementation applies to its text decoder and its vision tower alike (the vision blocks call it
     # non-causally per image / window; portrl/models/attention.py)
     try:
+        # use_kernels=False: transformers 5.x otherwise "kernelizes" the model by default, swapping its norms, MLPs and
+        # linears for kernels it fetches from the Hugging Face Hub on CUDA / ROCm / XPU (and re-kernelizes at every
+        # train() / eval(): 0.5 ms a switch on the CPU). portrl picks its kernels itself (portrl.ops), the same on
+        # every device the parity harness checks, and runs offline.
         model = model_class(config).from_pretrained(str(p), config=config, dtype=torch_dtype(dtype),
-                                                    attn_implementation=attn_name, local_files_only=True)
+                                                    attn_implementation=attn_name, local_files_only=True,
+                                                    use_kernels=False)
     except pickle.UnpicklingError:  # torch refused a pickled weights file: name it as the preflight does
         check_pickled_weights(p)
         raise

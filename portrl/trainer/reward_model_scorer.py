@@ -34,7 +34,9 @@ class RewardModelScorer:
         torch_dtype = getattr(torch, dtype or backend.supported_dtypes()[0])
         self.tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
         self.tokenizer.padding_side = "right"
-        self.model = AutoModelForSequenceClassification.from_pretrained(p, local_files_only=True, dtype=torch_dtype)
+        # use_kernels=False: no Hub kernels swapped in (portrl/models/loader.py says why)
+        self.model = AutoModelForSequenceClassification.from_pretrained(p, local_files_only=True, dtype=torch_dtype,
+                                                                        use_kernels=False)
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path!r} has num_labels={self.model.config.num_labels}; a reward model "
                              "has one output (num_labels=1)")
