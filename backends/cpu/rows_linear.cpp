@@ -18,9 +18,12 @@
 // xT (K, V x 16), V = ceil(M / 16) vectors a k, rows past M zero; a tile of NT weight rows keeps NT x V accumulators,
 // acc[n][v] += W[n][k] (one float, broadcast: the FMA's memory operand) * xT[k][v] for k = 0 .. K-1, so each
 // accumulator holds 16 rows' outputs of one column: no sum across lanes, and per k V vector loads for NT x V FMAs.
-// NT = 16 / 8 / 8 / 6 for V = 1..4; a whole 16 x 16 tile is transposed in registers and stored a row at a time. No
-// software prefetch: none tried did better than the hardware's streams here (the next tile into L2 or L3, or each
-// row 128-1024 floats ahead into L1 or L2: 0.97-1.15x the time without).
+// NT = 16 / 8 / 8 / 6 for V = 1..4; a whole 16 x 16 tile is transposed in registers and stored a row at a time. Each
+// weight row's line 64 floats (4 lines) ahead is prefetched into L1, once a line (LANE_PREFETCH): the NT rows are NT
+// short streams (K floats each) that the hardware prefetchers pick up late. benchmarks/decode_layer.py, three runs
+// alternating with and without: the medium model's 4 layers at 32 rows 5.6-6.2 -> 4.9-5.4 ms, Qwen2.5-0.5B's 24
+// at 16 rows 80-81 -> 74-79 ms. Tried and slower or no better: the next tile into L2 (0.5B 1.15x the time), each
+// row 32 or 128 floats ahead (128-1024 in an earlier round: 0.97-1.15x).
 //
 // Measured (2 threads, Intel Xeon with AVX-512; Qwen2.5-0.5B's 97 decode linears, 1.98 GB read from memory:
 // benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87x the time at 16 rows (100.5 against

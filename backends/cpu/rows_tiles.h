@@ -145,6 +145,7 @@ void dot_columns(const float* x, int64_t M, int64_t K, const float* w, int n, co
 #if defined(__AVX512F__)
 constexpr int VMAX = 4;  // input-row vectors a lane tile keeps (64 rows: ROWS_MAX of backends/cpu/kernels.py)
 constexpr int LANE_NT[VMAX + 1] = {0, 16, 8, 8, 6};
+constexpr int64_t LANE_PREFETCH = 64;  // floats: 4 lines ahead of the weight rows' reads
 
 inline Vec first(const float* p, int64_t n) { return load(p, tail_mask(n)); }
 inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
@@ -210,6 +211,8 @@ void lane_tile(const float* __restrict xT, int64_t stride, int64_t K, const floa
   constexpr int64_t KU = 8;  // k unrolled (16 lost: 1.05x the time of the dot tiles instead of 0.88x)
   int64_t k = 0;
   for (; k + KU <= K; k += KU) {
+    if (k % LANES == 0)  // each weight row's line LANE_PREFETCH floats ahead into L1, once a line (see rows_linear.cpp)
+      for (int n = 0; n < TN; ++n) _mm_prefetch(reinterpret_cast<const char*>(wr[n] + k + LANE_PREFETCH), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int64_t kk = k; kk < k + KU; ++kk) {
       Vec xv[V];
