@@ -33,7 +33,10 @@
 namespace {
 
 using VecF = at::vec::Vectorized<float>;
-constexpr int64_t INLINE_FLOATS = 1 << 19;  // a layer with fewer weight floats stays on the calling thread
+// a layer with fewer weight floats stays on the calling thread. 2^16 (256 KiB), not 2^19: the small benchmark
+// model's layers (1 MiB, 32 rows) on both threads made its GRPO step 0.096-0.099 -> 0.085-0.090 s (vs_trl.py,
+// alternating), most of it in the update that follows: a vCPU left idle through the decode is slow to wake on a VM
+constexpr int64_t INLINE_FLOATS = 1 << 16;
 constexpr int64_t ITEM_FLOATS = 1 << 18;    // weight floats a tile item reads at least: long runs of each weight a
                                             // thread (64 KiB items: the 0.5B layers 5 % slower)
 constexpr int64_t SWIGLU_COLS = 512;       // columns a SwiGLU item (a multiple of 16)
