@@ -168,7 +168,7 @@ def load_causal_lm(path, dtype="float32", backend: Backend | None = None, attn_i
     # non-causally per image / window; portrl/models/attention.py)
     try:
         # use_kernels=False: transformers 5.x otherwise "kernelizes" the model by default, swapping its norms, MLPs and
-        # linears for kernels it fetches from the Hugging Face Hub on CUDA / ROCm / XPU (and re-kernelizes at every
+        # linears for kernels it fetches from the Hugging Face Hub on accelerators (and re-kernelizes at every
         # train() / eval(): 0.5 ms a switch on the CPU). portrl picks its kernels itself (portrl.ops), the same on
         # every device the parity harness checks, and runs offline.
         model = model_class(config).from_pretrained(str(p), config=config, dtype=torch_dtype(dtype),
