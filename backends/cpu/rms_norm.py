@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from portrl.backends.cpu import isa, native_build
+from portrl.backends.cpu.swiglu import unit_stride_rows
 from portrl.ops.layers import rms_norm as native_rms_norm
 
 LIBRARY = "rms_norm"
@@ -43,8 +44,7 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     variant = variant or isa.chosen().variant
     if variant is None or not native_build.try_load(LIBRARY, variant):
         return native_rms_norm(x, weight, eps)
-    flat = x.reshape(-1, x.shape[-1])
-    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+    flat = unit_stride_rows(x)
     w = weight.contiguous()
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         ops = getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant))

@@ -30,7 +30,7 @@ class _FusedSwiGLU(torch.autograd.Function):
         return (*ctx.ops.backward(grad_out.contiguous(), gate2d, up2d), None)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as (rows, width) with unit stride along the width: a view where one exists, else a copy."""
     flat = t.reshape(-1, t.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
@@ -48,5 +48,5 @@ def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, variant: str | None = Non
     if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
         # nothing to differentiate (a decode step): the op itself, without the autograd.Function's ~20 us a call
         ops = getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant))
-        return ops.forward(_rows(gate), _rows(up)).view(gate.shape)
-    return _FusedSwiGLU.apply(_rows(gate), _rows(up), variant).view(gate.shape)
+        return ops.forward(unit_stride_rows(gate), unit_stride_rows(up)).view(gate.shape)
+    return _FusedSwiGLU.apply(unit_stride_rows(gate), unit_stride_rows(up), variant).view(gate.shape)

@@ -38,7 +38,7 @@ from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
-from portrl.ops.layers import linear_prepacked
+from portrl.ops.layers import linear_prepacked, rms_norm
 from portrl.ops.registry import NATIVE
 from portrl.progress import note
 from portrl.rollout.decode_rows import DecodeRows, left_pad
@@ -183,9 +183,7 @@ class FastDecoder:
             return self._rms_kernel(x, w, eps)
         if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused op, the same formula in float32
             return F.rms_norm(x, w.shape, w, eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
+        return rms_norm(x, w, eps)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
