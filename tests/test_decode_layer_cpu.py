@@ -8,7 +8,7 @@ import torch
 
 from portrl.backends.cpu import isa, kernels, native_build
 from portrl.backends.cpu.decode_layer import ROWS_MAX, decode_layer_fused
-from portrl.ops.decode_layer import decode_layer
+from portrl.ops.decode_layer import bind_layer, decode_layer
 from portrl.rollout.fast_decode import fast_decoder_for
 
 RUNNABLE = [v for v in isa.NEEDS if not isa.missing(v, isa.cpu_flags())]
@@ -116,6 +116,40 @@ def test_more_rows_than_the_kernel_serves_take_the_op():
         assert torch.equal(a, b)
 
 
+WEIGHTS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "down_w", "eps1", "eps2")
+
+
+def _bound(op):
+    """``op`` called through :func:`bind_layer` (one layer's weights bound once, then a step), as ``_run`` calls."""
+    def run(**a):
+        step = bind_layer(op, [a[k] for k in WEIGHTS], a["scale"], a["heads"], a["kv_heads"])
+        return step(a["x"], a["k_store"], a["v_cache"], a["cos"], a["sin"], a["hidden"], a["start"])
+    return run
+
+
+@pytest.mark.parametrize("rows", [3, 32])
+def test_a_bound_layer_equals_the_op_called_whole(rows):
+    inputs = _layer_inputs(rows, *LARGE)
+    for op in (decode_layer_fused, decode_layer):  # the CPU's own bind; the op's generic one
+        for a, b in zip(_run(_bound(op), inputs), _run(op, inputs)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["rows", "strided weight", "gradients"])
+def test_a_bound_layer_takes_the_op_where_the_kernel_does_not_serve(case):
+    inputs = _layer_inputs(ROWS_MAX + 1 if case == "rows" else 4, *SMALL)
+    if case == "strided weight":
+        inputs["o_w"] = inputs["o_w"].t().contiguous().t()
+    with torch.set_grad_enabled(case == "gradients"):
+        if case == "gradients":
+            inputs["ln2"].requires_grad_(True)
+        got, want = _run(_bound(decode_layer_fused), inputs), _run(decode_layer, inputs)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if case == "gradients":
+        assert got[-1].grad_fn is not None  # the op's autograd graph, which the kernel has none of
+
+
 def _qwen2(hidden=64, layers=2):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -130,16 +164,17 @@ def test_decoder_steps_through_the_fused_layer_as_op_by_op():
     model = _qwen2()
     dec = fast_decoder_for(model, "cpu")
     calls = []
-    fused = dec._layer_op
-    dec._layer_op = lambda *a, **k: calls.append(1) or fused(*a, **k)
+
+    def counted(step):
+        return lambda *a, **k: calls.append(1) or step(*a, **k)
     ids = torch.randint(2, 80, (6, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(6, 9, dtype=torch.bool)
     logits = {}
     with torch.inference_mode():
         for fuse in (True, False):
             dec.start(6, 9, decode_rows=6, steps=3)
-            if not fuse:
-                dec._fused = []  # the op-by-op layer
+            # the CPU's bound layers (counted), or none: the op-by-op layer
+            dec._fused = [counted(step) for step in dec._fused] if fuse else []
             dec.forward(ids, torch.arange(5).expand(6, 5), 0, mask[:, :5])
             steps = [dec.forward(ids[:, t:t + 1], torch.full((6, 1), 5 + t), 5 + t, mask[:, : 6 + t]) for t in range(3)]
             logits[fuse] = (torch.stack(steps), dec.k_cache.clone(), dec.v_cache.clone())

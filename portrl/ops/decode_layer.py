@@ -18,12 +18,13 @@ outputs a forward recording saves (portrl/models/forward_tape.py), written into 
 contiguous tensors of their shapes: a recording's slots, saving a copy).
 
 A backend's implementation may carry ``max_rows``: the most rows it serves fast (the CPU's: its decode linear's
-range); portrl/rollout/fast_decode.py steps a batch with more rows op by op.
+range); portrl/rollout/fast_decode.py steps a batch with more rows op by op. It may carry ``bind`` too
+(:func:`bind_layer`'s contract): one layer's weights checked once for a decode loop's steps.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,3 +63,21 @@ def _linear(x: torch.Tensor, parts: Sequence[torch.Tensor], bias: Optional[torch
     """``x [W_1; W_2; ...]^T + bias``, the parts' outputs concatenated (a few rows: far less to copy than weights)."""
     y = torch.cat([F.linear(x, w) for w in parts], dim=-1)
     return y.add_(bias) if bias is not None else y
+
+
+def bind_layer(op: Callable, weights: Sequence, scale: float, heads: int, kv_heads: int) -> Callable:
+    """``op`` (a ``decode_layer`` implementation) with one layer's ``weights`` (``ln1, qkv_w, qkv_b, o_w, o_b, ln2,
+    gate_up_w, down_w, eps1, eps2``), as ``step(x, k_store, v_cache, cos, sin, hidden, start, out=None)``: ``op(x,
+    ln1, ..., down_w, k_store, ..., start, eps1, eps2, scale, heads, kv_heads, out=out)``. An implementation's own
+    ``bind`` (taking the weights, scale, heads and kv_heads flat; returning the same step) makes it: it may check the
+    weights once instead of at every step (a decode loop calls a layer once a token)."""
+    ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, eps1, eps2 = weights
+    own = getattr(op, "bind", None)
+    if own is not None:
+        return own(ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, eps1, eps2, scale, heads, kv_heads)
+
+    def step(x, k_store, v_cache, cos, sin, hidden, start, out=None):
+        return op(x, ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, k_store, v_cache, cos, sin, hidden, start,
+                  eps1, eps2, scale, heads, kv_heads, out=out)
+
+    return step

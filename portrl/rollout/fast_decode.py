@@ -38,6 +38,7 @@ from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
+from portrl.ops.decode_layer import bind_layer
 from portrl.ops.layers import linear_prepacked, rms_norm
 from portrl.ops.registry import NATIVE
 from portrl.progress import note
@@ -113,7 +114,7 @@ class FastDecoder:
         self._attend = select("decode_attention", backend=backend)[1]
         name, layer_op = select("decode_layer", backend=backend)
         self._layer_op: Optional[Callable] = layer_op if name != NATIVE else None  # the backend's one-call layer
-        self._fused: list = []  # per layer: decode_layer's weight arguments, when this call's steps use it
+        self._fused: list = []  # per layer: decode_layer bound to its weights, when this call's steps use it
 
     @property
     def device(self) -> torch.device:
@@ -134,10 +135,12 @@ class FastDecoder:
 
         w = self.inner.embed_tokens.weight
         # the one-call layer takes the keys stored transposed (the CPU's cache, below) and serves float32
-        fuse = (self._layer_op is not None and w.device.type == "cpu" and w.dtype == torch.float32
+        fuse = (w.device.type == "cpu" and w.dtype == torch.float32
                 and (decode_rows or rows) <= getattr(self._layer_op, "max_rows", rows))
+        layer_op = self._layer_op if fuse else None
         weights = [_layer_arguments(layer, self.eps) for layer in self.inner.layers]
-        self._fused = weights if fuse else []
+        self._fused = ([bind_layer(layer_op, args, self.scale, self.n_heads, self.n_kv) for args in weights]
+                       if layer_op is not None else [])
         self.layers = [(ln1, linear(w_qkv, b_qkv), linear(w_o, b_o), ln2, linear(w_gu), linear(w_down), eps1, eps2)
                        for ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2 in weights]
         head = self.model.lm_head
@@ -244,12 +247,10 @@ class FastDecoder:
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, start: int, hidden_keys: torch.Tensor,
                        tape: Any, record_at: Any) -> torch.Tensor:
         """:meth:`forward` of one token a row through the backend's ``decode_layer`` op (x (B, hidden), its own)."""
-        cos, sin, layer_op = self.cos[positions], self.sin[positions], self._layer_op
-        assert layer_op is not None  # start() fuses only with one
-        for li, weights in enumerate(self._fused):
+        cos, sin = self.cos[positions], self.sin[positions]
+        for li, step in enumerate(self._fused):
             into = tape.destinations(li, record_at) if tape is not None else None  # the recording's own slots
-            outs = layer_op(x, *weights[:8], self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start,
-                            *weights[8:], self.scale, self.n_heads, self.n_kv, out=into)
+            outs = step(x, self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start, out=into)
             if tape is not None and into is None:
                 for which, out in enumerate(outs):
                     tape.save(li, which, out, record_at)
