@@ -39,6 +39,7 @@ def _kernel(variant: str | None):
 
 
 def _outputs(x: torch.Tensor, widths: tuple) -> tuple:
+    """The four outputs (qkv, o, gu, down), fresh, for ``x``'s rows."""
     return tuple(x.new_empty(x.shape[0], n) for n in widths)
 
 
