@@ -1,4 +1,4 @@
-// One decoder layer of a one-token decode step, float32 on the CPU, in one call and one parallel region: the
+// One decoder layer of a one-token decode step, float32 on the CPU, in one call: the
 // layer portrl/rollout/fast_decode.py runs op by op, for Llama-family pre-norm layers (Qwen2 / Qwen2.5, Llama,
 // Mistral).
 //
@@ -16,16 +16,19 @@
 // attention the decode attention's (attention_heads.h), keys stored transposed; results equal the op-by-op layer up
 // to float32 summation order (norm and rope).
 //
-// Why one region: op by op a layer is ~10 torch calls and 5 parallel regions, and between regions torch's OpenMP
+// Why one call: op by op a layer is ~10 torch calls and 5 parallel regions, and between regions torch's OpenMP
 // threads go to sleep (portrl sets GOMP_SPINCOUNT=1000); waking one costs 50-100 us on a VM. Here the layer's nine
-// phases run in one region: each phase's items (rows, tiles, (row, KV head) pairs) go to whichever thread claims
-// them next (an atomic counter), and a thread that finds none left waits for the phase's last items. A thread that
-// arrives late finds work already taken and a single thread does everything, so no phase waits for a thread to
-// wake and no count of threads is assumed. A layer of fewer than INLINE_FLOATS weight floats runs on the calling
-// thread alone (a region's wake would cost more than it saves).
+// phases run in one call on the calling thread and spin_pool.h's helpers: each phase's items (rows, tiles, (row, KV
+// head) pairs) go to whichever thread claims them next (an atomic counter), and a thread that finds none left waits
+// for the phase's last items. A helper that arrives late finds work already taken and the calling thread does
+// everything, so no phase waits for a thread to wake and no count of threads is assumed; and the helpers, unlike
+// OpenMP's, stay awake from one of a decode step's calls to the next. A layer of fewer than INLINE_FLOATS weight
+// floats runs on the calling thread alone. The library also has the step's last norm and head (op `head`), so the
+// whole step runs on the same threads.
 #include "op_namespace.h"
 #include "attention_heads.h"
 #include "rows_tiles.h"
+#include "spin_pool.h"
 
 #include <atomic>
 #include <thread>
@@ -312,13 +315,43 @@ void decode_layer(
     });
     p[8].run([&](int64_t it) { down_l.item(it, act.x, M, downp, nullptr, xp); });
   };
-  if (threads <= 1) {
-    body();
-  } else {
-    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-      for (; b < e; ++b) body();
+  spin_pool::run(static_cast<int>(threads) - 1, body);
+}
+
+// The decode step's last norm and head on the layers' threads: logits = rms(x, w, eps) [W_1; W_2; ...]^T (+ b), the
+// rows kernel's tiles and sums (rows_linear.cpp's results, bit for bit)
+at::Tensor head(const at::Tensor& x, const at::Tensor& norm_w, double eps, at::TensorList head_w,
+                const std::optional<at::Tensor>& head_b) {
+  check(x, "x");
+  check(norm_w, "norm_weight");
+  TORCH_CHECK(x.dim() == 2 && norm_w.numel() == x.size(1), "decode_layer: head: x must be (rows, hidden) and the "
+              "norm's weight have hidden elements");
+  const int64_t M = x.size(0), K = x.size(1);
+  const rows::Plan plan = rows::plan_for(M, K, -1);
+  int64_t weights = 0;
+  for (const at::Tensor& t : head_w) weights += t.numel();
+  const int64_t threads = weights < INLINE_FLOATS || M == 0 ? 1 : at::get_num_threads();
+  const Linear lin(head_w, K, plan, threads);
+  const int64_t N = lin.stack.N();
+  const float* b = data_or_null(head_b, N, "head_bias");
+  const auto opts = x.options();
+  at::Tensor in = plan.lanes ? at::empty({K, plan.stride}, opts) : at::empty({M, K}, opts);
+  at::Tensor out = at::empty({M, N}, opts);
+  if (M == 0) return out;
+  const Input hin{in.data_ptr<float>(), K, plan, M, K};
+  const float *xp = x.data_ptr<float>(), *w = norm_w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  Phase p[2];
+  p[0].total = hin.items();
+  p[1].total = lin.items();
+  spin_pool::run(static_cast<int>(threads) - 1, [&] {
+    p[0].run([&](int64_t it) {
+      hin.fill(it, [&](int64_t m, int64_t, int64_t, float* o) { rms_row(xp + m * K, w, K, e, o); });
     });
-  }
+    p[1].run([&](int64_t it) { lin.item(it, hin.x, M, op, b, nullptr); });
+  });
+  return out;
 }
 
 }  // namespace (everything: the two variants' libraries share no symbol)
@@ -332,6 +365,10 @@ PORTRL_LIBRARY(PORTRL_NS, m) {
       "Tensor[] gate_up_w, Tensor down_w, Tensor(b!) k_store, Tensor(c!) v_cache, Tensor cos, Tensor sin, "
       "Tensor hidden, int start, float eps1, float eps2, float scale, int heads, int kv_heads, "
       "Tensor(d!) qkv_out, Tensor(e!) o_out, Tensor(f!) gu_out, Tensor(g!) down_out) -> ()");
+  m.def("head(Tensor x, Tensor norm_w, float eps, Tensor[] head_w, Tensor? head_b) -> Tensor");
 }
 
-PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) { m.impl("layer", &decode_layer); }
+PORTRL_LIBRARY_IMPL(PORTRL_NS, CPU, m) {
+  m.impl("layer", &decode_layer);
+  m.impl("head", &head);
+}

@@ -1,19 +1,23 @@
 """The CPU's one-call decode layer (op ``decode_layer``, implementation ``fused``): the whole layer of a one-token
-decode step in one native call and one parallel region (backends/cpu/decode_layer.cpp, the AVX-512 or AVX2 build
-backends/cpu/isa.py chooses), for float32 CPU tensors with nothing to differentiate and at most ``ROWS_MAX`` rows
-(the rows kernel's range); anything else takes the native op (portrl.ops.decode_layer).
+decode step in one native call (backends/cpu/decode_layer.cpp, the AVX-512 or AVX2 build backends/cpu/isa.py
+chooses), for float32 CPU tensors with nothing to differentiate and at most ``ROWS_MAX`` rows (the rows kernel's
+range); anything else takes the native op (portrl.ops.decode_layer). The step's last norm and head go through the
+same library (:func:`bind_head`), so a whole decode step runs on the same threads.
 
 Op by op the layer is ~10 torch calls and five parallel regions, and torch's OpenMP threads sleep between regions
 (GOMP_SPINCOUNT=1000); on a VM each wake costs 50-100 us, and for a small model the calls' set-up is most of the
-step. decode_layer.cpp says how its phases share one region.
+step. decode_layer.cpp says how its phases share the calling thread and helper threads (spin_pool.h) that stay
+awake from one call of a step to the next.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from portrl.backends.cpu import isa, native_build
 from portrl.ops.decode_layer import decode_layer as native_decode_layer
+from portrl.ops.layers import rms_norm
 
 LIBRARY = "decode_layer"
 #: most rows the fused layer serves: the rows kernel's (backends/cpu/kernels.py ROWS_MAX, kept equal by a test)
@@ -33,12 +37,13 @@ def _fits(x: torch.Tensor, tensors: tuple, caches: tuple) -> bool:
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, *caches))))
 
 
-def _kernel(variant: str | None):
-    """The build's ``layer`` op for ``variant`` (None: backends/cpu/isa.py's), or None where it cannot load."""
+def _kernel(variant: str | None, name: str = "layer"):
+    """The build's op ``name`` (``layer`` or ``head``) for ``variant`` (None: backends/cpu/isa.py's), or None where
+    it cannot load."""
     variant = variant or isa.chosen().variant
     if variant is None or not native_build.try_load(LIBRARY, variant):
         return None
-    return getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant)).layer
+    return getattr(getattr(torch.ops, native_build.ops_namespace(LIBRARY, variant)), name)
 
 
 def _outputs(x: torch.Tensor, widths: tuple) -> tuple:
@@ -92,7 +97,25 @@ def bind(ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, eps1, eps2, scale,
     return step
 
 
+def bind_head(norm_w, eps, head_w, head_b, variant: str | None = None):
+    """A decode step's last norm and head, ``logits = rms(x, norm_w, eps) head_w^T + head_b``, as ``head(x)``
+    (portrl.ops.decode_layer.bind_head's contract) on the layers' threads: decode_layer.cpp's op ``head``, whose
+    logits equal the backend's ``rms_norm`` then the rows kernel's bit for bit (tested). Where the kernel does not
+    serve (gradients on, more than ROWS_MAX rows, tensors other than contiguous float32 CPU ones): the native
+    ``rms_norm`` then ``F.linear``."""
+    head = _kernel(variant, "head") if _served((norm_w, head_w, head_b), ()) else None
+
+    def step(x):
+        if head is None or torch.is_grad_enabled() or not _fits(x, (x,), ()):
+            return F.linear(rms_norm(x, norm_w, eps), head_w, head_b)
+        return head(x, norm_w, eps, [head_w], head_b)
+
+    return step
+
+
 #: a decode loop with more rows keeps its op-by-op layer (portrl/rollout/fast_decode.py reads this)
 decode_layer_fused.max_rows = ROWS_MAX  # type: ignore[attr-defined]
 #: one layer's weights bound once for a decode loop's steps (portrl.ops.decode_layer.bind_layer reads this)
 decode_layer_fused.bind = bind  # type: ignore[attr-defined]
+#: the step's last norm and head on the same threads (portrl.ops.decode_layer.bind_head reads this)
+decode_layer_fused.bind_head = bind_head  # type: ignore[attr-defined]

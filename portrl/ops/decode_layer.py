@@ -19,7 +19,8 @@ contiguous tensors of their shapes: a recording's slots, saving a copy).
 
 A backend's implementation may carry ``max_rows``: the most rows it serves fast (the CPU's: its decode linear's
 range); portrl/rollout/fast_decode.py steps a batch with more rows op by op. It may carry ``bind`` too
-(:func:`bind_layer`'s contract): one layer's weights checked once for a decode loop's steps.
+(:func:`bind_layer`'s contract): one layer's weights checked once for a decode loop's steps; and ``bind_head``
+(:func:`bind_head`'s): the step's last norm and head on the threads that run its layers.
 """
 
 from __future__ import annotations
@@ -81,3 +82,13 @@ def bind_layer(op: Callable, weights: Sequence, scale: float, heads: int, kv_hea
                   eps1, eps2, scale, heads, kv_heads, out=out)
 
     return step
+
+
+def bind_head(op: Callable, norm_w: torch.Tensor, eps: float, head_w: torch.Tensor,
+              head_b: Optional[torch.Tensor]) -> Optional[Callable]:
+    """A decode step's last norm and head, ``logits = rms(x, norm_w, eps) head_w^T + head_b``, as ``head(x)``, from
+    ``op``'s (a ``decode_layer`` implementation's) own ``bind_head`` (taking these arguments): a backend whose layers
+    run on threads of its own runs the head there too (the CPU's: backends/cpu/decode_layer.py). None where ``op``
+    has none: the caller runs its own norm and head."""
+    own = getattr(op, "bind_head", None)
+    return own(norm_w, eps, head_w, head_b) if own is not None else None

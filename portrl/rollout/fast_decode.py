@@ -38,7 +38,7 @@ from portrl.device.backend import Backend
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
-from portrl.ops.decode_layer import bind_layer
+from portrl.ops.decode_layer import bind_head, bind_layer
 from portrl.ops.layers import linear_prepacked, rms_norm
 from portrl.ops.registry import NATIVE
 from portrl.progress import note
@@ -115,6 +115,7 @@ class FastDecoder:
         name, layer_op = select("decode_layer", backend=backend)
         self._layer_op: Optional[Callable] = layer_op if name != NATIVE else None  # the backend's one-call layer
         self._fused: list = []  # per layer: decode_layer bound to its weights, when this call's steps use it
+        self._fused_head: Optional[Callable] = None  # the last norm and head on the layers' threads, where bound
 
     @property
     def device(self) -> torch.device:
@@ -141,9 +142,13 @@ class FastDecoder:
         weights = [_layer_arguments(layer, self.eps) for layer in self.inner.layers]
         self._fused = ([bind_layer(layer_op, args, self.scale, self.n_heads, self.n_kv) for args in weights]
                        if layer_op is not None else [])
+        self.final_norm_w = self.inner.norm.weight
+        self.final_eps = getattr(self.inner.norm, "variance_epsilon", self.eps)
+        head = self.model.lm_head
+        self._fused_head = (bind_head(layer_op, self.final_norm_w, self.final_eps, head.weight, head.bias)
+                            if layer_op is not None else None)
         self.layers = [(ln1, linear(w_qkv, b_qkv), linear(w_o, b_o), ln2, linear(w_gu), linear(w_down), eps1, eps2)
                        for ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2 in weights]
-        head = self.model.lm_head
         self.head = linear(head.weight, head.bias)
         shape = (len(self.layers), rows, self.n_kv, max_len, self.head_dim)
         if w.device.type == "cpu":
@@ -158,8 +163,6 @@ class FastDecoder:
         # rope(x) = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): the sign goes into sin
         self.cos = cos[0].to(w.dtype)
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(w.dtype)
-        self.final_norm_w = self.inner.norm.weight
-        self.final_eps = getattr(self.inner.norm, "variance_epsilon", self.eps)
 
     def drop_recording_buffers(self) -> None:
         """Free the buffers the last recording kept for the next one to reuse (a call that will not record)."""
@@ -176,7 +179,7 @@ class FastDecoder:
 
     def release(self) -> None:
         self.layers, self.head, self.k_cache, self.v_cache, self._k_store = [], None, _NO_CACHE, _NO_CACHE, _NO_CACHE
-        self._fused = []
+        self._fused, self._fused_head = [], None
 
     # ------------------------------------------------------------------------------- forward
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -254,6 +257,8 @@ class FastDecoder:
             if tape is not None and into is None:
                 for which, out in enumerate(outs):
                     tape.save(li, which, out, record_at)
+        if self._fused_head is not None:
+            return self._fused_head(x)
         return self.head(self._rms(x, self.final_norm_w, self.final_eps))
 
 
