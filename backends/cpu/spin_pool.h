@@ -20,7 +20,8 @@
 //
 // Measured on a 2-core Intel Xeon VM (benchmarks/RESULTS.md, session 27): the small benchmark model's GRPO step
 // 0.089-0.097 -> 0.078-0.084 s with its layers here instead of in an OpenMP region; windows of 100 and 300 us
-// gained less, 1000 and 3000 no more; two such runs sharing the 2 cores: each step as with OpenMP (0.11-0.13 s).
+// gained less, 1000 and 3000 no more; two such runs sharing the 2 cores: 0.111-0.143 s a step each against
+// 0.115-0.127 with OpenMP (a longer OpenMP spin, GOMP_SPINCOUNT=10000, made that 0.21).
 #pragma once
 
 #include <immintrin.h>
