@@ -45,15 +45,31 @@ constexpr int64_t ITEM_FLOATS = 1 << 18;    // weight floats a tile item reads a
 constexpr int64_t SWIGLU_COLS = 512;       // columns a SwiGLU item (a multiple of 16)
 constexpr int SPINS = 1 << 12;              // pauses before a waiting thread yields its core
 
-// Items 0 .. total - 1, claimed one at a time by whichever thread asks; run() returns when all are done.
+// Items 0 .. total - 1, claimed one at a time by whichever thread asks; run() returns when all are done. The
+// calling thread claims from the front, the helpers from the back: with both on time each step, each thread gets
+// the same items step after step, so its share of the weights and caches stays in its own core's cache (the small
+// benchmark model's layer in the trainer 0.173-0.187 -> 0.166-0.172 ms; 10-15 % alone, benchmarks/RESULTS.md).
 struct Phase {
-  std::atomic<int64_t> next{0}, done{0};
+  // items taken: the calling thread's from the front (low 32 bits), the helpers' from the back (high 32 bits)
+  std::atomic<uint64_t> taken{0};
+  std::atomic<int64_t> done{0};
   int64_t total = 0;
+
+  int64_t claim(bool helper) {
+    uint64_t t = taken.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(t & 0xffffffffu), back = static_cast<int64_t>(t >> 32);
+      if (front + back >= total) return -1;
+      const uint64_t want = helper ? t + (uint64_t{1} << 32) : t + 1;
+      if (taken.compare_exchange_weak(t, want, std::memory_order_relaxed)) return helper ? total - 1 - back : front;
+    }
+  }
 
   template <typename Fn>
   void run(const Fn& fn) {
+    const bool helper = spin_pool::is_helper();
     int64_t mine = 0;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total; ++mine) fn(i);
+    for (int64_t i; (i = claim(helper)) >= 0; ++mine) fn(i);
     if (mine) done.fetch_add(mine, std::memory_order_acq_rel);
     for (int spins = 0; done.load(std::memory_order_acquire) < total; ++spins) {
       if (spins < SPINS) _mm_pause(); else std::this_thread::yield();

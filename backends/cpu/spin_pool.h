@@ -41,6 +41,11 @@ namespace spin_pool {
 constexpr std::chrono::microseconds SPIN_WINDOW{500};
 constexpr int YIELD_EVERY = 256;
 
+inline thread_local bool helper_thread = false;
+
+// Whether the calling thread is one of a pool's helpers (not the thread that called run)
+inline bool is_helper() { return helper_thread; }
+
 class Pool {
  public:
   void run(int helpers, const std::function<void()>& fn) {
@@ -72,6 +77,7 @@ class Pool {
   }
 
   void serve() {
+    helper_thread = true;
     uint64_t seen = epoch_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t e = next_epoch(seen);
