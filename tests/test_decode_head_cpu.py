@@ -53,11 +53,12 @@ def test_a_bound_head_equals_the_norm_then_the_rows_kernel(rows, vocab, variant)
                            _rows_kernel(x, norm_w, eps, head_w, None, variant))
 
 
-@pytest.mark.parametrize("case", ["rows", "strided weight", "gradients"])
+@needs_kernels
+@pytest.mark.parametrize("case", ["rows", "strided input", "gradients"])
 def test_a_bound_head_takes_the_native_ops_where_the_kernel_does_not_serve(case):
     x, norm_w, eps, head_w, head_b = _inputs(ROWS_MAX + 1 if case == "rows" else 4)
-    if case == "strided weight":
-        head_w = head_w.t().contiguous().t()
+    if case == "strided input":
+        x = x.t().contiguous().t()
     with torch.set_grad_enabled(case == "gradients"):
         norm_w.requires_grad_(case == "gradients")
         got = bind_head(norm_w, eps, head_w, head_b)(x)
@@ -65,12 +66,15 @@ def test_a_bound_head_takes_the_native_ops_where_the_kernel_does_not_serve(case)
     assert (got.grad_fn is not None) == (case == "gradients")
 
 
-def test_an_implementation_without_its_own_head_leaves_the_head_to_the_caller():
+@needs_kernels
+def test_an_implementation_without_its_own_head_or_weights_it_does_not_serve_leave_the_head_to_the_caller():
     from portrl.ops.decode_layer import decode_layer
 
     x, norm_w, eps, head_w, head_b = _inputs(3)
     assert bind_head_of(decode_layer, norm_w, eps, head_w, head_b) is None
     assert bind_head_of(decode_layer_fused, norm_w, eps, head_w, head_b) is not None
+    assert bind_head_of(decode_layer_fused, norm_w, eps, head_w.t().contiguous().t(), head_b) is None
+    assert bind_head_of(decode_layer_fused, norm_w.double(), eps, head_w.double(), None) is None
 
 
 @needs_kernels

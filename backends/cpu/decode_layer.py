@@ -100,13 +100,16 @@ def bind(ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, eps1, eps2, scale,
 def bind_head(norm_w, eps, head_w, head_b, variant: str | None = None):
     """A decode step's last norm and head, ``logits = rms(x, norm_w, eps) head_w^T + head_b``, as ``head(x)``
     (portrl.ops.decode_layer.bind_head's contract) on the layers' threads: decode_layer.cpp's op ``head``, whose
-    logits equal the backend's ``rms_norm`` then the rows kernel's bit for bit (tested). Where the kernel does not
-    serve (gradients on, more than ROWS_MAX rows, tensors other than contiguous float32 CPU ones): the native
-    ``rms_norm`` then ``F.linear``."""
+    logits equal the backend's ``rms_norm`` then the rows kernel's bit for bit (tested). None where the kernel does
+    not serve the weights (not contiguous float32 CPU tensors) or cannot load: the caller keeps its own head. A step
+    it does not serve (gradients on, more than ROWS_MAX rows, other tensors): the native ``rms_norm`` then
+    ``F.linear``."""
     head = _kernel(variant, "head") if _served((norm_w, head_w, head_b), ()) else None
+    if head is None:
+        return None
 
     def step(x):
-        if head is None or torch.is_grad_enabled() or not _fits(x, (x,), ()):
+        if torch.is_grad_enabled() or not _fits(x, (x,), ()):
             return F.linear(rms_norm(x, norm_w, eps), head_w, head_b)
         return head(x, norm_w, eps, [head_w], head_b)
 
