@@ -200,6 +200,15 @@ struct Linear {
   }
 };
 
+// Threads for a call of M rows over these weights: the calling thread alone under INLINE_FLOATS weight floats (or
+// no rows), else torch's thread count (the calling thread and the rest as spin_pool helpers)
+int64_t threads_for(std::initializer_list<at::TensorList> weights, int64_t M) {
+  int64_t floats = 0;
+  for (const at::TensorList ws : weights)
+    for (const at::Tensor& t : ws) floats += t.numel();
+  return floats < INLINE_FLOATS || M == 0 ? 1 : at::get_num_threads();
+}
+
 struct Dims {
   int64_t M, Hd, H, KV, D, I, L;  // rows, hidden, heads, KV heads, head dim, intermediate, keys (start + 1)
 };
@@ -249,10 +258,7 @@ void decode_layer(
       check_arguments(x, ln1, ln2, down_w, k_store, v_cache, cos, sin, hidden, start, heads, kv_heads);
   const rows::Plan plan = rows::plan_for(M, Hd, -1), plan_o = rows::plan_for(M, H * D, -1),
                    plan_d = rows::plan_for(M, I, -1);
-  int64_t weights = o_w.numel() + down_w.numel();
-  for (const at::TensorList ws : {qkv_w, gate_up_w})
-    for (const at::Tensor& t : ws) weights += t.numel();
-  const int64_t threads = weights < INLINE_FLOATS || M == 0 ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for({qkv_w, {o_w}, gate_up_w, {down_w}}, M);
   const Linear qkv_l(qkv_w, Hd, plan, threads), o_l({o_w}, H * D, plan_o, threads),
       gu_l(gate_up_w, Hd, plan, threads), down_l({down_w}, I, plan_d, threads);
   const int64_t Nqkv = qkv_l.stack.N(), Ngu = gu_l.stack.N();
@@ -344,9 +350,7 @@ at::Tensor head(const at::Tensor& x, const at::Tensor& norm_w, double eps, at::T
               "norm's weight have hidden elements");
   const int64_t M = x.size(0), K = x.size(1);
   const rows::Plan plan = rows::plan_for(M, K, -1);
-  int64_t weights = 0;
-  for (const at::Tensor& t : head_w) weights += t.numel();
-  const int64_t threads = weights < INLINE_FLOATS || M == 0 ? 1 : at::get_num_threads();
+  const int64_t threads = threads_for({head_w}, M);
   const Linear lin(head_w, K, plan, threads);
   const int64_t N = lin.stack.N();
   const float* b = data_or_null(head_b, N, "head_bias");
