@@ -84,13 +84,19 @@ def test_each_mode_is_a_valid_portrl_config(tmp_path):
         assert cfg.trainer.total_steps == 4 and cfg.trainer.test_freq == 4 and cfg.data.train_batch_size == 16
 
 
+# slow: the benchmark end to end (a warm start, then a run per mode, each a process of its own). Two modes: the
+# colocated one (no Ray) and an asynchronous one on a separated rollout worker; every mode is a valid config
+# (test_each_mode_is_a_valid_portrl_config) and runs in tests/test_async_training.py.
 @pytest.mark.slow
 def test_quick_smoke_prints_the_table(tmp_path):
+    modes = ["sync-colocated", "async-s2"]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_vs_sync.py"), "--quick",
-                           "--model-cache", str(tmp_path)], capture_output=True, text=True, timeout=1200)
+                           "--modes", ",".join(modes), "--model-cache", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [x for x in proc.stdout.splitlines() if x.startswith("| ")]
-    assert [r.split(" | ")[0].strip("| ") for r in rows[1:]] == list(bench.MODES)
+    assert [r.split(" | ")[0].strip("| ") for r in rows[1:]] == modes
+    assert "x sync-colocated" in rows[0] and "x sync |" not in rows[0]  # ratios to the baselines that ran
 
 
 def test_table_pools_runs_saved_apart(tmp_path, capsys):
