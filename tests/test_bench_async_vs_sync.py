@@ -86,7 +86,8 @@ def test_each_mode_is_a_valid_portrl_config(tmp_path):
 
 # slow: the benchmark end to end (a warm start, then a run per mode, each a process of its own). Two modes: the
 # colocated one (no Ray) and an asynchronous one on a separated rollout worker; every mode is a valid config
-# (test_each_mode_is_a_valid_portrl_config) and runs in tests/test_async_training.py.
+# (test_each_mode_is_a_valid_portrl_config), and the trainer paths behind them run in tests/test_async_training.py
+# (one_step_off, async) and tests/test_distributed_separated.py (sync on a separated rollout worker).
 @pytest.mark.slow
 def test_quick_smoke_prints_the_table(tmp_path):
     modes = ["sync-colocated", "async-s2"]
