@@ -29,9 +29,11 @@
 // benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87x the time at 16 rows (100.5 against
 // 114.7 ms, 19.7 GB/s), 0.89 at 32, 0.88 at 64, 1.0 at 12, 1.04 at 8 and 1.38 at 1 row (lanes computed for nothing).
 // An AVX2 build of lane tiles (8 lanes, NT 12 / 6 / 4 / 3, explicit broadcasts) took 1.12-1.16x its dot tiles' time
-// at 16-32 rows, so AVX2 keeps the dot tiles. Tiles are split across torch's intra-op threads in contiguous runs. The
-// dot tiles replaced a packed-panel kernel that needed a copy of every weight (1.84 GB for the 0.5B) and 0.7 s of
-// packing per generate call.
+// at 16-32 rows, so AVX2 keeps the dot tiles. At 16 rows they stream at 55 % of the AVX2 sgemm's FLOP rate (89 GFLOP/s
+// a core in cache at 4 rows, 79 at 16); K-chunked panels of several tiles, other tile shapes (4x3, 5x2, 6x2, 2x6) and
+// other prefetch distances were no faster (benchmarks/RESULTS.md, "The Intel Xeon held to AVX2"). Tiles are split
+// across torch's intra-op threads in contiguous runs. The dot tiles replaced a packed-panel kernel that needed a copy
+// of every weight (1.84 GB for the 0.5B) and 0.7 s of packing per generate call.
 #include "op_namespace.h"
 #include "rows_tiles.h"
 
