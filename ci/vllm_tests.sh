@@ -37,7 +37,7 @@ fi
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 # Only the files that hold vllm tests: this environment lacks portrl's other dependencies (ray, peft, ...),
 # so collecting the rest of tests/ would fail on their imports. Two processes, a file each at a time (an engine's
-# start-up leaves a core idle: on 2 cores 268 -> 195 s; benchmarks/RESULTS.md, "The Intel Xeon held to AVX2").
+# start-up leaves a core idle: on 2 cores 268 -> 230 s; benchmarks/RESULTS.md, "The Intel Xeon held to AVX2").
 mapfile -t files < <(grep -l "pytest.mark.vllm" tests/*.py)
 exec "$VENV/bin/python" -m pytest -m vllm -q -p no:cacheprovider -n "${VLLM_TEST_PROCESSES:-2}" --dist loadfile \
     "${files[@]}" "$@"
