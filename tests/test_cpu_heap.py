@@ -53,6 +53,26 @@ cpu.empty_cache()
 print(heap.RELEASE_MIN_BYTES >> 20, kept - rss_mib())
 """
 
+# A freed block at the heap's top over 2 GiB (a 0.5B step's recording): glibc's own trim gave it back, and the next
+# rollout faulted it in again, while the threshold was 2^31 - 1. malloc directly: nothing is allocated above it.
+_LARGE_TOP_KEPT = """
+import ctypes
+from portrl.backends.cpu import heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+assert heap.keep_freed()
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) >> 10
+n = 2304 << 20
+before = rss_mib()
+p = libc.malloc(n)
+ctypes.memset(p, 1, n)
+written = rss_mib() - before
+libc.free(p)
+print(written, rss_mib() - before)
+"""
+
 _COUNTED = _PRELUDE + """
 base = cpu.memory_stats()["allocated"]
 x, y = torch.ones(1000), torch.empty(3 << 20)  # 4000 B and 12 MiB
@@ -117,6 +137,12 @@ def test_a_freed_tensor_stays_resident_until_empty_cache():
     kept, after_release = _run(_KEPT_THEN_RELEASED)
     assert kept == pytest.approx(640, abs=32)  # the next tensor reuses these pages
     assert after_release < 32
+
+
+def test_a_freed_top_over_2_gib_stays_resident():
+    written, kept = _run(_LARGE_TOP_KEPT)
+    assert written == pytest.approx(2304, abs=32)
+    assert kept == pytest.approx(written, abs=32)
 
 
 def test_a_heap_keeping_little_is_not_trimmed():

@@ -4,10 +4,12 @@ By default glibc maps every allocation over 32 MiB on its own and unmaps it on f
 step (activations, gathered rows, gradients) is fresh memory whose pages the kernel must fault in and zero
 again; with huge pages on a VM that first touch cost 16-635 ms for the same 2 x 47 MB call (the fused SwiGLU
 backward of a 0.5B update; 17 ms in reused memory). :func:`keep_freed` makes the heap hold freed memory instead
-(``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, 2^31 - 1)``: its top is
-never given back), the CPU counterpart of a GPU's caching allocator; :func:`release_kept` is that cache's
-``empty_cache`` (``malloc_trim(0)``: every whole free page of every arena back to the kernel), and
-:func:`kept_free_bytes` is what it holds free (glibc's ``mallinfo2().fordblks``), counted as available memory.
+(``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, -1)``: its top is never
+given back, however large; a threshold of 2^31 - 1 still gave back a top over 2 GiB, as a 0.5B step's freed
+recording is, and the next rollout faulted ~2 GiB in again: 4-7 s of a ~44 s step), the CPU counterpart of a GPU's
+caching allocator; :func:`release_kept` is that cache's ``empty_cache`` (``malloc_trim(0)``: every whole free page of
+every arena back to the kernel), and :func:`kept_free_bytes` is what it holds free (glibc's ``mallinfo2().fordblks``),
+counted as available memory.
 
 The process's resident size cannot tell one phase's peak from another's (its high-water mark can only be reset
 through /proc/self/clear_refs, which also resets the ``ru_maxrss`` that ``time -v`` and the benchmarks read; and
@@ -33,6 +35,7 @@ from collections.abc import Mapping
 #: set to 0 to opt out of :func:`keep_freed`
 KEEP_FREED_MEMORY_VAR = "PORTRL_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h parameter numbers
+_NEVER = -1  # M_TRIM_THRESHOLD's "never trim" (mallopt(3)): glibc reads the int as a size_t, SIZE_MAX
 _kept = False
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def keep_freed(environ: Mapping[str, str] | None = None) -> bool:
     libc = _glibc()
     if _kept or env.get(KEEP_FREED_MEMORY_VAR, "1").strip() == "0" or libc is None:
         return _kept
-    _kept = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    _kept = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER) == 1
     return _kept
 
 
