@@ -140,7 +140,8 @@ def test_an_update_with_every_step_non_finite_changes_nothing():
     state = _state()
     before = [p.detach().clone() for p in state.module.parameters()]
     out = run_update(state, _batch(), _settings(mini_rows=3), _poisoned_loss(state, {0, 1}), prefix="t")
-    assert out["t/nonfinite_skipped"] == 2.0 and not state.optimizer.state
+    assert out["t/nonfinite_skipped"] == 2.0
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in state.optimizer.state.values())
     assert all(torch.equal(a, b) for a, b in zip(before, state.module.parameters()))
     assert state.master.finite()
     with torch.no_grad():
@@ -151,3 +152,27 @@ def test_an_update_with_every_step_non_finite_changes_nothing():
 def test_clean_updates_report_no_skip():
     state = _state()
     assert run_update(state, _batch(), _settings(), _sum_loss(state, []), prefix="t")["t/nonfinite_skipped"] == 0.0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_state_is_allocated_up_front_and_steps_bit_for_bit(fused):
+    """build_optimizer gives every parameter its step-0 state now (so the moments are placed before the first
+    rollout's buffers); three steps then equal torch's AdamW creating that state itself at its first step."""
+    torch.manual_seed(0)
+    built, plain = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    plain.load_state_dict(built.state_dict())
+    cfg = {**OPTIM, "weight_decay": 0.1}
+    opt = build_optimizer(built.parameters(), cfg, fused=fused)
+    assert [sorted(opt.state[p]) for p in built.parameters()] == [["exp_avg", "exp_avg_sq", "step"]] * 2
+    assert all(float(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in built.parameters())
+    kind = {"fused": True} if fused else {"foreach": True}
+    ref = torch.optim.AdamW(plain.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"],
+                            weight_decay=0.1, **kind)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for model, o in ((built, opt), (plain, ref)):
+            o.zero_grad()
+            model(x).square().sum().backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), plain.parameters()))
+    assert all(float(opt.state[p]["step"]) == 3 for p in built.parameters())

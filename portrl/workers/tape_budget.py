@@ -5,8 +5,9 @@ Checkpointing exists to bound memory, so the update replays the rollout's record
     budget = min(TAPE_PARAM_MULTIPLE x param_bytes, TAPE_FREE_FRACTION x max(0, free - pending))
 
 ``free``: the device's free memory now (``Backend.memory_available``; None: only the first bound); ``pending``:
-what the update will still allocate, the trainable parameters' gradients and, before the optimizer's first step,
-AdamW's two moments (``3 x trainable bytes``, else ``1 x``). A rollout over the budget is not recorded and the
+what the update will still allocate, the trainable parameters' gradients and, while the optimizer holds no state,
+AdamW's two moments (``3 x trainable bytes``, else ``1 x``; ``portrl.workers.training.build_optimizer`` allocates
+them with the optimizer). A rollout over the budget is not recorded and the
 update recomputes its forward.
 """
 
