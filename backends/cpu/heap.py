@@ -6,7 +6,7 @@ again; with huge pages on a VM that first touch cost 16-635 ms for the same 2 x 
 backward of a 0.5B update; 17 ms in reused memory). :func:`keep_freed` makes the heap hold freed memory instead
 (``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, -1)``: its top is never
 given back, however large; a threshold of 2^31 - 1 still gave back a top over 2 GiB, as a 0.5B step's freed
-recording is, and the next rollout faulted ~2 GiB in again: 4-7 s of a ~44 s step), the CPU counterpart of a GPU's
+recording is, and the next rollout faulted ~2 GiB in again: 3-6 s of a ~43 s step), the CPU counterpart of a GPU's
 caching allocator; :func:`release_kept` is that cache's ``empty_cache`` (``malloc_trim(0)``: every whole free page of
 every arena back to the kernel), and :func:`kept_free_bytes` is what it holds free (glibc's ``mallinfo2().fordblks``),
 counted as available memory.
