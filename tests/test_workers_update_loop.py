@@ -141,6 +141,7 @@ def test_an_update_with_every_step_non_finite_changes_nothing():
     before = [p.detach().clone() for p in state.module.parameters()]
     out = run_update(state, _batch(), _settings(mini_rows=3), _poisoned_loss(state, {0, 1}), prefix="t")
     assert out["t/nonfinite_skipped"] == 2.0
+    assert len(state.optimizer.state) == 2  # weight and bias: allocated up front, left at step 0
     assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in state.optimizer.state.values())
     assert all(torch.equal(a, b) for a, b in zip(before, state.module.parameters()))
     assert state.master.finite()

@@ -38,13 +38,14 @@ def build_optimizer(params, optim_cfg: Mapping[str, Any], fused: bool = True) ->
         raise ValueError(f"optim.betas must have two values, got {list(betas)}")
     kwargs: dict[str, Any] = dict(lr=float(optim_cfg["lr"]), betas=betas, eps=float(optim_cfg["eps"]),
                   weight_decay=float(optim_cfg["weight_decay"]))
-    optimizer = None
+    optimizer: Optional[torch.optim.AdamW] = None
     try:
         if fused:
             optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError):  # fused kernels not available for this device / dtype / tensor type
         pass
-    optimizer = optimizer or torch.optim.AdamW(params, foreach=True, **kwargs)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(params, foreach=True, **kwargs)
     allocate_adamw_state(optimizer)
     return optimizer
 
