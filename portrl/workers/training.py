@@ -56,13 +56,13 @@ def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
     bit for bit as it would have. Allocated with the model, the moments take their place in memory before the
     first rollout's buffers; created at the end of the first update they took the freed buffers' place, and the
     second step's rollout allocated ~2 GiB afresh (Qwen2.5-0.5B on the CPU: 24 s of decode against 13 s in the
-    steps after; benchmarks/RESULTS.md). Parameters that already have state keep it."""
+    steps after; benchmarks/RESULTS.md). For a new optimizer: any state it held is replaced."""
     sd = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in sd["param_groups"] for i in group["params"]]
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's own
-    state = {i: sd["state"].get(i) or {"step": torch.tensor(0.0, dtype=step_dtype), "exp_avg": torch.zeros_like(p),
-                                       "exp_avg_sq": torch.zeros_like(p)} for i, p in zip(ids, params)}
+    state = {i: {"step": torch.tensor(0.0, dtype=step_dtype), "exp_avg": torch.zeros_like(p),
+                 "exp_avg_sq": torch.zeros_like(p)} for i, p in zip(ids, params)}
     optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
