@@ -103,6 +103,23 @@ def test_replay_runs_the_recording_backends_rms_norm_for_every_norm(tiny, monkey
     assert calls == [model.config.rms_norm_eps] * (2 * len(model.model.layers) + 1)
 
 
+
+def test_replay_rotates_q_and_k_through_the_recording_backends_rotary(tiny, monkeypatch):
+    """Each layer's q and k go through the tape's rotary op (the CPU's fused kernel), with the same gradients as the
+    native formula: the replay then equals the fresh forward (test_replay_equals_fresh_forward) through it."""
+    from portrl import ops
+
+    model = load_causal_lm(tiny, backend="cpu")
+    tape, batch, _ = _rollout(model)
+    assert tape.rotary is ops.select("rotary", backend="cpu")[1]
+    model.train()
+    fused = _logprobs_and_grads(model, batch, tape=tape)
+    calls = []
+    monkeypatch.setattr(tape, "rotary", lambda x, cos, sin: calls.append(x.shape[1]) or ops.apply_rotary(x, cos, sin))
+    _assert_same(_logprobs_and_grads(model, batch, tape=tape), fused)
+    heads = (model.config.num_attention_heads, model.config.num_key_value_heads)
+    assert calls == [*heads] * len(model.model.layers)
+
 def test_changed_weights_or_unknown_rows_fall_back(tiny, monkeypatch):
     model = load_causal_lm(tiny, backend="cpu")
     tape, batch, _ = _rollout(model)

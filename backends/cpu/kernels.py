@@ -15,6 +15,7 @@ from portrl.backends.cpu import isa, native_build
 from portrl.backends.cpu.decode_attention import decode_attention_fused
 from portrl.backends.cpu.decode_layer import decode_layer_fused
 from portrl.backends.cpu.rms_norm import rms_norm_fused
+from portrl.backends.cpu.rotary import rotary_fused
 from portrl.backends.cpu.swiglu import swiglu_fused
 from portrl.device.backend import KernelRegistry
 from portrl.ops.attention import check_varlen_inputs
@@ -29,6 +30,9 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacke
                "swiglu": ("fused", "native"),
                # the same for RMSNorm: one pass each way instead of five and nine (backends/cpu/rms_norm.py)
                "rms_norm": ("fused", "native"),
+               # the same for the rotary embedding: one pass each way instead of five and ~eight
+               # (backends/cpu/rotary.py)
+               "rotary": ("fused", "native"),
                # one pass over each row's cache for all heads of a KV head (backends/cpu/decode_attention.py)
                "decode_attention": ("fused", "native"),
                # a decode step's whole layer in one call and one parallel region (backends/cpu/decode_layer.py)
@@ -170,8 +174,8 @@ ROWS_MAX = 64
 
 
 def native_kernels_available() -> bool | str:
-    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp, rms_norm.cpp, decode_attention.cpp,
-    decode_layer.cpp) can run here:
+    """Whether this package's C++ CPU kernels (rows_linear.cpp, swiglu.cpp, rms_norm.cpp, rotary.cpp,
+    decode_attention.cpp, decode_layer.cpp) can run here:
     True on an x86-64 CPU with AVX-512 or AVX2 + FMA (capped by torch's CPU capability, forced by
     ``PORTRL_CPU_ISA``: backends/cpu/isa.py) and a C++ compiler, else the reason. Raises :class:`~portrl.errors.UserError` for a bad ``PORTRL_CPU_ISA``."""
     choice = isa.chosen()
@@ -234,5 +238,6 @@ def register(registry: KernelRegistry) -> None:
     registry.register("linear_prepacked", "rows", linear_prepacked_rows, available=native_kernels_available)
     registry.register("swiglu", "fused", swiglu_fused, available=native_kernels_available)
     registry.register("rms_norm", "fused", rms_norm_fused, available=native_kernels_available)
+    registry.register("rotary", "fused", rotary_fused, available=native_kernels_available)
     registry.register("decode_attention", "fused", decode_attention_fused, available=native_kernels_available)
     registry.register("decode_layer", "fused", decode_layer_fused, available=native_kernels_available)

@@ -69,6 +69,7 @@ ISA_FLAGS: dict[str | None, tuple[str, ...]] = {
 FALLBACKS = {"rows_linear": "the decode linear takes MKL's packed matmul",
              "swiglu": "SwiGLU takes torch's ops",
              "rms_norm": "RMSNorm takes torch's ops",
+             "rotary": "the rotary embedding takes torch's ops",
              "decode_attention": "the decode step's attention takes torch's ops",
              "decode_layer": "the decode step's layers take one op at a time",
              "counting_allocator": "no per-phase tensor memory (memory/peak_gib) is logged"}
@@ -113,6 +114,7 @@ def flags(variant: str | None = None) -> tuple[str, ...]:
 def ops_namespace(name: str, variant: str) -> str:
     """The torch.ops namespace of library ``name``'s ``variant``: ``portrl_cpu_rows_avx2`` for rows_linear."""
     return {"rows_linear": "portrl_cpu_rows", "swiglu": "portrl_cpu_swiglu", "rms_norm": "portrl_cpu_rms_norm",
+            "rotary": "portrl_cpu_rotary",
             "decode_attention": "portrl_cpu_decode_attention",
             "decode_layer": "portrl_cpu_decode_layer"}[name] + f"_{variant}"
 

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from portrl.models.hf_types import HFModule
 from portrl.models.prefix_sharing import PLAN_KWARG
-from portrl.ops.layers import rotate_half
+from portrl.ops.layers import apply_rotary
 
 #: the recorded matmuls of a layer, in order
 QKV, O, GATE_UP, DOWN = range(4)
@@ -56,13 +56,17 @@ class ForwardTape:
 
     def __init__(self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, prompt_slots: int,
                  steps: int, widths: Sequence[int], num_layers: int, dtype: torch.dtype, device: Any,
-                 reuse: Optional["ForwardTape"] = None, swiglu: Any = None, rms_norm: Any = None):
+                 reuse: Optional["ForwardTape"] = None, swiglu: Any = None, rms_norm: Any = None,
+                 rotary: Any = None):
         #: the recording decoder's swiglu kernel (portrl.ops "swiglu"), which the replay's SiLU MLPs run too; None:
         #: the model's own ``act_fn(gate) * up``
         self.swiglu = swiglu
         #: the recording decoder's backend's rms_norm kernel (portrl.ops "rms_norm"), which the replay's norms run
         #: (the decoder computed them as that op's formula); None: the model's own norm modules
         self.rms_norm = rms_norm
+        #: the recording decoder's backend's rotary kernel (portrl.ops "rotary": ``x * cos + rotate_half(x) * sin``),
+        #: which the replay runs on q and k; None: that formula in torch ops
+        self.rotary = rotary
         self.prompts = [tuple(p) for p in prompts]
         self.n, self.prompt_slots, self.steps = int(n), int(prompt_slots), int(steps)
         self.rows = len(self.prompts) * self.n
@@ -294,7 +298,8 @@ def _replay_layer(x: torch.Tensor, layer: HFModule, li: int, tape: ForwardTape, 
     q, k, v = _recorded_linear(_norm(layer.input_layernorm, x, tape.rms_norm), tape.outputs(li, QKV, slots),
                                [a.q_proj, a.k_proj, a.v_proj])
     q, k, v = q.reshape(N, H, D), k.reshape(N, KV, D), v.reshape(N, KV, D)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rotary = tape.rotary or apply_rotary
+    q, k = rotary(q, cos, sin), rotary(k, cos, sin)
     out, _ = attention(a, *(t.transpose(0, 1)[None] for t in (q, k, v)), None, dropout=0.0, scaling=a.scaling,
                        **{PLAN_KWARG: plan})
     x = x + _recorded_linear(out.reshape(N, H * D), tape.outputs(li, O, slots), [a.o_proj])[0]

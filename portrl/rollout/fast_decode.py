@@ -110,6 +110,7 @@ class FastDecoder:
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
         self._swiglu = select("swiglu", backend=backend)[1]
         rms_name, self._rms_norm = select("rms_norm", backend=backend)  # the tape's replay runs it too
+        self._rotary = select("rotary", backend=backend)[1]  # only the tape's replay runs it
         self._rms_kernel = self._rms_norm if rms_name != NATIVE else None
         self._attend = select("decode_attention", backend=backend)[1]
         name, layer_op = select("decode_layer", backend=backend)
@@ -337,5 +338,5 @@ def _new_tape(decoder: FastDecoder, prompts: list, n: int, prompt_slots: int, st
     w = decoder.inner.embed_tokens.weight
     decoder._last_tape = ForwardTape(decoder.model, prompts, n, prompt_slots, steps, tape_widths(decoder.model),
                                      len(decoder.inner.layers), w.dtype, w.device, reuse=decoder._last_tape,
-                                     swiglu=decoder._swiglu, rms_norm=decoder._rms_norm)
+                                     swiglu=decoder._swiglu, rms_norm=decoder._rms_norm, rotary=decoder._rotary)
     return decoder._last_tape
