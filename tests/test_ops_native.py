@@ -168,20 +168,22 @@ def test_registry_selects_backend_preference_and_native(caplog):
         ops.select("attention_varlen", backend="cpu")
     assert name == "sdpa"
     assert sum("attention_varlen -> sdpa" in r.getMessage() for r in caplog.records) <= 1
-    assert ops.select("rotary", backend="cpu") == ("native", ops.apply_rotary)  # an op the CPU has no kernel for
+    # an op the CPU has no kernel for
+    assert ops.select("rotary_multimodal", backend="cpu") == ("native", ops.apply_multimodal_rotary)
     assert ops.select("attention_varlen", impl="eager", backend="cpu")[0] == "eager"
     assert {"native", "sdpa", "eager"} <= set(ops.runnable("attention_varlen"))
 
 
 def test_registry_errors_list_what_can_run():
-    ops.register("rotary", "test_unavailable", ops.apply_rotary, available=lambda: "needs the test-only package")
+    op = "rotary_multimodal"  # an op the CPU has no kernel for
+    ops.register(op, "test_unavailable", ops.apply_multimodal_rotary, available=lambda: "needs the test-only package")
     try:
-        assert ops.implementations("rotary")["test_unavailable"] == "needs the test-only package"
+        assert ops.implementations(op)["test_unavailable"] == "needs the test-only package"
         with pytest.raises(ops.OpError, match=r"needs the test-only package.*that can: native"):
-            ops.select("rotary", impl="test_unavailable", backend="cpu")
-        assert ops.select("rotary", backend="cpu")[0] == "native"
+            ops.select(op, impl="test_unavailable", backend="cpu")
+        assert ops.select(op, backend="cpu")[0] == "native"
     finally:
-        ops.unregister("rotary", "test_unavailable")
+        ops.unregister(op, "test_unavailable")
     with pytest.raises(ops.OpError, match="not registered.*that can:.*sdpa"):
         ops.select("attention_varlen", impl="nope", backend="cpu")
     with pytest.raises(ops.OpError, match="valid ops: attention_varlen"):
