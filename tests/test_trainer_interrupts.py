@@ -2,7 +2,6 @@
 143 with one line naming the checkpoint (no traceback), keeps the finished steps in metrics.jsonl, and the same
 command resumes from that checkpoint and finishes. A second signal stops at once. Plus the worker time-limit rule."""
 
-import json
 import os
 import re
 import signal
@@ -16,6 +15,7 @@ import pytest
 
 from portrl.errors import UserError
 from portrl.trainer.interrupts import FIRST_STEP_FACTOR, STEP_FACTOR, StopSignals, stop_signals, worker_timeout
+from portrl.trainer.tracking import read_metrics
 
 SMALL = ["device.num_threads=1", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
          "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "data.arith.num_train=64", "data.arith.num_test=8",
@@ -68,10 +68,11 @@ def _launch(tmp_path, cache, out, delay, *extra):
 
 
 def _steps(out):
+    """The steps logged so far; the line the run is writing may be torn (read_metrics skips it)."""
     path = Path(out) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    return [record["step"] for record in read_metrics(path)]
 
 
 def _wait_for_step(proc, out, step=1, timeout=120):
