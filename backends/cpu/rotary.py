@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from portrl.backends.cpu import isa, native_build
+from portrl.backends.cpu.swiglu import unit_stride_rows
 from portrl.ops.layers import apply_rotary as native_rotary
 
 LIBRARY = "rotary"
@@ -35,13 +36,11 @@ class _FusedRotary(torch.autograd.Function):
 
 
 def _rows(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor | None:
-    """``t`` as a (rows, dim) view with unit stride along dim when it is one row per row of x (shapes (rows, 1, dim)
-    or (rows, dim)), else None."""
-    if t.dim() == 3 and t.shape[1] == 1:
-        t = t[:, 0]
-    if t.dim() != 2 or t.shape != (rows, dim):
+    """``t`` as (rows, dim) with unit stride along dim (unit_stride_rows) when it is one row per row of x (shapes
+    (rows, 1, dim) or (rows, dim)), else None."""
+    if t.shape not in ((rows, 1, dim), (rows, dim)):
         return None
-    return t if t.stride(1) == 1 else t.contiguous()
+    return unit_stride_rows(t)
 
 
 def rotary_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, variant: str | None = None) -> torch.Tensor:
