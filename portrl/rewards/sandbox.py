@@ -95,7 +95,7 @@ from portrl.rewards.sandbox_host import (
 )
 
 __all__ = ["STATUSES", "UID_BASE", "UID_COUNT", "WRITABLE_DIRS", "RunResult", "SandboxError", "SandboxLimits",
-           "classify_exit", "live_processes", "run_program", "shared_pool"]
+           "Started", "classify_exit", "finish", "live_processes", "run_program", "shared_pool", "start_program"]
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +152,41 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ a run
+@dataclass
+class Started:
+    """A sandboxed program that is running: ``proc`` has stdin, stdout and stderr pipes (the program's own).
+    :func:`finish` must follow, whatever happens (it kills what is left, removes the folder, frees the uid)."""
+
+    proc: subprocess.Popen
+    folder: str
+    slot: UidSlot | None
+    status_r: int
+    cfg: dict
+    start: float  # time.monotonic() at the start
+    root: bool
+
+    @property
+    def deadline(self) -> float:
+        return self.start + self.cfg["timeout_s"]
+
+
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> RunResult:
     """Run ``source`` (Python) with ``stdin`` under ``limits``; a RunResult whatever the program does.
     SandboxError only when the sandbox itself cannot start it."""
+    started = start_program(source, limits)
+    out, err, timed_out, over = b"", b"", False, False
+    try:
+        out, err, timed_out, over = _communicate(started.proc, stdin.encode("utf-8", "replace"), limits,
+                                                 started.deadline)
+        if not (timed_out or over):  # the pipes closed: let the launcher pass the program's status on
+            timed_out = not _exited_by(started.proc, started.deadline)
+    finally:
+        result = finish(started, out, err, timed_out, over)
+    return result
+
+
+def start_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Started:
+    """Start ``source`` in the sandbox (module docstring) and return at once; :func:`finish` ends it."""
     root = os.geteuid() == 0
     slot = UidSlot() if root else None
     try:
@@ -170,12 +202,13 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         if slot is not None:
             os.chown(tmp, slot.uid, slot.uid)
             os.chmod(program, 0o644)
-        return _run(program, tmp, stdin, limits, slot.uid if slot else None, root)
-    finally:
+        return _start(program, tmp, limits, slot, root)
+    except BaseException:
         if slot is not None:
             kill_uid(slot.uid)
             slot.release()
         _remove_tree(tmp)
+        raise
 
 
 def _remove_tree(path: str) -> None:
@@ -202,7 +235,8 @@ def _remove_tree(path: str) -> None:
         log.warning("could not remove the sandbox folder %s", path)
 
 
-def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | None, root: bool) -> RunResult:
+def _start(program: str, tmp: str, limits: SandboxLimits, slot: UidSlot | None, root: bool) -> Started:
+    uid = slot.uid if slot is not None else None
     masks, keep, visible = isolation_view(tmp, root)
     # not root: the user's processes count, and with a PID namespace the launcher and init are two of them
     nproc = limits.nproc if root else user_task_count() + limits.nproc + 2
@@ -212,6 +246,7 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
         "program": os.path.basename(program), "uid": uid, "gid": uid, "namespaces": limits.namespaces,
         "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": root_layout(),
         "cpu_s": math.ceil(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s),
+        "timeout_s": limits.timeout_s,
         "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
         "nofile": limits.nofile, "nproc": nproc,
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp,
@@ -229,22 +264,36 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
         raise
     finally:
         os.close(status_w)
+    return Started(proc, tmp, slot, status_r, cfg, start, root)
+
+
+def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool) -> RunResult:
+    """End a started program (kill its group, free its uid, remove its folder) and describe its run: ``out`` and
+    ``err`` are what was read of its stdout and stderr, ``timed_out`` / ``over`` whether a limit stopped it.
+    SandboxError when the sandbox itself could not start the program."""
+    proc, cfg, root = started.proc, started.cfg, started.root
     try:
-        out, err, timed_out, over = _communicate(proc, stdin.encode("utf-8", "replace"), limits,
-                                                 start + limits.timeout_s)
-        if not (timed_out or over):  # the pipes closed: let the launcher pass the program's status on
-            timed_out = not _exited_by(proc, start + limits.timeout_s)
-        elapsed = time.monotonic() - start
-    finally:
+        elapsed = time.monotonic() - started.start
         kill_group(proc.pid)
         if proc.poll() is None:
             proc.wait()
-        report = _read_status(status_r)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None and not stream.closed:
+                try:
+                    stream.close()
+                except OSError:  # a stdin pipe whose reader is gone
+                    pass
+        report = _read_status(started.status_r)
+    finally:
+        if started.slot is not None:
+            kill_uid(started.slot.uid)
+            started.slot.release()
+        _remove_tree(started.folder)
     if "error" in report or (proc.returncode == _SETUP_ERROR_EXIT and not report):
         raise SandboxError(f"the sandbox could not start the program: {report.get('error', 'no report')}")
     net, mnt, dropped = bool(report.get("net")), bool(report.get("mnt")), bool(report.get("uid_dropped"))
     pid, new_root, filtered = bool(report.get("pid")), bool(report.get("root")), bool(report.get("seccomp"))
-    if limits.namespaces:
+    if cfg["namespaces"]:
         _warn_missing(report, net, pid, new_root)
     if not filtered:
         _warn_once("seccomp", "code sandbox: no seccomp filter on this platform "
@@ -257,7 +306,7 @@ def _run(program: str, tmp: str, stdin: str, limits: SandboxLimits, uid: int | N
     status = classify_exit(proc.returncode, stderr, timed_out, over, elapsed, cfg["cpu_s"])
     details = {k: v for k, v in report.items() if k.endswith("error")}
     if dropped:
-        details["uid"] = uid
+        details["uid"] = cfg["uid"]
     return RunResult(status, stdout, stderr, elapsed, proc.returncode, proc.pid, net, mnt, dropped, pid, new_root,
                      filtered, details)
 
