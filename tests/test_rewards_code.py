@@ -101,9 +101,26 @@ def test_call_based_correct_and_incorrect():
     noisy = "def add(a, b):\n    print('debug', a, b)\n    return a + b\n"  # printing does not disturb the result
     assert compute_score(fenced(noisy), tests, **FAST)["score"] == 1.0
     # PRIME's form: one JSON argument per line, outputs as JSON text; a Solution class; tuples compare as lists
-    prime = json.dumps({"fn_name": "pair", "inputs": ["1\n2", "3\n4"], "outputs": ["[1, 2]", "[[3, 4]]"]})
+    prime = json.dumps({"fn_name": "pair", "inputs": ["1\n2", "3\n4"], "outputs": ["[1, 2]", "[3, 4]"]})
     program = "class Solution:\n    def pair(self, a, b):\n        return (a, b)\n"
     assert compute_score(fenced(program), prime, **FAST)["score"] == 1.0
+
+
+def test_call_based_outputs_are_unwrapped_once_per_problem():
+    """APPS wraps every return value in a list: such a problem compares with the element, every case; a problem
+    with any other output compares whole values, never also the first element (verl's per-comparison "or")."""
+    apps = json.dumps({"fn_name": "sort_list", "inputs": [[[3, 1, 2]], [[2, 1]]], "outputs": [[[1, 2, 3]], [[1, 2]]]})
+    assert compute_score(fenced("def sort_list(xs):\n    return sorted(xs)\n"), apps, **FAST)["score"] == 1.0
+    # not wrapped: the sort task's outputs are lists of several values; min(xs) equals the first element only
+    plain = json.dumps({"fn_name": "sort_list", "inputs": [[[3, 1, 2]], [[2, 1]]], "outputs": [[1, 2, 3], [1, 2]]})
+    assert compute_score(fenced("def sort_list(xs):\n    return sorted(xs)\n"), plain, **FAST)["score"] == 1.0
+    assert compute_score(fenced("def sort_list(xs):\n    return min(xs)\n"), plain, **FAST)["score"] == 0.0
+    two_sum = json.dumps({"fn_name": "two_sum", "inputs": [[[2, 7, 11], 9], [[3, 3], 6]], "outputs": [[0, 1], [0, 1]]})
+    assert compute_score(fenced("def two_sum(xs, t):\n    return 0\n"), two_sum, **FAST)["score"] == 0.0
+    # a problem whose every output really is a one-element list says so
+    single = json.dumps({"fn_name": "one", "inputs": [[1], [2]], "outputs": [[1], [2]], "outputs_wrapped": False})
+    assert compute_score(fenced("def one(x):\n    return [x]\n"), single, **FAST)["score"] == 1.0
+    assert compute_score(fenced("def one(x):\n    return x\n"), single, **FAST)["score"] == 0.0
 
 
 def test_leetcode_assert_forms():

@@ -49,13 +49,21 @@ gets a score.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from portrl.errors import DataError
+from portrl.rewards.code_judge import (
+    call_request,
+    is_missing,
+    judge_source,
+    program_source,
+    read_call_result,
+    run_judged,
+)
+from portrl.rewards.plain_data import encode
 from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program, shared_pool
 from portrl.rewards.sandbox_fusion import call_run_code
 
@@ -67,18 +75,20 @@ CONTINUOUS_CASES = 10
 _PREAMBLE_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
                      "statistics", "itertools", "functools", "operator", "io", "sys", "json", "builtins",
                      "typing")
-PREAMBLE = ("".join(f"from {m} import *\n" for m in _PREAMBLE_MODULES)
-            + "".join(f"import {m}\n" for m in _PREAMBLE_MODULES if m not in ("builtins", "typing"))
-            + "sys.setrecursionlimit(6 * 10 ** 5)\n")
+JUDGE_PREAMBLE = ("".join(f"from {m} import *\n" for m in _PREAMBLE_MODULES)
+                  + "".join(f"import {m}\n" for m in _PREAMBLE_MODULES if m not in ("builtins", "typing")))
+PREAMBLE = JUDGE_PREAMBLE + "sys.setrecursionlimit(6 * 10 ** 5)\n"  # the program's (the test's has no deep limit)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One sandbox run: the full source, its stdin, and how its stdout is judged."""
+    """One case: the program's sandboxed file, its stdin, and how its run is judged here; or, for assert- and
+    check()-style tests, ``test``: the test's own sandboxed file, which judges (portrl.rewards.code_judge)."""
 
     source: str
     stdin: str
     judge: Callable[[RunResult], bool]
+    test: str | None = None
 
 
 # --------------------------------------------------------------------------------------------- program
@@ -117,43 +127,6 @@ def stdout_matches(output: str, expected: str | Sequence[str]) -> bool:
     return all(abs(a - b) <= 1e-8 + 1e-5 * abs(b) for a, b in pairs)
 
 
-# The call-based harness: runs after the program, in the same interpreter, and prints one result line.
-_CALL_HARNESS = '''
-def __portrl_call():
-    import json as _json, sys as _sys
-    _spec = _json.loads(__portrl_spec)
-    def _int_keys(value):
-        if isinstance(value, dict) and value and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in value):
-            return {int(k): v for k, v in value.items()}
-        return value
-    _args = [_int_keys(a) for a in _spec["args"]]
-    _want = _spec["expected"]
-    _target = Solution() if "Solution" in globals() and isinstance(globals()["Solution"], type) else None
-    _fn = getattr(_target, _spec["fn_name"]) if _target is not None and hasattr(_target, _spec["fn_name"]) \\
-        else globals()[_spec["fn_name"]]
-    _out = _fn(*_args)
-    if isinstance(_out, tuple):
-        _out = list(_out)
-    _ok = _out == _want or _out == _int_keys(_want)
-    if not _ok and isinstance(_want, list) and _want:
-        _ok = _out == _want[0] or _out == _int_keys(_want[0])
-        try:
-            _ok = _ok or (isinstance(_out[0], tuple) and [list(x) for x in _out] == _want[0])
-        except Exception:
-            pass
-    _sys.stdout.flush()
-    print("\\n" + __portrl_nonce + (" PASS" if _ok is True else " FAIL"), flush=True)
-__portrl_call()
-'''
-
-
-def _marker_judge(nonce: str) -> Callable[[RunResult], bool]:
-    def judge(result: RunResult) -> bool:
-        lines = result.stdout.rstrip("\n").splitlines()
-        return result.status == "ok" and bool(lines) and lines[-1] == f"{nonce} PASS"
-    return judge
-
-
 def _stdout_judge(want: str | Sequence[str]) -> Callable[[RunResult], bool]:
     """Passes when the program ran ok and its stdout matches ``want`` (:func:`stdout_matches`)."""
     def judge(result: RunResult) -> bool:
@@ -161,11 +134,31 @@ def _stdout_judge(want: str | Sequence[str]) -> Callable[[RunResult], bool]:
     return judge
 
 
-# Read before the program runs: the nonce comes on stdin, so that the program's file does not hold it.
-_NONCE_PRELUDE = "import sys as __portrl_sys\n__portrl_nonce = __portrl_sys.stdin.readline().strip()\n"
+def _as_compared(value: Any) -> Any:
+    """verl's view of a returned value: tuples as lists, at every depth."""
+    if isinstance(value, (list, tuple)):
+        return [_as_compared(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_compared(v) for k, v in value.items()}
+    return value
 
 
-_PASS_LINE = '\nprint("\\n" + __portrl_nonce + " PASS", flush=True)\n'
+def _int_keys(value: Any) -> Any:
+    """A dict whose keys are all integers in text, with int keys (JSON cannot hold int keys)."""
+    if isinstance(value, dict) and value and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in value):
+        return {int(k): v for k, v in value.items()}
+    return value
+
+
+def _call_judge(want: Any) -> Callable[[RunResult], bool]:
+    """Passes when the program's returned value (decoded here from plain data) equals ``want`` (module
+    docstring); ``want`` never enters the sandbox."""
+    wants = [_as_compared(want)] + ([_as_compared(_int_keys(want))] if _int_keys(want) is not want else [])
+
+    def judge(result: RunResult) -> bool:
+        value = read_call_result(result)
+        return not is_missing(value) and _as_compared(value) in wants
+    return judge
 
 
 # ------------------------------------------------------------------------------------------ test cases
@@ -228,59 +221,78 @@ def _expected_value(raw: Any) -> Any:
     return raw
 
 
+def outputs_wrapped(tests: dict) -> bool:
+    """Whether a call-based problem's expected outputs are each wrapped in a one-element list (APPS and TACO
+    wrap every return value): ``"outputs_wrapped"`` in the ground truth when given, else True exactly when
+    every output is a one-element list. Decided once per problem, never per comparison."""
+    given = tests.get("outputs_wrapped")
+    if given is not None:
+        return bool(given)
+    values = [_expected_value(raw) for raw in tests["outputs"]]
+    return all(isinstance(v, list) and len(v) == 1 for v in values)
+
+
 def build_cases(program: str, tests: dict, limit: int | None = None, where: str = "a row") -> list[Case]:
     """The sandbox runs for ``program`` against ``tests`` (the first ``limit`` cases)."""
-    head = PREAMBLE + (tests.get("setup") or "") + "\n" + program + "\n"
+    setup = tests.get("setup") or ""
     cases: list[Case] = []
-    if "asserts" in tests:
-        bind = f"candidate = {tests['entry_point']}\n" if tests.get("entry_point") else ""
-        for stmt in tests["asserts"][:limit]:
-            nonce = secrets.token_hex(8)  # the pass line: an exit(0) before the assert must not pass
-            cases.append(Case(_NONCE_PRELUDE + head + bind + stmt + _PASS_LINE, nonce + "\n",
-                              _marker_judge(nonce)))
-    elif "test" in tests:
-        nonce = secrets.token_hex(8)
-        cases.append(Case(_NONCE_PRELUDE + head + tests["test"] + f"\ncheck({tests['entry_point']})" + _PASS_LINE,
-                          nonce + "\n", _marker_judge(nonce)))
+    if "asserts" in tests or "test" in tests:
+        served = program_source(program, PREAMBLE + setup + "\n")
+        statements = tests["asserts"][:limit] if "asserts" in tests else [tests["test"]]
+        form = "asserts" if "asserts" in tests else "check"
+        for stmt in statements:
+            test = judge_source(JUDGE_PREAMBLE, setup + "\n", stmt, tests.get("entry_point"), form)
+            cases.append(Case(served, "", _judged_only, test))
     elif tests.get("fn_name"):
+        served = program_source(program, PREAMBLE)
+        wrapped = outputs_wrapped(tests)
         for raw_in, raw_out in list(zip(tests["inputs"], tests["outputs"]))[:limit]:
-            nonce = secrets.token_hex(8)
             try:
-                spec = {"args": _call_args(raw_in), "expected": _expected_value(raw_out),
-                        "fn_name": tests["fn_name"]}
-                spec_text = json.dumps(spec)
+                args = encode([_int_keys(a) for a in _call_args(raw_in)])
             except (TypeError, ValueError) as exc:
                 raise DataError(f"{where}: a call-based test input is not JSON ({exc}); inputs are argument lists "
                                 "or lines of JSON values") from None
-            source = _NONCE_PRELUDE + f"__portrl_spec = {spec_text!r}\n" + head + _CALL_HARNESS
-            cases.append(Case(source, nonce + "\n", _marker_judge(nonce)))
+            want = _expected_value(raw_out)
+            cases.append(Case(served, call_request(tests["fn_name"], args), _call_judge(want[0] if wrapped else want)))
     else:
+        head = PREAMBLE + setup + "\n" + program + "\n"
         for raw_in, raw_out in list(zip(tests["inputs"], tests["outputs"]))[:limit]:
             stdin = "\n".join(map(str, raw_in)) if isinstance(raw_in, list) else str(raw_in)
             cases.append(Case(head, stdin, _stdout_judge(raw_out)))
     return cases
 
 
+def _judged_only(result: RunResult) -> bool:
+    raise AssertionError("a judged case's verdict comes from its test's sandbox")  # never called
+
+
 # ------------------------------------------------------------------------------------------------ score
 def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict | None = None,
                   continuous: bool = True, timeout_s: float = 10.0, memory_mb: int = 1024, max_workers: int = 4,
-                  sandbox_fusion_url: str | None = None) -> dict:
-    """The code reward of one response (module docstring)."""
+                  sandbox_fusion_url: str | None = None, allow_unisolated: bool = False,
+                  packages: Sequence[str] | None = None) -> dict:
+    """The code reward of one response (module docstring). ``allow_unisolated`` and ``packages``: the
+    sandbox's (portrl.rewards.sandbox.SandboxLimits; config ``sandbox.*``)."""
     tests = parse_tests(ground_truth, extra_info)
     program = extract_program(solution_str)
-    cases = build_cases(program, tests, CONTINUOUS_CASES if continuous else None, _describe(extra_info))
-    limits = SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb))
+    where = _describe(extra_info)
+    cases = build_cases(program, tests, CONTINUOUS_CASES if continuous else None, where)
+    limits = _limits(timeout_s, memory_mb, allow_unisolated, packages)
     if sandbox_fusion_url:
+        if any(c.test is not None for c in cases):
+            raise DataError(f"{where}: assert- and check()-style code tests are judged in a sandbox of their own "
+                            "beside the program's, which a SandboxFusion service cannot run; valid with "
+                            "reward.code.sandbox_fusion_url: stdin/stdout and call-based (fn_name) tests")
         run: Callable[..., RunResult] = partial(call_run_code, sandbox_fusion_url)
     else:
         run = run_program
     pool = shared_pool(max(1, int(max_workers)))
-    futures = [pool.submit(run, c.source, c.stdin, limits) for c in cases]
+    futures = [pool.submit(_run_case, run, c, limits) for c in cases]
     n_pass, first_bad = 0, "ok"
     try:
-        for case, future in zip(cases, futures):
-            result = future.result()
-            if case.judge(result):
+        for future in futures:
+            passed, result = future.result()
+            if passed:
                 n_pass += 1
             elif first_bad == "ok":
                 first_bad = _failure(result)
@@ -293,6 +305,26 @@ def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict 
     score = n_pass / total if continuous else float(n_pass == total)
     return {"score": float(score), "acc": float(n_pass == total), "passed": n_pass, "total": total,
             "status": first_bad}
+
+
+def _limits(timeout_s: float, memory_mb: int, allow_unisolated: bool, packages: Sequence[str] | None) -> SandboxLimits:
+    """The sandbox limits of one case; the sandbox's own defaults for what is not given."""
+    extra: dict[str, Any] = {}
+    fields = SandboxLimits.__dataclass_fields__
+    if "allow_unisolated" in fields:
+        extra["allow_unisolated"] = bool(allow_unisolated)
+    if packages is not None and "packages" in fields:
+        extra["packages"] = tuple(packages)
+    return SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), **extra)
+
+
+def _run_case(run: Callable[..., RunResult], case: Case, limits: SandboxLimits) -> tuple[bool, RunResult]:
+    """(passed, the program's run) of one case."""
+    if case.test is not None:
+        judged = run_judged(case.source, case.test, limits)
+        return judged.passed, judged.program
+    result = run(case.source, case.stdin, limits)
+    return case.judge(result), result
 
 
 def _failure(result: RunResult) -> str:
