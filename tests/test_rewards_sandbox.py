@@ -262,6 +262,8 @@ def test_program_dies_with_a_killed_parent(tmp_path):
     script.write_text(
         "import os, threading, time\n"
         "from portrl.rewards.sandbox import SandboxLimits, run_program\n"
+        "from portrl.rewards.sandbox_host import interpreter_info\n"
+        "interpreter_info()\n"  # asked once per process by running the interpreter: not the child looked for below
         "threading.Thread(target=run_program, args=('import time\\ntime.sleep(60)\\n', '', "
         "SandboxLimits(timeout_s=60, memory_mb=256)), daemon=True).start()\n"
         "for _ in range(500):\n"

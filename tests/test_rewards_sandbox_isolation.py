@@ -22,12 +22,13 @@ import sys
 import tempfile
 import textwrap
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import portrl.rewards.sandbox as sandbox
-from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program
+from portrl.rewards.sandbox import RunResult, SandboxLimits, SandboxUnisolated, run_program
 from portrl.rewards.sandbox_host import WRITABLE_DIRS, root_layout
 from portrl.rewards.sandbox_seccomp import DENIED
 from portrl.rewards.sandbox_syscalls import native, table
@@ -282,37 +283,71 @@ def test_an_unprivileged_user_gets_the_same_isolation():
     assert r["stdout"].splitlines() == ["refused FileNotFoundError", "[1, 2]", "-1"], r
 
 
-def test_a_platform_that_refuses_namespaces_degrades_with_flags_and_warnings():
+_DOCKER_LIKE = textwrap.dedent("""
+    import ctypes, json, logging, sys
+    from portrl.rewards import sandbox_seccomp, sandbox_syscalls
+    from portrl.rewards.sandbox import SandboxLimits, SandboxUnisolated, run_program
+    arch, audit_arch, numbers = sandbox_syscalls.native()
+    refused = {name: numbers[name] for name in ("unshare", "clone", "clone3")}
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert sandbox_seccomp.install(libc, sandbox_seccomp.build_filter(audit_arch, refused)) is None
+    logging.basicConfig(format="WARNING %(message)s")
+    limits = SandboxLimits(timeout_s=10.0, memory_mb=256, allow_unisolated=sys.argv[1] == "allow")
+    try:
+        r = run_program("print('still runs')", "", limits)
+    except SandboxUnisolated as exc:
+        print(json.dumps({"refused": str(exc)}))
+    else:
+        print(json.dumps(r.__dict__))
+""")
+
+
+def _run_where_namespaces_are_refused(allow: bool) -> tuple[dict, str]:
     """Docker's default seccomp profile refuses unshare without CAP_SYS_ADMIN: imitated by a filter on a helper
-    process, which the sandbox inherits."""
+    process, which the sandbox inherits. (the helper's last stdout line as JSON, its stderr)"""
     if not _seccomp_available():
         pytest.skip("no seccomp on this platform to imitate the refusal with")
-    helper = textwrap.dedent("""
-        import ctypes, json, logging
-        from portrl.rewards import sandbox_seccomp, sandbox_syscalls
-        from portrl.rewards.sandbox import SandboxLimits, run_program
-        arch, audit_arch, numbers = sandbox_syscalls.native()
-        refused = {name: numbers[name] for name in ("unshare", "clone", "clone3")}
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert sandbox_seccomp.install(libc, sandbox_seccomp.build_filter(audit_arch, refused)) is None
-        logging.basicConfig(format="WARNING %(message)s")
-        r = run_program("print('still runs')", "", SandboxLimits(timeout_s=10.0, memory_mb=256))
-        print(json.dumps(r.__dict__))
-    """)
-    done = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", _DOCKER_LIKE, "allow" if allow else "refuse"], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_a_platform_that_refuses_namespaces_refuses_to_run_the_program():
+    r, _ = _run_where_namespaces_are_refused(allow=False)
+    message = r.get("refused")
+    assert message is not None, r  # the program did not run
+    assert "\n" not in message
+    parts = "network namespace, mount namespace, PID namespace, minimal root"
+    assert f"no {parts}" in message and "unshare: Operation not permitted" in message, message
+    assert "--security-opt seccomp=unconfined" in message and "sandbox.allow_unisolated=true" in message
+    assert "kernel.unprivileged_userns_clone=1" in message and "kernel.apparmor_restrict_unprivileged_userns=0" in message
+    if os.geteuid() == 0:
+        assert "--cap-add SYS_ADMIN" in message
+
+
+def test_allow_unisolated_runs_where_namespaces_are_refused_with_flags_and_warnings():
+    r, stderr = _run_where_namespaces_are_refused(allow=True)
     assert (r["status"], r["stdout"]) == ("ok", "still runs\n"), r
     assert not any(r[p] for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated")), r
     assert r["seccomp_filtered"] and "Operation not permitted" in r["details"]["ns_error"], r
     for part in ("no new network namespace", "no new PID namespace", "no private root file system"):
-        assert f"WARNING code sandbox: {part}" in done.stderr, done.stderr[-3000:]
+        assert f"WARNING code sandbox: {part}" in stderr, stderr[-3000:]
+
+
+def test_namespaces_false_needs_allow_unisolated():
+    with pytest.raises(ValueError, match="allow_unisolated=True"):
+        SandboxLimits(namespaces=False)
+    r = run_program("print('plain')", "", SandboxLimits(timeout_s=5.0, memory_mb=256, namespaces=False,
+                                                        allow_unisolated=True))
+    assert (r.status, r.stdout) == ("ok", "plain\n"), r
+    assert not any((r.network_isolated, r.mount_isolated, r.pid_isolated, r.root_isolated)), r
 
 
 def test_where_the_root_cannot_be_built_the_masked_view_applies(isolation, monkeypatch, caplog):
     _need(isolation, "root_isolated", "pid_isolated")
-    broken = {**root_layout(), "binds": [["/nonexistent-portrl-sandbox-source", "/usr"]]}
-    monkeypatch.setattr(sandbox, "root_layout", lambda: broken)
+    broken = {**root_layout(FAST.packages), "binds": [["/nonexistent-portrl-sandbox-source", "/usr"]]}
+    monkeypatch.setattr(sandbox, "root_layout", lambda packages=(): broken)
     monkeypatch.setattr(sandbox, "_warned", set())
     src = textwrap.dedent(f"""
         import os
@@ -323,8 +358,11 @@ def test_where_the_root_cannot_be_built_the_masked_view_applies(isolation, monke
             print('refused', type(exc).__name__)
         print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
     """)
+    # refused by default: the minimal root is a part of the isolation
+    with pytest.raises(SandboxUnisolated, match=r"no minimal root \(minimal root: .*nonexistent-portrl-sandbox-source"):
+        run_program(src, "", FAST)
     with caplog.at_level(logging.WARNING, logger="portrl.rewards.sandbox"):
-        r = run_program(src, "", FAST)
+        r = run_program(src, "", replace(FAST, allow_unisolated=True))
     assert r.status == "ok", r.stderr
     assert (r.root_isolated, r.mount_isolated, r.pid_isolated) == (False, True, True)
     assert "nonexistent-portrl-sandbox-source" in r.details["root_error"]

@@ -63,8 +63,12 @@ portrl/rewards/sandbox_host.py.
 
 from __future__ import annotations
 
+import atexit
+import fcntl
+import functools
 import json
 import logging
+import marshal
 import math
 import os
 import selectors
@@ -80,12 +84,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from portrl.rewards.sandbox_child import BOOTSTRAP
 from portrl.rewards.sandbox_host import (
+    DEFAULT_PACKAGES,
     UID_BASE,
     UID_COUNT,
     WRITABLE_DIRS,
     SandboxError,
     UidSlot,
+    base_executable,
+    check_package_names,
+    exposed_packages,
     isolation_view,
     kill_group,
     kill_uid,
@@ -94,14 +103,21 @@ from portrl.rewards.sandbox_host import (
     user_task_count,
 )
 
-__all__ = ["STATUSES", "UID_BASE", "UID_COUNT", "WRITABLE_DIRS", "RunResult", "SandboxError", "SandboxLimits",
-           "Started", "classify_exit", "finish", "live_processes", "run_program", "shared_pool", "start_program"]
+__all__ = ["DEFAULT_PACKAGES", "STATUSES", "UID_BASE", "UID_COUNT", "WRITABLE_DIRS", "RunResult", "SandboxError",
+           "SandboxLimits", "SandboxUnisolated", "Started", "classify_exit", "exposed_packages", "finish",
+           "live_processes", "run_program", "shared_pool", "start_program"]
 
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "wrong", "timeout", "memory", "output_limit", "runtime_error", "syntax_error")
-_CHILD = Path(__file__).with_name("sandbox_child.py")
+_MODULES = ("sandbox_child", "sandbox_syscalls", "sandbox_root", "sandbox_seccomp")  # what the child runs
 _SETUP_ERROR_EXIT = 121
+ALLOW_KEY = "sandbox.allow_unisolated=true"  # the config key that accepts running without isolation
+
+
+class SandboxUnisolated(SandboxError):
+    """The platform refuses parts of the isolation and ``SandboxLimits.allow_unisolated`` is False: the program
+    was not run. The message (one line) names what is missing, the kernel's reason and how to allow it."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,19 @@ class SandboxLimits:
     nofile: int = 64
     output_bytes: int = 4 * 1024 * 1024
     stderr_bytes: int = 8192
-    namespaces: bool = True
+    namespaces: bool = True  # False: no namespaces (and so no minimal root) -- only with allow_unisolated=True
+    # run the program even where the platform refuses parts of the isolation (module docstring); False: such a run
+    # raises SandboxUnisolated and the program never starts
+    allow_unisolated: bool = False
+    # top-level import names a program may import besides the standard library (each bound into the sandbox
+    # where this interpreter has it installed; exposed_packages says which are)
+    packages: tuple[str, ...] = DEFAULT_PACKAGES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packages", check_package_names(self.packages))
+        if not self.namespaces and not self.allow_unisolated:
+            raise ValueError("SandboxLimits(namespaces=False) runs programs without isolation: pass "
+                             "allow_unisolated=True too")
 
 
 @dataclass
@@ -186,11 +214,12 @@ def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLim
 
 
 def start_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Started:
-    """Start ``source`` in the sandbox (module docstring) and return at once; :func:`finish` ends it."""
+    """Start ``source`` in the sandbox (module docstring) and return at once; :func:`finish` ends it.
+    SandboxError when the interpreter is exiting (the runs left are being cleaned up)."""
     root = os.geteuid() == 0
     slot = UidSlot() if root else None
     try:
-        tmp = tempfile.mkdtemp(prefix="portrl-sandbox-")
+        tmp = _new_folder(slot)
     except BaseException:
         if slot is not None:
             slot.release()
@@ -208,7 +237,66 @@ def start_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Start
             kill_uid(slot.uid)
             slot.release()
         _remove_tree(tmp)
+        _forget(tmp)
         raise
+
+
+# ------------------------------------------------------------------------------- runs left at interpreter exit
+@dataclass
+class _Live:
+    slot: UidSlot | None
+    pgid: int | None = None
+
+
+_live: dict[str, _Live] = {}  # sandbox folder -> what to kill and free if the process exits with the run going
+_live_lock = threading.Lock()
+_exiting = False
+
+
+def _new_folder(slot: UidSlot | None) -> str:
+    with _live_lock:
+        if _exiting:
+            raise SandboxError("the interpreter is exiting: no new sandbox runs")
+        tmp = tempfile.mkdtemp(prefix="portrl-sandbox-")
+        _live[tmp] = _Live(slot)
+        return tmp
+
+
+def _forget(folder: str) -> None:
+    with _live_lock:
+        _live.pop(folder, None)
+
+
+def _at_exit() -> None:
+    """At interpreter exit, before threads are joined (a thread abandoned in run_program, e.g. a tool call past
+    the agent loop's timeout, would never finish it): kill every run's process group and uid, give their threads
+    a moment to finish the runs, then remove the folders left."""
+    global _exiting
+    with _live_lock:
+        _exiting = True
+        runs = list(_live.items())
+    for _, run in runs:
+        if run.pgid is not None:
+            kill_group(run.pgid)
+        if run.slot is not None:
+            kill_uid(run.slot.uid)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        with _live_lock:
+            if not _live:
+                return
+        time.sleep(0.01)
+    with _live_lock:
+        left = list(_live)
+        _live.clear()
+    for folder in left:
+        _remove_tree(folder)
+
+
+try:  # runs before concurrent.futures joins its workers (registered at its import above: the later runs first)
+    threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python, or imported while the interpreter exits
+    atexit.register(_at_exit)
 
 
 def _remove_tree(path: str) -> None:
@@ -235,16 +323,55 @@ def _remove_tree(path: str) -> None:
         log.warning("could not remove the sandbox folder %s", path)
 
 
+@functools.lru_cache(maxsize=1)
+def _child_code() -> dict:
+    """The code objects of the child and its siblings, compiled once per process (the child runs the same
+    Python: the base interpreter of this one)."""
+    folder = Path(__file__).parent
+    return {name: compile((folder / f"{name}.py").read_text(encoding="utf-8"), f"{name}.py", "exec",
+                          dont_inherit=True) for name in _MODULES}
+
+
+def _payload_pipe(payload: bytes) -> tuple[int, int | None, bytes]:
+    """A pipe holding ``payload`` for the child: (read end, write end or None when all of it is written, the rest
+    to write once the child reads)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        if len(payload) > 65536:
+            try:
+                fcntl.fcntl(write_fd, 1031, len(payload))  # F_SETPIPE_SZ
+            except OSError:  # over /proc/sys/fs/pipe-max-size: the rest is written after the start
+                pass
+        os.set_blocking(write_fd, False)
+        view = memoryview(payload)
+        try:
+            while view:
+                view = view[os.write(write_fd, view):]
+        except BlockingIOError:
+            pass
+        if not view:
+            os.close(write_fd)
+            return read_fd, None, b""
+        os.set_blocking(write_fd, True)
+        return read_fd, write_fd, bytes(view)
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+
+
 def _start(program: str, tmp: str, limits: SandboxLimits, slot: UidSlot | None, root: bool) -> Started:
     uid = slot.uid if slot is not None else None
     masks, keep, visible = isolation_view(tmp, root)
+    layout = root_layout(limits.packages)
     # not root: the user's processes count, and with a PID namespace the launcher and init are two of them
     nproc = limits.nproc if root else user_task_count() + limits.nproc + 2
     status_r, status_w = os.pipe()
     cfg: dict[str, Any] = {
-        "status_fd": status_w, "parent_pid": os.getpid(), "python": sys.executable, "cwd": tmp,
+        "status_fd": status_w, "parent_pid": os.getpid(), "python": layout["python"],
+        "python_host": sys.executable, "cwd": tmp, "allow_unisolated": limits.allow_unisolated,
         "program": os.path.basename(program), "uid": uid, "gid": uid, "namespaces": limits.namespaces,
-        "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": root_layout(),
+        "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": layout,
         "cpu_s": math.ceil(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s),
         "timeout_s": limits.timeout_s,
         "memory_mb": limits.memory_mb, "file_size_mb": limits.file_size_mb, "disk_mb": limits.disk_mb,
@@ -255,16 +382,46 @@ def _start(program: str, tmp: str, limits: SandboxLimits, slot: UidSlot | None, 
     }
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(_CHILD), json.dumps(cfg)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=cfg["env"], start_new_session=True,
-            pass_fds=(status_w,), close_fds=True)
+        cfg_r, cfg_w, rest = _payload_pipe(marshal.dumps({"cfg": cfg, "code": _child_code()}))
     except BaseException:
         os.close(status_r)
+        os.close(status_w)
+        raise
+    try:
+        # the launcher is the base interpreter (the sandbox's own); its command line holds nothing of the host
+        proc = subprocess.Popen(
+            [layout["python"], "-I", "-S", "-c", BOOTSTRAP, str(cfg_r)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=cfg["env"], start_new_session=True,
+            pass_fds=(status_w, cfg_r), close_fds=True)
+    except BaseException:
+        os.close(status_r)
+        if cfg_w is not None:
+            os.close(cfg_w)
         raise
     finally:
         os.close(status_w)
+        os.close(cfg_r)
+    with _live_lock:
+        run = _live.get(tmp)
+        if run is not None:
+            run.pgid = proc.pid
+        exiting = _exiting
+    if exiting:  # the exit cleanup ran meanwhile: this run must not outlive it
+        kill_group(proc.pid)
+    if cfg_w is not None:
+        try:
+            _write_all(cfg_w, rest)
+        except OSError:  # the launcher is gone: finish() reports it
+            pass
+        finally:
+            os.close(cfg_w)
     return Started(proc, tmp, slot, status_r, cfg, start, root)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool) -> RunResult:
@@ -289,6 +446,9 @@ def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool
             kill_uid(started.slot.uid)
             started.slot.release()
         _remove_tree(started.folder)
+        _forget(started.folder)
+    if report.get("unisolated"):
+        raise SandboxUnisolated(_unisolated_message(report, root))
     if "error" in report or (proc.returncode == _SETUP_ERROR_EXIT and not report):
         raise SandboxError(f"the sandbox could not start the program: {report.get('error', 'no report')}")
     net, mnt, dropped = bool(report.get("net")), bool(report.get("mnt")), bool(report.get("uid_dropped"))
@@ -309,6 +469,28 @@ def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool
         details["uid"] = cfg["uid"]
     return RunResult(status, stdout, stderr, elapsed, proc.returncode, proc.pid, net, mnt, dropped, pid, new_root,
                      filtered, details)
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _unisolated_message(report: dict, root: bool) -> str:
+    """One line: what the platform refused (the kernel's reasons) and the ways to allow it."""
+    reasons = []
+    for key, what in (("ns_error", "unshare"), ("mnt_error", "mount"), ("root_error", "minimal root"),
+                      ("seccomp_error", "seccomp")):
+        if report.get(key):
+            reasons.append(f"{what}: {_one_line(report[key])}")
+    if root and not report.get("uid_dropped") and "uid drop" in report["unisolated"]:
+        reasons.append("uid drop: no mount namespace, and the interpreter is out of an unprivileged uid's reach")
+    docker = "--security-opt seccomp=unconfined" + (" --cap-add SYS_ADMIN" if root else "")
+    return (f"the code sandbox cannot isolate programs here and does not run them without isolation: no "
+            f"{', '.join(report['unisolated'])} ({'; '.join(reasons) or 'no reason given'}); in Docker run the "
+            f"container with {docker} (and --security-opt apparmor=unconfined where AppArmor is on); on a host "
+            "with unprivileged user namespaces off set the sysctls kernel.unprivileged_userns_clone=1 and "
+            "user.max_user_namespaces=15000 (Ubuntu 24.04 also kernel.apparmor_restrict_unprivileged_userns=0); "
+            f"or accept running programs without isolation with {ALLOW_KEY}")
 
 
 def _warn_missing(report: dict, net: bool, pid: bool, new_root: bool) -> None:

@@ -34,12 +34,12 @@ error before or in exec is written there as a line {"error": ...}, with exit cod
 """
 
 import ctypes
-import importlib.util
 import json
 import os
 import resource
 import signal
 import sys
+import types
 from typing import NoReturn
 
 CLONE_NEWNS = 0x00020000
@@ -52,14 +52,13 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x1
 SETUP_ERROR_EXIT = 121
 
 
-def _load(name: str):
-    """A sibling module by its path: ``-I`` keeps this folder off sys.path, and importing the portrl package
-    would import far more than the sandbox needs."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
-    if spec is None or spec.loader is None:  # a file path always gives a spec with a loader
-        raise ImportError(f"cannot load the sandbox module {name}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def _load(name: str, code) -> types.ModuleType:
+    """A sibling module from its code object (compiled by the host, passed in the payload): no file of the
+    checkout is opened here, and importing the portrl package would import far more than the sandbox needs."""
+    module = types.ModuleType(name)
+    module.__file__ = name + ".py"
+    sys.modules[name] = module
+    exec(code, module.__dict__)  # noqa: S102 - the host's own module, compiled by the host
     return module
 
 
@@ -279,6 +278,18 @@ def _seccomp(libc, tables, sandbox_seccomp) -> dict:
     return {"seccomp": True} if err is None else {"seccomp": False, "seccomp_error": err}
 
 
+PARTS = (("net", "network namespace"), ("mnt", "mount namespace"), ("pid", "PID namespace"),
+         ("root", "minimal root"), ("seccomp", "seccomp filter"))
+
+
+def _missing(report: dict, root: bool) -> list:
+    """The isolation parts this run lacks (names of PARTS; as root also "uid drop")."""
+    missing = [name for key, name in PARTS if not report[key]]
+    if root and not report["uid_dropped"]:
+        missing.append("uid drop")
+    return missing
+
+
 def _exec_program(libc, cfg: dict, root: bool, report: dict, status_fd: int, tables, sandbox_seccomp) -> None:
     _limits(cfg)
     if root and cfg["uid"] is not None and (report["mnt"] or cfg["interpreter_visible"]):
@@ -289,13 +300,22 @@ def _exec_program(libc, cfg: dict, root: bool, report: dict, status_fd: int, tab
     if not report["pid"]:  # the program is this process: killed with the reward process (the uid change cleared it)
         _die_with_parent(libc, cfg["parent_pid"])
     report.update(_seccomp(libc, tables, sandbox_seccomp))  # last: the steps before need mount, unshare, ...
+    missing = _missing(report, root)
+    if missing and not cfg["allow_unisolated"]:  # refused: the program never runs (the host raises)
+        _report(status_fd, {**report, "unisolated": missing})
+        os._exit(SETUP_ERROR_EXIT)
     os.set_inheritable(status_fd, False)  # closed by a successful exec: the parent then reads EOF
     _report(status_fd, report)
-    os.execve(cfg["python"], [cfg["python"], "-I", cfg["program"]], cfg["env"])
+    # in the minimal root the base interpreter (its standard library and the exposed packages); elsewhere the
+    # caller's own interpreter (a virtual environment's launcher finds its packages next to it)
+    python = cfg["python"] if report["root"] else cfg["python_host"]
+    os.execve(python, [python, "-I", cfg["program"]], cfg["env"])
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
+def main(payload: dict) -> None:
+    """Run by the bootstrap (:data:`BOOTSTRAP`) with the payload the host wrote to the pipe: {"cfg": the run's
+    settings, "code": {module name: code object} of this module's siblings}."""
+    cfg = payload["cfg"]
     status_fd = cfg["status_fd"]
     report: dict = {"net": False, "mnt": False, "pid": False, "root": False, "seccomp": False,
                     "uid_dropped": False}
@@ -304,8 +324,8 @@ def main() -> None:
         root = os.geteuid() == 0
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the launcher may die of the program's signal
         _die_with_parent(libc, cfg["parent_pid"])
-        # loaded now: the files are out of reach once the program's root is in place
-        tables, sandbox_root, sandbox_seccomp = map(_load, ("sandbox_syscalls", "sandbox_root", "sandbox_seccomp"))
+        tables, sandbox_root, sandbox_seccomp = (_load(name, payload["code"][name])
+                                                 for name in ("sandbox_syscalls", "sandbox_root", "sandbox_seccomp"))
         if cfg["namespaces"]:
             report.update(_namespaces(libc, root))
         exit_w = _start_init(libc) if report["pid"] else None
@@ -319,5 +339,8 @@ def main() -> None:
         os._exit(SETUP_ERROR_EXIT)
 
 
-if __name__ == "__main__":
-    main()
+# What the host starts: ``python -I -S -c BOOTSTRAP FD``. It reads the payload (marshal: {"cfg", "code"}) from the
+# pipe FD to its end and runs this module's code from it: the command line (/proc/1/cmdline in the sandbox) holds
+# neither a path of the host nor the run's settings.
+BOOTSTRAP = ("import marshal,os,sys;f=os.fdopen(int(sys.argv[1]),'rb');p=marshal.loads(f.read());f.close();"
+             "g={'__name__':'sandbox_child'};exec(p['code']['sandbox_child'],g);g['main'](p)")

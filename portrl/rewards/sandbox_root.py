@@ -68,9 +68,9 @@ def _read_only(libc, path: str, setattr_nr: int | None) -> None:
     _mount(libc, None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
 
 
-def _tmpfs(libc, path: str, options: str) -> None:
+def _tmpfs(libc, path: str, options: str, flags: int = 0) -> None:
     os.makedirs(path, mode=0o755, exist_ok=True)
-    _mount(libc, "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    _mount(libc, "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | flags, options)
 
 
 def _bind_file(libc, source: str, target: str) -> None:
@@ -84,6 +84,9 @@ def _populate(libc, new: str, layout: dict, cwd: str, workdir_options: str, prog
     for target, value in layout["links"]:
         os.makedirs(os.path.dirname(new + target), mode=0o755, exist_ok=True)
         os.symlink(value, new + target)
+    # the private /tmp and /dev/shm first: what is bound below them (an interpreter in /tmp) goes on top of them
+    _tmpfs(libc, new + "/dev/shm", "size=64m,mode=1777")
+    _tmpfs(libc, new + "/tmp", "size=64m,mode=1777")
     for source, target in layout["binds"]:
         os.makedirs(new + target, mode=0o755, exist_ok=True)
         _mount(libc, source, new + target, None, MS_BIND | MS_REC)
@@ -93,11 +96,13 @@ def _populate(libc, new: str, layout: dict, cwd: str, workdir_options: str, prog
         _read_only(libc, new + target, setattr_nr)
     for device in layout["devices"]:
         _bind_file(libc, device, new + device)
-    os.makedirs(new + "/dev", mode=0o755, exist_ok=True)
     for name, value in DEV_LINKS:
         os.symlink(value, f"{new}/dev/{name}")
-    _tmpfs(libc, new + "/dev/shm", "size=64m,mode=1777")
-    _tmpfs(libc, new + "/tmp", "size=64m,mode=1777")
+    for path in layout["masks"]:  # Python package folders: empty (the site folder gets the exposed packages)
+        if path != layout["site"]:
+            _tmpfs(libc, new + path, "size=4k,nr_inodes=16,mode=0755", MS_RDONLY)
+    if layout["site"] is not None:
+        _exposed_packages(libc, new + layout["site"], layout["packages"], setattr_nr)
     _tmpfs(libc, new + cwd, workdir_options)
     name, code = program
     fd = os.open(f"{new}{cwd}/{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -106,6 +111,21 @@ def _populate(libc, new: str, layout: dict, cwd: str, workdir_options: str, prog
     finally:
         os.close(fd)
     os.makedirs(new + "/proc", mode=0o555, exist_ok=True)
+
+
+def _exposed_packages(libc, site: str, packages: list, setattr_nr: int | None) -> None:
+    """A tmpfs at ``site`` holding only the ``packages`` ([source, name]: a folder or a module file, bound
+    read-only at ``site/name``), then read-only itself."""
+    _tmpfs(libc, site, "size=64k,nr_inodes=256,mode=0755")
+    for source, name in packages:
+        target = f"{site}/{name}"
+        if os.path.isdir(source):
+            os.mkdir(target, 0o755)
+            _mount(libc, source, target, None, MS_BIND | MS_REC)
+        else:
+            _bind_file(libc, source, target)
+        _read_only(libc, target, setattr_nr)
+    _mount(libc, None, site, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def build_root(libc, layout: dict, cwd: str, workdir_options: str, program: tuple[str, bytes], mount_proc: bool,
