@@ -1,7 +1,9 @@
 """The code sandbox (portrl.rewards.sandbox): every hostile program gets a result, nothing escapes or outlives it.
 
 Each test runs real subprocesses. Where this platform cannot give an isolation (no namespaces in the
-container, not root), the test that needs it is skipped with the reason -- run_program reports what it got.
+container, not root), the test that needs it is skipped with the reason -- run_program reports what it got. The
+limits here accept running without isolation (``allow_unisolated=True``): these tests are about results, limits and
+cleanup, which hold on every platform; the refusal itself is tested in tests/test_rewards_sandbox_isolation.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from portrl.rewards.sandbox import (
 )
 from portrl.rewards.sandbox_host import uid_lock_path
 
-FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
+
+def _limits(**given) -> SandboxLimits:
+    """Limits that accept running without isolation (module docstring)."""
+    return SandboxLimits(allow_unisolated=True, **given)
+
+
+FAST = _limits(timeout_s=2.0, memory_mb=256)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +112,7 @@ def test_clean_environment_and_private_folder_removed():
 
 def test_infinite_loop_times_out_and_is_killed():
     start = time.monotonic()
-    r = run_program("while True:\n    pass\n", "", SandboxLimits(timeout_s=1.0, memory_mb=256))
+    r = run_program("while True:\n    pass\n", "", _limits(timeout_s=1.0, memory_mb=256))
     assert r.status == "timeout"
     assert time.monotonic() - start < 5
     _no_leftovers(r)
@@ -113,7 +121,7 @@ def test_infinite_loop_times_out_and_is_killed():
 def test_fork_bomb_is_bounded_and_leaves_no_process():
     src = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     start = time.monotonic()
-    r = run_program(src, "", SandboxLimits(timeout_s=1.5, memory_mb=256, nproc=8))
+    r = run_program(src, "", _limits(timeout_s=1.5, memory_mb=256, nproc=8))
     assert r.status == "timeout"
     assert time.monotonic() - start < 10
     _no_leftovers(r)
@@ -141,19 +149,19 @@ def test_process_that_leaves_the_group_is_killed(isolation):
 
 def test_memory_hog_hits_the_memory_limit():
     r = run_program("blocks = []\nwhile True:\n    blocks.append(bytearray(16 * 1024 * 1024))\n", "",
-                    SandboxLimits(timeout_s=5.0, memory_mb=200))
+                    _limits(timeout_s=5.0, memory_mb=200))
     assert r.status == "memory", (r.status, r.stderr)
 
 
 def test_huge_print_is_cut_at_the_output_cap():
     r = run_program("while True:\n    print('x' * 1000)\n", "",
-                    SandboxLimits(timeout_s=5.0, memory_mb=256, output_bytes=100_000))
+                    _limits(timeout_s=5.0, memory_mb=256, output_bytes=100_000))
     assert r.status == "output_limit"
     assert len(r.stdout) == 100_000
     assert r.time_s < 5.0
     _no_leftovers(r)
     r = run_program("import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n", "",
-                    SandboxLimits(timeout_s=5.0, memory_mb=256, output_bytes=100_000, stderr_bytes=500))
+                    _limits(timeout_s=5.0, memory_mb=256, output_bytes=100_000, stderr_bytes=500))
     assert (r.status, r.stderr) == ("output_limit", "e" * 500) and r.time_s < 5.0
 
 
@@ -202,7 +210,7 @@ def test_os_system_runs_inside_the_same_limits(isolation, tmp_path):
     shell = ("id -u; sed -n 's/^Max processes *\\([0-9]*\\).*/\\1/p' /proc/self/limits; "
              f"sleep {duration} & echo $! > bg.pid; touch {marker} 2>/dev/null; echo done")
     src = (f"import os\nos.system({shell!r})\nos.kill(int(open('bg.pid').read()), 0)\nprint('running')\n")
-    r = run_program(src, "", SandboxLimits(timeout_s=3.0, memory_mb=256, nproc=8))
+    r = run_program(src, "", _limits(timeout_s=3.0, memory_mb=256, nproc=8))
     assert r.status == "ok", r.stderr
     uid, nproc, done, running = r.stdout.split()
     assert (done, running) == ("done", "running")
@@ -231,17 +239,17 @@ def test_reading_stdin_past_its_end_gets_eof():
 
 def test_file_size_and_open_file_limits():
     r = run_program("open('big', 'wb').write(b'0' * (4 * 1024 * 1024))\n", "",
-                    SandboxLimits(timeout_s=2.0, memory_mb=256, file_size_mb=1))
+                    _limits(timeout_s=2.0, memory_mb=256, file_size_mb=1))
     assert r.status == "runtime_error"  # SIGXFSZ / EFBIG
     r = run_program("fs = [open('f%d' % i, 'w') for i in range(100)]\n", "",
-                    SandboxLimits(timeout_s=2.0, memory_mb=256, nofile=32))
+                    _limits(timeout_s=2.0, memory_mb=256, nofile=32))
     assert r.status == "runtime_error" and "Too many open files" in r.stderr
 
 
 def test_pool_runs_cases_in_parallel_within_its_bound():
     src = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time())\n"
     t0 = time.monotonic()
-    limits = SandboxLimits(timeout_s=5.0, memory_mb=256)
+    limits = _limits(timeout_s=5.0, memory_mb=256)
     results = [f.result() for f in [shared_pool(3).submit(run_program, src, "", limits) for _ in range(6)]]
     wall = time.monotonic() - t0
     assert [r.status for r in results] == ["ok"] * 6
@@ -265,7 +273,7 @@ def test_program_dies_with_a_killed_parent(tmp_path):
         "from portrl.rewards.sandbox_host import interpreter_info\n"
         "interpreter_info()\n"  # asked once per process by running the interpreter: not the child looked for below
         "threading.Thread(target=run_program, args=('import time\\ntime.sleep(60)\\n', '', "
-        "SandboxLimits(timeout_s=60, memory_mb=256)), daemon=True).start()\n"
+        "SandboxLimits(allow_unisolated=True, timeout_s=60, memory_mb=256)), daemon=True).start()\n"
         "for _ in range(500):\n"
         "    kids = [p for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read()"
         ".rsplit(')', 1)[1].split()[1] == str(os.getpid())]\n"
@@ -306,7 +314,7 @@ def test_files_written_in_the_sandbox_folder_are_bounded(isolation):
         pytest.skip("without a mount namespace only each file's size is limited (file_size_mb)")
     src = ("for i in range(100):\n    try:\n        open(f'f{i}', 'wb').write(b'0' * (4 * 1024 * 1024))\n"
            "    except OSError as exc:\n        print(i, exc.strerror)\n        break\n")
-    r = run_program(src, "", SandboxLimits(timeout_s=3.0, memory_mb=256, disk_mb=16, file_size_mb=8))
+    r = run_program(src, "", _limits(timeout_s=3.0, memory_mb=256, disk_mb=16, file_size_mb=8))
     assert r.status == "ok", r.stderr
     written, why = r.stdout.split(" ", 1)
     assert int(written) <= 4 and "No space left" in why
@@ -314,5 +322,52 @@ def test_files_written_in_the_sandbox_folder_are_bounded(isolation):
 
 def test_numpy_works_under_the_default_limits():
     pytest.importorskip("numpy")
-    r = run_program("import numpy as np\nprint(int(np.arange(10).sum()))\n", "", SandboxLimits(timeout_s=10.0))
+    r = run_program("import numpy as np\nprint(int(np.arange(10).sum()))\n", "", _limits(timeout_s=10.0))
     assert (r.status, r.stdout) == ("ok", "45\n"), r.stderr
+
+
+_ABANDON = """\
+import os, sys, threading, time
+from portrl.rewards.sandbox import SandboxLimits, run_program, shared_pool
+src = "import os, sys\\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', MARKER])"
+limits = SandboxLimits(allow_unisolated=True, timeout_s=60, memory_mb=256)
+START
+def running():
+    for p in os.listdir('/proc'):
+        try:
+            if p.isdigit() and MARKER.encode() in open(f'/proc/{p}/cmdline', 'rb').read():
+                return True
+        except OSError:
+            pass
+for _ in range(1000):
+    if running():
+        break
+    time.sleep(0.01)
+print(os.listdir(os.environ['TMPDIR']), flush=True)
+"""  # then the main thread ends: the interpreter exits with the run going
+
+
+@pytest.mark.parametrize("thread", ["daemon", "pool"])
+def test_runs_still_going_at_interpreter_exit_are_cleaned_up(tmp_path, thread):
+    """A run abandoned in its thread (the agent loop gives up on a tool call past its timeout: a daemon thread;
+    a reward pool's worker) is killed and its folder removed when the process exits, without waiting for it."""
+    import subprocess
+    import sys
+
+    marker = f"portrl-abandoned-{uuid.uuid4().hex}"
+    start = ("threading.Thread(target=run_program, args=(src, '', limits), daemon=True).start()" if thread == "daemon"
+             else "shared_pool(1).submit(run_program, src, '', limits)")
+    script = tmp_path / "abandon.py"
+    script.write_text(_ABANDON.replace("MARKER", repr(marker)).replace("START", start))
+    sandboxes = tmp_path / "tmp"
+    sandboxes.mkdir()
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(sandboxes)})
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("['portrl-sandbox-"), done.stdout  # the run was going when the process exited
+    assert list(sandboxes.iterdir()) == []
+    time.sleep(0.05)
+    assert _host_pids_with(marker) == []
+    assert took < 30, took  # not the run's 60 s

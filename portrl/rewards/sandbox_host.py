@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 log = logging.getLogger("portrl.rewards.sandbox")  # the sandbox's warnings keep one logger name
@@ -300,7 +300,7 @@ def _companions(name: str, folder: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _distributions() -> dict:
+def _distributions() -> Mapping[str, list[str]]:
     import importlib.metadata  # noqa: PLC0415 - only for a package whose .libs folder is named differently
 
     return importlib.metadata.packages_distributions()
@@ -332,7 +332,8 @@ def exposed_packages(names) -> tuple[tuple[str, ...], tuple[str, ...]]:
     imported. ValueError (one line) for a name that is not a top-level import name, and for portrl."""
     names = check_package_names(names)
     site_ok = root_layout(())["site"] is not None
-    exposed, missing = [], []
+    exposed: list[str] = []
+    missing: list[str] = []
     for name in names:
         where = _resolve(name)
         ok = where is not None and (where == () or site_ok)
