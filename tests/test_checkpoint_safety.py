@@ -1,7 +1,8 @@
 """Safe checkpoints: the safetensors + JSON format round-trips a worker's whole state exactly; loading never
 unpickles (a crafted pickle is refused and never runs); corrupt, truncated and malformed checkpoints are skipped
 for the previous one; old and future formats are refused naming their version; rotation keeps the newest intact
-checkpoints and never the one just written; when none is usable, resume=auto lists them instead of starting over."""
+checkpoints and never the one just written; when none is usable, resume=auto lists them instead of starting over.
+Checkpoints whose files match a re-hashed manifest but do not load: tests/test_run_identity.py."""
 
 import hashlib
 import json
@@ -150,6 +151,20 @@ def test_every_checkpoint_unusable_is_an_error_listing_them(tmp_path):
     assert isinstance(err.value, UserError)
     assert f"{one}: model.bin has 1 bytes" in msg and f"{two}: no manifest.json" in msg
     assert "rather than silently start over" in msg
+
+
+def test_checkpoints_found_unusable_as_they_loaded_are_skipped_like_damaged_ones(tmp_path, caplog):
+    """resolve_auto's ``skip``: checkpoints whose files matched their manifest but did not load (resume_run found
+    them) are passed over for the previous intact one, and listed with their problems when none is left."""
+    mgr = CheckpointManager(tmp_path, max_to_keep=3)
+    one, two = mgr.save(1, _writer(b"first"), {}), mgr.save(2, _writer(b"second"), {})
+    assert verify(two) is None
+    with caplog.at_level(logging.WARNING, logger="portrl.trainer.checkpoint"):
+        assert mgr.resolve_auto(skip={two: "actor.safetensors is not a valid safetensors file"}) == one
+    assert "resuming from" in caplog.text and f"{two} is unusable" not in caplog.text  # resume_run warned already
+    with pytest.raises(CheckpointError) as err:
+        mgr.resolve_auto(skip={two: "bad header", one: "trainer.json is not valid JSON"})
+    assert f"{two}: bad header; {one}: trainer.json is not valid JSON" in str(err.value)
 
 
 def _legacy_checkpoint(root, marker):

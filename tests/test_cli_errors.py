@@ -89,6 +89,10 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("env-pythonpath", ["train", "device.env.PYTHONPATH=/tmp"], "device.env.PYTHONPATH is not accepted", {}),
     ("env-ld-preload", ["train", "device.env.LD_PRELOAD=/tmp/x.so"], "device.env.LD_PRELOAD is not accepted", {}),
     ("env-in-config-file", ["config", "show", "--config", "{env_yaml}"], "accepted: variables", {}),
+    ("oc-env-override", ["train", "trainer.experiment_name=${{oc.env:HOME}}"],
+     "override trainer.experiment_name=${{oc.env:HOME}}: trainer.experiment_name reads an environment variable", {}),
+    ("oc-env-in-config-file", ["config", "show", "--config", "{oc_env_yaml}"],
+     "oc_env.yaml: trainer.project_name reads an environment variable (${{oc.env:...}}), which portrl refuses", {}),
     ("resume-missing", ["train", "trainer.resume={tmp}/no_ckpt"], "no such checkpoint directory", {}),
     ("resume-not-ckpt", ["train", "trainer.resume={empty_dir}"], "trainer.resume", {}),
     # ---------------------------------------------------------------- CLI flags
@@ -241,7 +245,7 @@ CASES: list[tuple[str, list[str], str, dict]] = [
      "rollout.multi_turn.tool_response_truncate_side='top' is not one of 'left', 'right', 'middle'", {}),
 ]
 SUBPROCESS_IDS = ["device-npu-flag", "ground-truth-nan", "reward-import-raises", "ckpt-not-a-ckpt", "plot-missing",
-                  "sft-output-not-empty",
+                  "sft-output-not-empty", "oc-env-override",
                   "lr-zero", "unknown-command"]
 TRAINING_COMMANDS = ("train", "sft", "eval")
 
@@ -306,6 +310,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     f["unknown_key_yaml"] = str(tmp / "unknown.yaml")
     (tmp / "env.yaml").write_text("device:\n  env:\n    LD_LIBRARY_PATH: /tmp\n")
     f["env_yaml"] = str(tmp / "env.yaml")
+    (tmp / "oc_env.yaml").write_text("trainer:\n  project_name: ${oc.decode:${oc.env:HOME}}\n")
+    f["oc_env_yaml"] = str(tmp / "oc_env.yaml")
     (tmp / "npu.yaml").write_text("device:\n  name: npu\n")
     f["npu_yaml"] = str(tmp / "npu.yaml")
     (tmp / "bad_tool_schema.yaml").write_text("tools:\n  - name: calculator\n    tool_schema: {type: function, "

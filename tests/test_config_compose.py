@@ -170,3 +170,38 @@ def test_composes_with_the_resolver_api_of_omegaconf_2_3_and_2_4(monkeypatch):
         warnings.simplefilter("error")  # the installed omegaconf: no deprecation warning
         cfg = compose(overrides=["data.max_response_length=100"])
     assert cfg.data.max_response_length == 100
+
+
+@pytest.mark.parametrize("value", [
+    "${oc.env:PORTRL_TEST_TOKEN}",
+    "${ oc.env : PORTRL_TEST_TOKEN,default}",  # omegaconf's grammar allows the spaces
+    "run-${oc.env:PORTRL_TEST_TOKEN}",
+    "${oc.decode:${oc.env:PORTRL_TEST_TOKEN}}",  # inside another resolver's arguments
+    "\\${oc.env:PORTRL_TEST_TOKEN}",  # escaped: left as text by compose, read by the next resolve (to_yaml)
+])
+def test_an_environment_variable_in_a_value_is_refused_naming_the_key(tmp_path, monkeypatch, value):
+    """``${oc.env:NAME}`` would copy a variable (a token) into the config a run saves and logs: an override, the
+    user YAML (a list item too) is refused with one line naming where and which key, and the value is not in it."""
+    monkeypatch.setenv("PORTRL_TEST_TOKEN", "s3cret-t0ken")
+    with pytest.raises(ConfigError) as err:
+        compose(overrides=[f"trainer.experiment_name={value}"])
+    msg = str(err.value)
+    assert msg.startswith(f"override trainer.experiment_name={value}: trainer.experiment_name reads an environment "
+                          f"variable (${{oc.env:...}}), which portrl refuses")
+    assert "write the value itself" in msg and "s3cret" not in msg and "\n" not in msg
+    user = tmp_path / "run.yaml"
+    user.write_text(f"data:\n  train_files:\n    - a.parquet\n    - '{value}'\n")
+    with pytest.raises(ConfigError, match=rf"^{user}: data.train_files reads an environment variable") as err:
+        compose(config_file=user)
+    assert "s3cret" not in str(err.value)
+
+
+def test_other_interpolations_still_resolve(monkeypatch):
+    """Keys that refer to other keys and portrl's own resolver are unaffected; text that names oc.env without
+    calling it is a plain value."""
+    monkeypatch.setenv("PORTRL_TEST_TOKEN", "s3cret-t0ken")
+    cfg = compose(overrides=["trainer.project_name=${trainer.experiment_name}-x", "data.max_response_length=100",
+                             "trainer.experiment_name=see oc.env:PORTRL_TEST_TOKEN", "reward.overlong_buffer.len="
+                             "${portrl.scale:${data.max_response_length},0.5}"])
+    assert cfg.trainer.project_name == "see oc.env:PORTRL_TEST_TOKEN-x" and cfg.reward.overlong_buffer.len == 50
+    assert "s3cret" not in to_yaml(cfg)

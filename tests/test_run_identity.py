@@ -1,6 +1,7 @@
 """Run identity: trainer.resume=auto continues only its own run; another run's folder is refused naming the keys that
 differ (or moved aside on request); resume=off never overwrites a finished run; a truncated newest checkpoint falls
-back to the previous one; a changed learning rate is applied and logged; a failed launch changes nothing."""
+back to the previous one, and so does one re-hashed over content that does not load; a changed learning rate is
+applied and logged; a failed launch changes nothing."""
 
 import hashlib
 import json
@@ -223,3 +224,88 @@ def test_resume_from_an_older_checkpoint_of_the_same_folder_is_refused(tiny_mode
     assert s["resumed_from"] == str(older) and s["steps"] == 3 and _steps(fresh) == [2, 3]
     assert json.loads((fresh / "run.json").read_text())["identity"] == json.loads(
         (run_dir / "run.json").read_text())["identity"]
+
+
+def _craft(ckpt, damage):
+    """Damage checkpoint ``ckpt``'s content, then recompute its manifest so that every sha256 matches: what a
+    crafted (or re-hashed) checkpoint looks like to the integrity check."""
+    from safetensors.torch import load_file, save_file
+
+    from portrl.trainer.checkpoint import write_manifest
+
+    actor = ckpt / "actor.safetensors"
+    if damage == "safetensors-header":
+        raw = bytearray(actor.read_bytes())
+        size = int.from_bytes(raw[:8], "little")
+        raw[8:8 + size] = b"{" + b"x" * (size - 1)  # the header is no longer JSON
+        actor.write_bytes(bytes(raw))
+    elif damage == "trainer-json":
+        (ckpt / "trainer.json").write_text('{"step": 2, "data": ')
+    elif damage == "trainer-state":
+        (ckpt / "trainer.json").write_text('{"step": 2}')  # valid JSON, but no data position, RNG or KL
+    elif damage == "wrong-shape":
+        tensors = load_file(str(actor))
+        name = next(k for k in sorted(tensors) if k.startswith("model.") and tensors[k].ndim == 2)
+        tensors[name] = tensors[name][:-1].contiguous()  # a row short of the model's
+        save_file(tensors, str(actor))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    write_manifest(ckpt, manifest["step"], manifest["meta"])
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("safetensors-header", "actor.safetensors is not a valid safetensors file"),
+    ("trainer-json", "trainer.json is not valid JSON"),
+    ("trainer-state", "trainer.json"),
+    ("wrong-shape", "actor state does not fit"),
+])
+def test_a_rehashed_checkpoint_that_does_not_load_falls_back_like_a_damaged_one(tiny_model, finished, run_dir, tmp_path,
+                                                                                 caplog, capsys, damage, reason):
+    """Bad content under a manifest that matches it (re-hashed): resume=auto skips it with a warning naming the
+    checkpoint and why, and resumes from the previous one, as it does for a hash mismatch (what the bad one loaded
+    before it failed is all replaced: step 2 is replayed as the run first made it); named with trainer.resume=PATH
+    it is an error instead, and so is one `portrl eval --checkpoint` names."""
+    from portrl.trainer import run_training
+
+    newest = run_dir / "checkpoints" / "global_step_2"
+    _craft(newest, damage)
+    branch = tmp_path / "branch"
+    with pytest.raises(CheckpointError, match=rf"checkpoint {newest} is unusable: .*{reason}"):
+        run_training(_cfg(tiny_model, branch, **{"trainer.resume": str(newest), "trainer.total_steps": 3}))
+    if damage in ("safetensors-header", "wrong-shape"):  # the policy: `portrl eval` refuses it in one line too
+        from portrl.cli import main
+
+        argv = ["eval", "device.name=cpu", "device.num_threads=1", f"model.path={tiny_model}",
+                "data.arith.num_test=8", "--checkpoint", str(newest)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"portrl eval: error: checkpoint {newest} is unusable: ") and reason in err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    with caplog.at_level(logging.WARNING):
+        s = run_training(_cfg(tiny_model, run_dir, **{"trainer.total_steps": 3}))
+    assert s["resumed_from"].endswith("global_step_1") and s["steps"] == 3
+    assert f"checkpoint {newest} is unusable" in caplog.text and reason in caplog.text
+    assert _steps(run_dir) == [0, 1, 2, 3]
+    assert _row(run_dir, 2) == _row(finished, 2)
+
+
+def _row(out, step):
+    """Step ``step``'s metrics line without the machine's measurements (times, throughput, memory)."""
+    row = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if json.loads(x)["step"] == step)
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/", "memory/"))}
+
+
+def test_no_checkpoint_that_loads_stops_with_the_list(tiny_model, run_dir):
+    """When every checkpoint is re-hashed bad content, resume=auto stops listing each with its reason, as it does when
+    none is intact, and starts nothing over."""
+    from portrl.trainer import run_training
+
+    root = run_dir / "checkpoints"
+    _craft(root / "global_step_2", "safetensors-header")
+    _craft(root / "global_step_1", "trainer-json")
+    with pytest.raises(CheckpointError) as err:
+        run_training(_cfg(tiny_model, run_dir, **{"trainer.total_steps": 3}))
+    msg = str(err.value)
+    assert "found no usable checkpoint" in msg and "rather than silently start over" in msg
+    assert f"{root / 'global_step_2'}: actor.safetensors is not a valid safetensors file" in msg
+    assert f"{root / 'global_step_1'}: trainer.json is not valid JSON" in msg
+    assert _steps(run_dir) == [0, 1, 2] and sorted(p.name for p in root.iterdir()) == ["global_step_1", "global_step_2"]

@@ -203,6 +203,14 @@ def render(rows: Optional[List[Entry]] = None) -> str:
         "Checks across keys (batch sizes that divide, what an algorithm needs) are in `portrl/config/checks.py`; "
         "a key outside its range stops the command with one line naming it.",
         "",
+        "A value may refer to another key (`${data.max_response_length}`) and use omegaconf's resolvers, except "
+        "`${oc.env:NAME}`: a value that reads an environment variable is refused with one line naming the key "
+        "(escaped or inside another resolver too), because the variable's value (a token, say) would be saved "
+        "with the run (`run.json`, the checkpoints' manifests) and logged (`portrl config show`, the config "
+        "wandb and mlflow get). Write the value itself, or let the shell expand it on the command line "
+        "(`trainer.experiment_name=$NAME`), and leave a secret in the environment of the program that reads it "
+        "(wandb reads `WANDB_API_KEY`).",
+        "",
     ]
     group = None
     for e in rows:

@@ -13,7 +13,10 @@ relative paths inside the checkpoint), and every listed file must exist with the
 A partial, corrupt or malformed checkpoint is skipped with a warning naming it and what is wrong, and the
 previous one is used. ``resolve_auto(identity)`` does the same for ``trainer.resume=auto`` and then checks
 the newest intact checkpoint with :func:`check_compatible` (format version, run identity); when checkpoints
-exist but none is intact it raises an error listing each with its problem instead of starting over.
+exist but none is intact it raises an error listing each with its problem instead of starting over. A checkpoint
+that matches its manifest but does not load (re-hashed after its content changed: a safetensors header or a JSON
+state that does not decode, a tensor of another shape) raises :class:`UnusableCheckpoint` as it loads, and a resume
+with ``trainer.resume=auto`` skips it the same way (portrl.trainer.run_checkpoints.resume_run).
 
 Rotation (after each save) keeps the checkpoint just written and the newest intact others, up to
 ``max_to_keep`` in all; it never deletes the one it just wrote (even when higher-numbered ones exist).
@@ -59,6 +62,23 @@ _STEP_DIR = re.compile(rf"^{PREFIX}(\d+)$")
 class CheckpointError(UserError):
     """A checkpoint cannot be used: missing, corrupt, of an old format or of another run (a user error:
     one line, exit code 2)."""
+
+
+class UnusableCheckpoint(CheckpointError):
+    """A checkpoint whose own files do not give a state this run can load: they differ from the manifest, or they
+    match it (a re-hashed checkpoint) but a header or JSON state does not decode or a value does not fit the run (a
+    tensor of another shape). ``trainer.resume=auto`` skips such a checkpoint for the previous one, as
+    :meth:`CheckpointManager.resolve_auto` skips one that fails :func:`verify`; a checkpoint named by its path is
+    refused. ``problem``: what is wrong, without the path."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem
+
+
+def unusable(path: str | os.PathLike, problem: str) -> UnusableCheckpoint:
+    """The error of checkpoint ``path`` whose files do not load: ``checkpoint <path> is unusable: <problem>``."""
+    return UnusableCheckpoint(f"checkpoint {path} is unusable: {problem}", problem)
 
 
 def set_aside(path: Path, why: str) -> Path:
@@ -111,7 +131,7 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST})")
     manifest, problem = _load_manifest(Path(path))
     if problem or manifest is None:  # no manifest always comes with a problem
-        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        raise unusable(path, str(problem))
     return manifest
 
 
@@ -127,7 +147,7 @@ def open_checkpoint(path: str | os.PathLike, identity: Optional[Dict[str, Any]] 
         raise CheckpointError(f"{path} is not a portrl checkpoint (no {MANIFEST}; give a {PREFIX}<step> directory)")
     problem = verify(path, with_reference)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        raise unusable(path, problem)
     manifest = read_meta(path)
     check_compatible(path, manifest, identity, only)
     return manifest
@@ -236,13 +256,18 @@ class CheckpointManager:
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         return None
 
-    def resolve_auto(self, identity: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+    def resolve_auto(self, identity: Optional[Dict[str, Any]] = None,
+                     skip: Optional[Dict[Path, str]] = None) -> Optional[Path]:
         """``trainer.resume=auto``: the newest intact checkpoint (corrupt, partial or malformed ones skipped with
-        a warning), checked by :func:`check_compatible`; None when there is no checkpoint at all. Raises
-        CheckpointError when checkpoints exist but none is intact (listing each with its problem), or when the
-        newest intact one has another format or belongs to another run."""
+        a warning), checked by :func:`check_compatible`; None when there is no checkpoint at all. ``skip``: the
+        checkpoints already found unusable as they loaded (:class:`UnusableCheckpoint`), with their problems, taken
+        as not intact. Raises CheckpointError when checkpoints exist but none is intact (listing each with its
+        problem), or when the newest intact one has another format or belongs to another run."""
         problems: List[str] = []
         for _step, path in reversed(self.checkpoints()):
+            if skip and path in skip:  # its warning was logged when it failed to load
+                problems.append(f"{path}: {skip[path]}")
+                continue
             problem = resumable_problem(path)
             if problem is None:
                 check_compatible(path, read_meta(path), identity)
@@ -281,7 +306,6 @@ class CheckpointManager:
         return path
 
 
-__all__ = ["MANIFEST", "REFERENCE", "CheckpointManager", "CheckpointError", "check_compatible", "manifest_problem", "manifest_text",
-           "open_checkpoint", "read_meta", "reference_damage", "reference_pin", "resumable_problem", "set_aside",
-           "verify", "write_manifest", "sha256_file"]
-
+__all__ = ["MANIFEST", "REFERENCE", "CheckpointManager", "CheckpointError", "UnusableCheckpoint", "check_compatible",
+           "manifest_problem", "manifest_text", "open_checkpoint", "read_meta", "reference_damage", "reference_pin",
+           "resumable_problem", "set_aside", "unusable", "verify", "write_manifest", "sha256_file"]

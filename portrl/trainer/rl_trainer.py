@@ -55,7 +55,7 @@ from portrl.trainer.reference_update import refresh_reference
 from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config
 from portrl.trainer.rollout_pipeline import RolloutPipeline
 from portrl.trainer.reward_scoring import RewardScorer
-from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, save_run_checkpoint
+from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, resume_run, save_run_checkpoint
 from portrl.trainer.run_dir import prepare_run_dir
 from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
@@ -239,8 +239,8 @@ class RLTrainer:
         self._run_id = record.get("run_id")
         started = time.perf_counter()
         summary: Dict[str, Any] = {"run_dir": str(self.out_dir)}
-        if resume is not None:
-            self.load_checkpoint(resume)
+        if resume is not None:  # with resume=auto, the previous intact one if it does not load (resume_run)
+            resume = resume_run(self, resume)
             summary["resumed_from"] = str(resume)
         elif cfg.model.sft_warm_start:
             rows = builtin_sft_rows(cfg, at_least=2000) if warm_start_task(cfg) is not None else None

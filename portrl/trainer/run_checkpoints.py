@@ -29,11 +29,14 @@ anything loads.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Protocol, Tuple
 
-from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointError, CheckpointManager, open_checkpoint, \
-    reference_pin, sha256_file
+import torch
+
+from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointManager, UnusableCheckpoint, open_checkpoint, \
+    reference_pin, sha256_file, unusable
 from portrl.trainer.checkpoint_io import ShardedState, StateFormatError, is_sharded, load_state, save_state
 from portrl.trainer.reference_repair import restore_reference
 from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, fingerprint, run_identity
@@ -155,7 +158,7 @@ def _restore_reference(trainer: CheckpointedRun, path: Path, manifest: Dict[str,
     the checkpoint loads into the actor), and checked against the pin. Raises CheckpointError."""
     pin, problem = reference_pin(manifest)
     if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        raise unusable(path, problem)
     if pin is None:
         return
 
@@ -196,44 +199,84 @@ def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool 
         elif use_ref and manifest["meta"].get(OWN_REFERENCE):  # the reference of this very step
             actor["ref"] = load_state(path, "ref")
     except StateFormatError as exc:
-        raise CheckpointError(f"checkpoint {path} is unusable: {exc}") from None
+        raise unusable(path, str(exc)) from None
     if policy_only:
         actor.pop("ref", None)
     ckpt = getattr(trainer, "ckpt", None)
     if ref_meta is not None and ckpt is not None and path.parent.resolve() == ckpt.root.resolve():
         trainer.reference_copy.remember(ckpt.root, ref_meta)  # resumed in place: no need to write it again
-    for worker_state, optim, key in ((actor, trainer.cfg.actor.optim, "actor.optim.lr"),
-                                     (critic, trainer.cfg.critic.optim, "critic.optim.lr"),
-                                     (prm, trainer.cfg.reward_model.model.optim, "reward_model.model.optim.lr")):
-        note = apply_lr(worker_state, float(optim.lr), key) if worker_state is not None else None
-        if note and not policy_only:
-            log.warning("%s", note)
-    for name, group, worker_state, by_rank in (("actor", trainer.actor, actor, actor_by_rank),
-                                               ("critic", trainer.critic, critic, critic_by_rank),
-                                               ("prm", _prm_group(trainer), prm, prm_by_rank)):
+    for name, group, worker_state, by_rank, optim, key in (
+            ("actor", trainer.actor, actor, actor_by_rank, trainer.cfg.actor.optim, "actor.optim.lr"),
+            ("critic", trainer.critic, critic, critic_by_rank, trainer.cfg.critic.optim, "critic.optim.lr"),
+            ("prm", _prm_group(trainer), prm, prm_by_rank, trainer.cfg.reward_model.model.optim,
+             "reward_model.model.optim.lr")):
         if worker_state is None:
             continue
         assert group is not None  # a state was read above only for a group the run has
-        if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
-            extra = {"scheduler": worker_state["scheduler"],
-                     "optimizer": {"param_groups": worker_state["optimizer"]["param_groups"]}}
-            if "ref" in worker_state:
-                extra["ref"] = worker_state["ref"]
-            group.run("load_shard", str(path.resolve()), name, extra)  # a Ray worker's cwd may differ
-        else:
-            group.run("load_state_dict", worker_state)
+        with _fitting(path, f"its {name} state"):
+            note = apply_lr(worker_state, float(optim.lr), key)
+            if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
+                extra = {"scheduler": worker_state["scheduler"],
+                         "optimizer": {"param_groups": worker_state["optimizer"]["param_groups"]}}
+                if "ref" in worker_state:
+                    extra["ref"] = worker_state["ref"]
+                group.run("load_shard", str(path.resolve()), name, extra)  # a Ray worker's cwd may differ
+            else:
+                group.run("load_state_dict", worker_state)
+        if note and not policy_only:
+            log.warning("%s", note)
     if prm is not None:
         assert trainer.prm is not None  # its state was read above for its group
         trainer.prm.loaded_from_checkpoint()
     trainer.global_step = int(manifest["step"])
     if state is None:
         return
+    with _fitting(path, "trainer.json"):
+        try:
+            trainer.train_ds.load_state_dict(state["data"])
+        except ValueError as exc:  # the same data keys (run identity), but the files' contents changed
+            raise unusable(path, f"{exc}; the training data changed since it was written: restore them, or start "
+                                 f"a fresh run (a new trainer.output_dir)") from None
+        trainer.restart_data()
+        set_rng_state(state["rng"])
+        if trainer.kl_ctrl is not None and state.get("kl_coef") is not None:
+            trainer.kl_ctrl.value = float(state["kl_coef"])
+
+
+@contextmanager
+def _fitting(path: Path, what: str) -> Iterator[None]:
+    """Loading ``what`` of checkpoint ``path`` into the run: an error of a value the checkpoint holds that does not
+    fit (a tensor of another shape, a state without a key, a shard that does not decode, in this process or a
+    worker's) is raised as UnusableCheckpoint naming ``what``; running out of memory is not the checkpoint's doing
+    and passes through."""
     try:
-        trainer.train_ds.load_state_dict(state["data"])
-    except ValueError as exc:  # the same data keys (run identity), but the files' contents changed
-        raise CheckpointError(f"checkpoint {path}: {exc}; the training data changed since it was written: "
-                              f"restore them, or start a fresh run (a new trainer.output_dir)") from None
-    trainer.restart_data()
-    set_rng_state(state["rng"])
-    if trainer.kl_ctrl is not None and state.get("kl_coef") is not None:
-        trainer.kl_ctrl.value = float(state["kl_coef"])
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise unusable(path, f"{what} does not fit this run ({detail if len(detail) <= 300 else detail[:297] + '...'})"
+                       ) from exc
+
+
+def resume_run(trainer: CheckpointedRun, path: Path) -> Path:
+    """Load checkpoint ``path``, the one ``trainer.resume`` chose (:meth:`CheckpointManager.resolve_resume`), into
+    ``trainer`` and return the checkpoint loaded. With ``trainer.resume=auto``, a checkpoint whose files do not load
+    (:class:`UnusableCheckpoint`, its sha256 matching or not) is skipped with a warning naming it and why, and the
+    previous intact one is loaded instead (every state is loaded again, over what the skipped one left), as a
+    checkpoint that fails its manifest is skipped; when none is left, the error lists each with its problem. A
+    checkpoint named by its path (``trainer.resume=PATH``) is never replaced: its UnusableCheckpoint is raised."""
+    skipped: Dict[Path, str] = {}
+    while True:
+        try:
+            load_run_checkpoint(trainer, path)
+            return path
+        except UnusableCheckpoint as exc:
+            if str(trainer.cfg.trainer.resume) != "auto":
+                raise
+            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, exc.problem)
+            skipped[path] = exc.problem
+            previous = trainer.ckpt.resolve_auto(run_identity(trainer.cfg), skip=skipped)
+            if previous is None:  # the checkpoints are gone meanwhile
+                raise
+            path = previous
