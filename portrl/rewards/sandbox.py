@@ -3,24 +3,37 @@
 :func:`run_program` writes the program to a fresh temporary folder (its cwd, HOME and TMPDIR; removed
 afterwards) and starts it through portrl.rewards.sandbox_child in a new session (its own process group) with
 a clean environment (PATH, LANG, HOME, TMPDIR, and OMP/OPENBLAS/MKL_NUM_THREADS=1; the interpreter runs with
-``-I``: no PYTHONPATH, no user site). Each part below is reported on the :class:`RunResult`; a part the
-platform refuses is left out, its flag is False, ``details`` says why, and a warning is logged once per process.
+``-I``: no PYTHONPATH, no user site). Each part below is reported on the :class:`RunResult`.
 
 What the program gets where every part applies (Linux on x86_64 or aarch64; as root, or as any user where
 unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as uid 65534):
 
-* its own file system (``root_isolated``, portrl/rewards/sandbox_root.py): a tmpfs root holding only its own
-  folder (a tmpfs of ``disk_mb``, the only place besides /tmp and /dev/shm, 64 MiB each, where it may
-  write), the interpreter's prefixes (the virtual environment and the base installation) and /usr read-only,
-  three entries of /etc (alternatives, ld.so.cache, localtime), five devices and a /proc of its own (where
-  the kernel refuses a new procfs, e.g. a user namespace under a partly masked /proc: none,
-  ``details["proc_error"]``). The checkout, the training data and its ground truths, home folders, /etc,
-  /var, /sys and every other mount of the host do not exist for it. A package installed in editable mode
-  from outside the prefixes (a .pth pointing into a checkout) does not import in it.
+* its own file system (``root_isolated``, portrl/rewards/sandbox_root.py, the layout in
+  portrl/rewards/sandbox_host.root_layout): a tmpfs root holding, read-only, the base interpreter (the real
+  executable behind a virtual environment's launcher: no virtual environment is needed in there) with its
+  standard library (stdlib, lib-dynload) and its library folders (LIBDIR, e.g. libpython or conda's lib), the
+  system's programs and shared libraries (/bin, /lib*, /usr/bin, /usr/lib*, /usr/libexec, /etc/alternatives),
+  /etc/ld.so.cache, /etc/localtime and /usr/share/zoneinfo; every Python package folder inside those (the
+  interpreter's site-packages, any site-packages / dist-packages below the bound library folders) is an empty
+  tmpfs, except the interpreter's site folder, which holds only the packages of ``limits.packages`` (below);
+  five devices, a /proc of its own (where the kernel refuses a new procfs, e.g. a user namespace under a partly
+  masked /proc: none, ``details["proc_error"]``); its own folder (a tmpfs of ``disk_mb``), /tmp and /dev/shm
+  (64 MiB each) are the only places it may write. Not there: the checkout, the training data and its ground
+  truths, portrl and its package data (the shipped problems and their tests) whether installed editable or not,
+  the virtual environment, every other package, home folders, /etc, /usr/local, /usr/src, /usr/share, /opt,
+  /var, /sys and every other mount of the host. The interpreter may live anywhere (/tmp, /dev/shm, a home
+  folder, /opt, conda): the private /tmp and /dev/shm are mounted before the binds.
+* the packages it may import besides the standard library: ``SandboxLimits.packages`` (top-level import names,
+  default :data:`DEFAULT_PACKAGES`, numpy), each found in this interpreter without importing it
+  (importlib.util.find_spec) and bound read-only into the sandboxed interpreter's site folder with its bundled
+  libraries (numpy.libs); their dependencies are not followed (list them too), their metadata (dist-info) is
+  not there. A name not installed here is left out (:func:`exposed_packages` says which are available).
 * its own PID and IPC namespaces (``pid_isolated``): the program is pid 2, the namespace's init pid 1;
   /proc lists only them and what the program starts; no process of the machine can be seen or signalled.
   When the program exits, init exits and the kernel kills everything else in the namespace, also a process
-  that left the process group with setsid().
+  that left the process group with setsid(). Init's command line and environment (/proc/1/cmdline, environ)
+  hold nothing of the host: it is the base interpreter started with a fixed bootstrap that reads its code and
+  the run's settings from a pipe.
 * its own network namespace (``network_isolated``; no interface but a down loopback: every connection
   fails, abstract unix sockets included) and mount namespace (``mount_isolated``).
 * a seccomp filter (``seccomp_filtered``, portrl/rewards/sandbox_seccomp.py, with no_new_privs): ptrace,
@@ -38,27 +51,42 @@ unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as
 
 What it does not give: protection from kernel bugs (the kernel is shared) or CPU side channels (timing,
 caches, Spectre-class leaks); a /proc without host-wide facts (cpuinfo, meminfo, loadavg, /proc/sys are the
-machine's; mountinfo names the host paths of the bound folders); privacy of anything the caller puts into
-the program's own source or stdin (a test harness with the expected values in it can be read by the
-program); limits on the memory its tmpfs files take (not counted in ``memory_mb``).
+machine's; /proc/self/mountinfo names the host paths of the bound folders, so the path -- not the contents --
+of an exposed package's folder, e.g. a virtual environment in the checkout, can be read there); privacy of
+anything the caller puts into the program's own source or stdin (a test harness with the expected values in it
+can be read by the program); limits on the memory its tmpfs files take (not counted in ``memory_mb``); the
+exposed packages' own files and the standard library are readable (they are what it imports).
 
-Where the platform refuses parts: Docker's default seccomp profile without CAP_SYS_ADMIN refuses the
-namespaces, kernels with unprivileged user namespaces off (or restricted, as AppArmor does on Ubuntu 24.04;
-untested) refuse them to a non-root user: then only the limits, the seccomp filter and, as root, the uid drop
-(where that uid can reach the interpreter) apply -- the program can read every file its uid may read and see
-every process (not signal them, when the uid was dropped). Where only the PID namespace is refused, the root
-is built without /proc; where the root cannot be built (pivot_root refused, an architecture without a syscall
-table), the mount namespace hides only the world-writable folders (/tmp, /var/tmp, /dev/shm, /run/lock), the
-sandbox folder is still a tmpfs of ``disk_mb`` and /proc is the PID namespace's. Kernels before 5.12 make each
-bound folder's top mount read-only, not mounts below it (no mount_setattr). Elsewhere than Linux only the
-rlimits, the process-group kill and the clean environment apply, untested.
+No unisolated run by surprise: where the platform refuses a part -- the network, mount or PID namespace, the
+minimal root, the seccomp filter, or as root the uid drop (Docker's default seccomp profile refuses the
+namespaces without CAP_SYS_ADMIN and pivot_root always; AppArmor's docker-default profile refuses mount; kernels
+with unprivileged user namespaces off, or restricted as on Ubuntu 24.04, refuse them to a non-root user) -- the
+program is not run: :class:`SandboxUnisolated` (one line: what is missing, the kernel's reason, and how to allow
+it: for Docker ``--security-opt seccomp=unconfined``, as root also ``--cap-add SYS_ADMIN``, and
+``--security-opt apparmor=unconfined`` where AppArmor is on; the sysctls kernel.unprivileged_userns_clone=1,
+user.max_user_namespaces, Ubuntu 24.04's kernel.apparmor_restrict_unprivileged_userns=0; or the config key
+``sandbox.allow_unisolated=true``). ``SandboxLimits.allow_unisolated=True`` (what that key sets) runs it anyway,
+with a warning per missing part logged once per process, and these fallbacks: only the limits, the seccomp
+filter and, as root, the uid drop (where that uid can reach the interpreter) apply without namespaces -- the
+program runs with this process's own interpreter (sys.executable, its virtual environment and every package),
+can read every file its uid may read and see every process (not signal them, when the uid was dropped); where
+only the PID namespace is refused, the root is built without /proc; where the root cannot be built (pivot_root
+refused, an architecture without a syscall table), the mount namespace hides only the world-writable folders
+(/tmp, /var/tmp, /dev/shm, /run/lock), the sandbox folder is still a tmpfs of ``disk_mb`` and /proc is the PID
+namespace's. ``SandboxLimits(namespaces=False)`` (no namespaces at all: the caller's choice of no isolation)
+is refused (ValueError) unless allow_unisolated=True is given with it. Kernels before 5.12 make each bound
+folder's top mount read-only, not mounts below it (no mount_setattr). Elsewhere than Linux only the rlimits, the
+process-group kill and the clean environment would apply: refused unless allow_unisolated, untested.
 
 The wall-time limit (``timeout_s``) kills the whole process group (SIGKILL); stdout is read up to
 ``output_bytes`` (more: the group is killed, status "output_limit"; the same for more stderr than that);
 stderr keeps its last ``stderr_bytes``.
-The process group is killed after every run, so nothing the program started outlives it.
-The uid slots, the process table, that cleanup, the root's layout and the folders to mask live in
-portrl/rewards/sandbox_host.py.
+The process group is killed after every run, so nothing the program started outlives it. At interpreter exit
+(before threads are joined: a run abandoned in a thread, e.g. a tool call past the agent loop's timeout, is
+not waited for) every run still going is killed and its folder removed; a process killed by a signal
+(SIGKILL) cannot clean up: its programs die with it (PR_SET_PDEATHSIG), their folders stay in TMPDIR.
+The uid slots, the process table, that cleanup, the root's layout, the exposed packages and the folders to
+mask live in portrl/rewards/sandbox_host.py.
 """
 
 from __future__ import annotations
@@ -293,10 +321,20 @@ def _at_exit() -> None:
         _remove_tree(folder)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a multiprocessing worker) owns none of its parent's runs: its exit must not end them."""
+    global _live_lock, _exiting
+    _live.clear()
+    _live_lock = threading.Lock()
+    _exiting = False
+
+
 try:  # runs before concurrent.futures joins its workers (registered at its import above: the later runs first)
     threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # another Python, or imported while the interpreter exits
     atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _remove_tree(path: str) -> None:

@@ -1,26 +1,29 @@
 """The child side of portrl.rewards.sandbox: set up isolation, then exec the program's interpreter.
 
-Run as ``python -I -S sandbox_child.py CONFIG_JSON`` by :func:`portrl.rewards.sandbox.run_program` in a new
-session (its own process group), with the sandbox folder as cwd and a clean environment. It imports only the
-standard library and its siblings sandbox_syscalls, sandbox_root and sandbox_seccomp (loaded by path), and
-does, in this order, before ``execve``:
+Started by :func:`portrl.rewards.sandbox.start_program` as ``<base python> -I -S -c BOOTSTRAP FD`` in a new session
+(its own process group), with the sandbox folder as cwd and a clean environment. :data:`BOOTSTRAP` reads the
+payload the host wrote to the pipe FD (marshal: the run's settings and the code objects of this module and its
+siblings sandbox_syscalls, sandbox_root and sandbox_seccomp, compiled by the host) and calls :func:`main`: no file
+of the checkout is read here, and the command line -- what /proc/1/cmdline shows the program -- names neither a
+path of the host, its pid nor the root's layout. It imports only the standard library, and does, in this order,
+before ``execve``:
 
 1. namespaces: as root ``unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)``; otherwise the
    same with CLONE_NEWUSER and an identity uid/gid map. Where that is refused, the same without the PID and
-   IPC namespaces, then (root) a network namespace alone. Each step is tried and reported, never fatal (a
-   container's seccomp profile often refuses them).
+   IPC namespaces, then (root) a network namespace alone. Each step is tried and reported (a container's seccomp
+   profile often refuses them).
 2. with a PID namespace this process (the launcher) forks the namespace's init (pid 1), waits for it and exits
    the way the program did (its exit code, or killed by the same signal), so the caller sees the program's
    status. Init builds the file system view, forks the program (pid 2), reaps every process of the namespace
    and exits when the program has; the kernel then kills whatever else is left in the namespace. Both hold
    /dev/null as stdin/stdout/stderr, so the pipes belong to the program alone.
 3. in the new mount namespace (mounts made private): the minimal root of portrl.rewards.sandbox_root (the
-   program's folder as a tmpfs of ``disk_mb``, /usr and the interpreter read-only, /dev, /tmp, a fresh /proc
-   of the PID namespace; nothing else of the host). Where that fails (e.g. pivot_root refused), the earlier
-   view: a small private tmpfs over every world-writable folder (/tmp, /var/tmp, /dev/shm, /run/lock) and over
-   the folders that hide the interpreter from the sandbox user, the needed folders bound back, and a tmpfs of
-   ``disk_mb`` over the sandbox folder, and a fresh /proc of the PID namespace -- the rest of the host stays
-   readable.
+   program's folder as a tmpfs of ``disk_mb``, the base interpreter, its standard library and the exposed
+   packages, the system's programs and libraries read-only, /dev, /tmp, a fresh /proc of the PID namespace;
+   nothing else of the host). Where that fails (e.g. pivot_root refused), the earlier view: a small private tmpfs
+   over every world-writable folder (/tmp, /var/tmp, /dev/shm, /run/lock) and over the folders that hide the
+   interpreter from the sandbox user, the needed folders bound back, and a tmpfs of ``disk_mb`` over the sandbox
+   folder, and a fresh /proc of the PID namespace -- the rest of the host stays readable.
 4. resource limits (CPU time, address space, file size, processes, open files, no core files).
 5. as root: drop to the sandbox uid/gid (no supplementary groups), so that RLIMIT_NPROC applies (root is
    exempt from it) and only world-writable files outside the sandbox folder are writable.
@@ -28,9 +31,14 @@ does, in this order, before ``execve``:
    terminated mid-run takes the program with it (without a PID namespace: the program itself, processes it
    forked are not covered).
 7. no_new_privs and the seccomp filter of portrl.rewards.sandbox_seccomp (on x86_64 and aarch64).
+8. the check: when any part is missing (a namespace, the minimal root, the filter; as root the uid drop) and the
+   settings do not allow running without it (``allow_unisolated``), the program is NOT executed: the report
+   names the missing parts ("unisolated") and this process exits with code 121.
 
-What it managed is written as one JSON line to the status pipe (fd ``status_fd``, closed by the exec); an
-error before or in exec is written there as a line {"error": ...}, with exit code 121.
+Then it executes the program: in the minimal root with the base interpreter (``python``), elsewhere with the host
+process's own (``python_host``: its virtual environment, as before the root existed), both with ``-I``. What it
+managed is written as one JSON line to the status pipe (fd ``status_fd``, closed by the exec); an error before or
+in exec is written there as a line {"error": ...}, with exit code 121.
 """
 
 import ctypes

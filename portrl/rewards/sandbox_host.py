@@ -5,12 +5,18 @@
 * the process table read from /proc: :func:`live_processes` of a process group or a uid, :func:`user_task_count`
   (what RLIMIT_NPROC counts for a non-root user);
 * cleanup after a run: :func:`kill_uid` and :func:`kill_group` SIGKILL until nothing of the run is left;
-* :func:`root_layout`: what the minimal root (portrl/rewards/sandbox_root.py) binds read-only -- the system's
-  /usr and its companions, three entries of /etc, the interpreter's prefixes, five devices -- computed once per
-  process;
+* the interpreter the sandbox runs: :func:`base_executable` (the real executable behind a virtual environment's
+  launcher) and :func:`interpreter_info` (its standard library, library folders and site folders, learnt once per
+  process by running it with ``-I -S``);
+* :func:`root_layout`: what the minimal root (portrl/rewards/sandbox_root.py) holds -- the system's programs and
+  libraries (``SYSTEM_DIRS``), three files, the base interpreter with its standard library and library folders,
+  five devices; every Python package folder inside those masked, and the packages a program may import bound into
+  the interpreter's site folder -- computed once per process and package list;
+* :func:`exposed_packages`: which top-level import names a sandboxed program can import (found here without
+  importing them: importlib.util.find_spec; bound with their auditwheel library folder, numpy.libs);
 * :func:`isolation_view`: the fallback where that root cannot be built: the folders the child masks with tmpfs in
   its mount namespace (``WRITABLE_DIRS`` and, as root, folders a dropped uid cannot enter) and the paths it binds
-  back (the sandbox folder, the interpreter).
+  back (the sandbox folder, this process's interpreter).
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
 """The code sandbox's minimal root: what the program's file system is, built per run (standard library only).
 
 :func:`build_root` runs in the sandbox's own mount namespace (the caller made every mount private) and makes
-this, in a tmpfs mounted over the sandbox folder, then pivots into it and detaches the old root:
+this, in a tmpfs mounted over the sandbox folder, then pivots into it and detaches the old root, in this order:
 
-* read-only (recursive binds, also nosuid and nodev): the ``binds`` of the layout -- the system's /usr (and
-  /bin, /lib, ... where they are folders rather than links into /usr; /etc/alternatives) and the interpreter's
-  prefixes (the virtual environment, the base installation) -- and the single ``files`` (/etc/ld.so.cache,
-  /etc/localtime); the layout's ``links`` are recreated as the same symbolic links;
+* the layout's ``links`` recreated as the same symbolic links (/bin -> usr/bin);
+* /tmp and /dev/shm: private tmpfs (64 MiB, mode 1777) -- first, so that what is bound below them (an interpreter
+  living in /tmp or /dev/shm) sits on top of them, not hidden under them;
+* read-only (recursive binds, also nosuid and nodev): the ``binds`` of the layout -- the system's programs and
+  libraries, the base interpreter's standard library and library folders -- and the single ``files``
+  (/etc/ld.so.cache, the interpreter's executable);
 * /dev: the layout's ``devices`` (null, zero, full, random, urandom) bound one by one, fd/stdin/stdout/stderr
-  links into /proc/self, and /dev/shm a private tmpfs;
-* /tmp: a private tmpfs (64 MiB, mode 1777);
+  links into /proc/self;
+* every folder of the layout's ``masks`` (Python package folders inside the binds) covered by an empty read-only
+  tmpfs, except the ``site`` folder: a tmpfs holding only the layout's ``packages`` (each bound read-only), then
+  made read-only itself;
 * the sandbox folder at its own path: a tmpfs of ``disk_mb`` holding only the program (``workdir_options``
   give its owner);
 * /proc: a new procfs of the caller's PID namespace when ``mount_proc`` (only that namespace's processes);
   where the kernel refuses it (an unprivileged user namespace under a /proc with masked parts) /proc stays an
   empty folder and the result says why;
-* the root itself read-only; nothing else of the host (its home folders, /etc, /work, /var, /sys, other
-  mounts) exists in it.
+* the root itself read-only; nothing else of the host (its home folders, /etc, /usr/local, /opt, /work, /var,
+  /sys, other mounts) exists in it.
 
 The layout is computed once per process by portrl.rewards.sandbox_host.root_layout. A failure before the
 pivot raises :class:`RootError` after detaching the half-built root, so the caller can fall back to the
