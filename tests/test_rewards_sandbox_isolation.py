@@ -283,7 +283,8 @@ def test_an_unprivileged_user_gets_the_same_isolation():
                "try:\\n    open({str(REPO / 'README.md')!r}).read(); print('read')\\n"
                "except OSError as exc:\\n    print('refused', type(exc).__name__)\\n"
                "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\\n"
-               "print(ctypes.CDLL(None).ptrace(0, 0, None, None))\\n")
+               "print(ctypes.CDLL(None).ptrace(0, 0, None, None))\\n"
+               "import site, numpy\\nprint(sorted(os.listdir(site.getsitepackages()[0])), int(numpy.ones(3).sum()))\\n")
         r = run_program(src, '', SandboxLimits(timeout_s=10.0, memory_mb=256))
         print(json.dumps(r.__dict__))
     """)
@@ -300,7 +301,9 @@ def test_an_unprivileged_user_gets_the_same_isolation():
     assert not r["uid_dropped"]
     assert all(r[p] for p in ("network_isolated", "mount_isolated", "pid_isolated", "root_isolated",
                               "seccomp_filtered")), r
-    assert r["stdout"].splitlines() == ["refused FileNotFoundError", "[1, 2]", "-1"], r
+    # the site folder holds only the exposed package (a tmpfs made and bound into inside the user namespace)
+    assert r["stdout"].splitlines() == ["refused FileNotFoundError", "[1, 2]", "-1",
+                                        "['numpy', 'numpy.libs'] 3"], r
 
 
 _DOCKER_LIKE = textwrap.dedent("""
