@@ -120,7 +120,6 @@ from portrl.rewards.sandbox_host import (
     WRITABLE_DIRS,
     SandboxError,
     UidSlot,
-    base_executable,
     check_package_names,
     exposed_packages,
     isolation_view,
@@ -151,7 +150,8 @@ class SandboxUnisolated(SandboxError):
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits of one run. ``cpu_s`` None: the wall time rounded up (CPU time never exceeds wall time for a
-    single thread; more processes share the wall limit anyway)."""
+    single thread; more processes share the wall limit anyway). ValueError (one line) for ``packages`` that are not
+    top-level import names (or name portrl), and for ``namespaces=False`` without ``allow_unisolated=True``."""
 
     timeout_s: float = 5.0
     memory_mb: int = 1024
