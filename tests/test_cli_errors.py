@@ -243,6 +243,17 @@ CASES: list[tuple[str, list[str], str, dict]] = [
      "interaction config '{tmp}/none.yaml' does not exist", {}),
     ("truncate-side-bad", ["train", "rollout.multi_turn.tool_response_truncate_side=top"],
      "rollout.multi_turn.tool_response_truncate_side='top' is not one of 'left', 'right', 'middle'", {}),
+    # ---------------------------------------------------------------- the code sandbox (sandbox.*; a platform that
+    # refuses it: SANDBOX_FAULT_CASES below)
+    ("sandbox-package-not-a-name", ["train", "sandbox.packages=[numpy,scikit-learn]"],
+     "sandbox.packages has 'scikit-learn', which is not an importable name", {}),
+    ("sandbox-package-not-installed", ["train", "data=code", "data.train_files=[{code_train}]",
+                                       "data.val_files=[{code_test}]", "sandbox.packages=[numpy,portrl_no_such_pkg]"],
+     "sandbox.packages has portrl_no_such_pkg, which is not installed in this interpreter", {}),
+    ("sandbox-package-python-tool", ["train", "rollout.multi_turn.enable=true",
+                                     "rollout.multi_turn.tool_config_path=configs/tools/python.yaml",
+                                     "sandbox.packages=[portrl_no_such_pkg]"],
+     "(needed by the python tool (rollout.multi_turn.tool_config_path))", {}),
 ]
 SUBPROCESS_IDS = ["device-npu-flag", "ground-truth-nan", "reward-import-raises", "ckpt-not-a-ckpt", "plot-missing",
                   "sft-output-not-empty", "oc-env-override",
@@ -319,6 +330,10 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     f["bad_tool_schema"] = str(tmp / "bad_tool_schema.yaml")
     (tmp / "search_tools.yaml").write_text("tools:\n  - {name: search, config: {corpus_path: none.jsonl}}\n")
     f["search_tools"] = str(tmp / "search_tools.yaml")
+    from portrl.data.preprocess import preprocess
+
+    code = preprocess("code", tmp / "code")  # the code problems shipped with portrl (data=code)
+    f["code_train"], f["code_test"] = str(code["train"]), str(code["test"])
     (tmp / "bad.jsonl").write_text('{"question": "1+1?"}\n')
     f["bad_jsonl"] = str(tmp / "bad.jsonl")
     (tmp / "bad_run").mkdir()
@@ -563,3 +578,41 @@ def test_lora_targets_that_are_no_layer_of_the_model_stop_in_the_preflight(input
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "actor.lora_target_modules ['qproj'] are not modules of Qwen2ForCausalLM" in err[0]
     assert "q_proj" in err[0] and "all-linear" in err[0]
+
+
+# (id, platform fault (tests/_sandbox_faults.py), argv, key phrase): the real `portrl` on a platform that refuses the
+# code sandbox, made with a seccomp filter on its process; the start-up check stops it before any model loads
+SANDBOX_FAULT_CASES = [
+    ("sandbox-isolation-refused", "namespaces",
+     ["train", "data=code", "data.train_files=[{code_train}]", "data.val_files=[{code_test}]"],
+     "sandbox.allow_unisolated=true"),
+    ("sandbox-cannot-start", "setrlimit",
+     ["train", "data=code", "data.train_files=[{code_train}]", "data.val_files=[{code_test}]"],
+     "the code sandbox cannot start a program here, and the code reward (data_source "),
+    ("sandbox-isolation-refused-python-tool", "namespaces",
+     ["train", "rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=configs/tools/python.yaml"],
+     "(needed by the python tool (rollout.multi_turn.tool_config_path))"),
+]
+
+
+@pytest.mark.parametrize("case_id, fault, argv, phrase", SANDBOX_FAULT_CASES, ids=[c[0] for c in SANDBOX_FAULT_CASES])
+def test_a_platform_that_refuses_the_sandbox_stops_the_run_at_start_up(case_id, fault, argv, phrase, inputs,
+                                                                        tmp_path):
+    """Exit code 2, one line, no traceback, before any model loads (no tiny model in the cache, no run folder)."""
+    from _sandbox_faults import command_under, seccomp_available
+
+    if not seccomp_available():
+        pytest.skip("no seccomp here to refuse the sandbox with")
+    portrl = str(Path(sys.executable).parent / "portrl")
+    out = tmp_path / "run"
+    env = {**os.environ, "PORTRL_CACHE": str(tmp_path / "cache")}
+    env.pop("PORTRL_DEBUG", None)
+    full = [portrl, *_argv(argv, inputs)[2:], f"trainer.output_dir={out}"]
+    proc = subprocess.run(command_under(fault, full), capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and " WARNING " not in line]
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("portrl train: error: "), proc.stderr
+    assert phrase.format(**inputs) in lines[0], lines[0]
+    assert not out.exists() and not list((tmp_path / "cache").rglob("*.safetensors"))  # no model was written

@@ -327,7 +327,8 @@ def test_reward_code_config_reaches_the_code_reward():
     cfg = compose(overrides=["reward.code.continuous=false", "reward.code.timeout_s=2", "reward.code.memory_mb=256"])
     worker = RewardScorer(cfg, tokenizer=None)
     assert worker.manager.reward_kwargs == {"code": {"continuous": False, "timeout_s": 2.0, "memory_mb": 256,
-                                                     "max_workers": 4}}
+                                                     "max_workers": 4, "allow_unisolated": False,
+                                                     "packages": ("numpy",)}}  # and the sandbox's (sandbox.*)
     partly = "a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n"
     assert worker.manager.score([fenced(partly)], ["apps"], [ADD]).scores.tolist() == [0.0]  # all-or-nothing
     default = RewardScorer(compose(overrides=["reward.code.memory_mb=256"]), tokenizer=None)

@@ -6,7 +6,8 @@ engine batches them as they batch single-turn prompts. A turn's tokens and log-p
 returned them (never decoded and re-encoded, response mask 1). The turn's text (decoded only to read it) goes to
 the tool-call parser (``rollout.multi_turn.format``); a turn without a tool call ends the trajectory. Otherwise the
 calls run (portrl/agent/tools/execute.py: at most ``max_parallel_calls``, each limited to ``tool_timeout_s``; an
-unknown tool, bad arguments, an exception or a timeout is an error message the model reads), each output is cut to
+unknown tool, bad arguments, an exception or a timeout is an error message the model reads; a tool whose environment
+broke, ``ToolUnusable``, raises out of :meth:`ToolAgentLoop.run` and stops the run), each output is cut to
 ``max_tool_response_length`` characters on ``tool_response_truncate_side``, and the ids the chat template adds for
 those tool messages (portrl/agent/chat_delta.py, through the next generation prompt) are appended with mask 0.
 The calls of all live trajectories run concurrently.

@@ -1,7 +1,8 @@
 """Multi-turn rollouts of a run: the agent loops its config builds, chosen per row, and the Batch meta they fill.
 
 :class:`AgentRollout` is built once per rollout worker from ``rollout.multi_turn`` and ``data.max_response_length``
-(the tools of ``tool_config_path`` loaded then). Each row runs the loop its ``agent_name`` column names (verl's
+(the tools of ``tool_config_path`` loaded then, each given the run's ``sandbox`` settings,
+``Tool.configure_sandbox``). Each row runs the loop its ``agent_name`` column names (verl's
 column; absent: ``tool_agent``): ``tool_agent`` (portrl/agent/loop.py) or ``single_turn`` (the same loop limited
 to one model turn: a plain response). The row's ``extra_info.tools_kwargs`` (verl's, read unchanged) gives each tool
 its ``create_kwargs`` and ``execute_kwargs``; its ``extra_info.interaction_kwargs`` picks the interaction of
@@ -16,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from portrl.agent.interactions import load_interaction_config, row_interaction
 from portrl.agent.loop import AgentLimits, AgentRow, ToolAgentLoop
 from portrl.agent.parsers import get_parser
+from portrl.agent.tools.base import Tool
 from portrl.agent.tools.config import load_tool_config, tool_schemas
 from portrl.agent.tools.execute import merge_tools_kwargs
 from portrl.agent.trajectory import (META_NUM_TURNS, META_TOOL_CALLS, META_TOOL_ERRORS, META_TRACE, META_TURN_ENDS,
@@ -30,9 +32,10 @@ DEFAULT_AGENT = "tool_agent"
 class AgentRollout:
     """The agent loops of a run (module docstring)."""
 
-    def __init__(self, multi_turn: Any, max_response_length: int, tokenizer: Any):
+    def __init__(self, multi_turn: Any, max_response_length: int, tokenizer: Any, sandbox: Any = None):
         path = multi_turn.tool_config_path
         self.tools = load_tool_config(str(path)) if path else {}
+        configure_sandbox(self.tools, sandbox)
         self.schemas = tool_schemas(self.tools) if self.tools else None
         path = multi_turn.interaction_config_path
         self.interactions = load_interaction_config(str(path)) if path else {}
@@ -75,6 +78,15 @@ class AgentRollout:
             tool.close()
 
 
+def configure_sandbox(tools: Mapping[str, Tool], sandbox: Any) -> None:
+    """Give every tool the run's ``sandbox`` config group (``allow_unisolated``, ``packages``); None (a config
+    without the group): the tools keep their defaults."""
+    if sandbox is None:
+        return
+    for tool in tools.values():
+        tool.configure_sandbox(bool(sandbox.allow_unisolated), tuple(str(p) for p in sandbox.packages))
+
+
 def _one_turn(limits: AgentLimits) -> AgentLimits:
     return replace(limits, max_assistant_turns=1)
 
@@ -91,7 +103,7 @@ def agent_rollout(cfg: Any, tokenizer: Any) -> Optional[AgentRollout]:
     multi_turn = cfg.rollout.multi_turn
     if not bool(multi_turn.enable):
         return None
-    return AgentRollout(multi_turn, int(cfg.data.max_response_length), tokenizer)
+    return AgentRollout(multi_turn, int(cfg.data.max_response_length), tokenizer, cfg.get("sandbox"))
 
 
 def prompt_tools(cfg: Any) -> Optional[List[Dict[str, Any]]]:

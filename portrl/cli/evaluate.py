@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from portrl.cli.run_options import ExtraOption, add_run_arguments, compose_from, options_parser, parse_run_options
-from portrl.errors import UserError
+from portrl.errors import RunFailed, UserError
 from portrl.outputs import ON_EXISTING, claim, publish
 from portrl.user_files import temp_name
 
@@ -174,7 +174,15 @@ def run(args) -> int:
         trainer.load_checkpoint(Path(opts.checkpoint), policy_only=True)  # verified; the policy only
     total = len(trainer.val_prompts) if trainer.val_prompts is not None else 0
     trainer.reward = ScoringProgress(trainer.reward, total, int(trainer.cfg.rollout.val_kwargs.n))
-    metrics = trainer.validate(trainer.global_step)
+    try:
+        metrics = trainer.validate(trainer.global_step)
+    except Exception as exc:  # a tool whose sandbox stopped working: one line, as a training run ends with
+        from portrl.trainer.run_end import tool_unusable
+
+        unusable = tool_unusable(exc)
+        if unusable is None:
+            raise
+        raise RunFailed(f"{PROG}: error: the evaluation stopped: {' '.join(str(unusable).split())}") from exc
     if not metrics:
         raise UserError("no validation data; set data.val_files=[TEST.parquet]")
     for key in sorted(k for k in metrics if k.startswith("val/")):

@@ -16,6 +16,8 @@
   >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py); multi-turn
   rollouts: ``rollout.multi_turn`` (portrl/config/checks_agent.py);
+* sandbox: every ``sandbox.packages`` entry is a top-level import name (:func:`check_sandbox`; whether it is
+  installed is the preflight's check, portrl/trainer/sandbox_check.py);
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
   is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
@@ -29,6 +31,7 @@ All problems are collected and raised together as one :class:`ConfigError`.
 from __future__ import annotations
 
 import difflib
+import keyword
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -279,6 +282,20 @@ def _run_ranges(cfg, p: _Problems) -> None:
                      "pip install 'ray[default]' or use trainer.num_workers=1")
 
 
+def check_sandbox(cfg) -> list[str]:
+    """``sandbox.packages``: names a program imports (``import NAME``), one top-level package each."""
+    problems = []
+    for name in cfg.sandbox.packages:
+        text = str(name)
+        if not text.isidentifier() or keyword.iskeyword(text):
+            problems.append(f"sandbox.packages has {text!r}, which is not an importable name; give the top-level "
+                            "name a program imports (numpy, sympy; sklearn for scikit-learn, PIL for pillow)")
+        elif text == "portrl":
+            problems.append("sandbox.packages has 'portrl', which a sandboxed program may never import (its package "
+                            "data holds the training problems and their tests)")
+    return problems
+
+
 def _env_backends(cfg) -> list:
     """The backends whose variables ``device.env`` may set: the one ``device.name`` names, else (``auto``, or a
     name no backend has: check_backend reports that) every registered one."""
@@ -359,7 +376,7 @@ def check_backend(cfg) -> list[str]:
 def validate(cfg, *, registries: bool = True, backend: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it is valid."""
     problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg) + check_async(cfg)
-    problems += check_multi_turn(cfg)
+    problems += check_multi_turn(cfg) + check_sandbox(cfg)
     if registries:
         problems += check_registries(cfg)
     if backend:

@@ -186,4 +186,5 @@ RULES_ELSEWHERE: dict[str, str] = {
     "critic.pretrain_target_ev": "must be < 1, with critic.pretrain_steps > 0; or null",
     "reward.overlong_buffer.len": "must be in (0, data.max_response_length) when enabled",
     "async_training.max_staleness": "must be >= 0",
+    "sandbox.packages": "top-level import names (numpy, not scikit-learn), each installed in the run's interpreter",
 }

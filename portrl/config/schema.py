@@ -1,7 +1,7 @@
 """The structured config of a portrl run: one dataclass per group.
 
 Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, async_training,
-device (trainer and async_training in portrl/config/schema_trainer.py). Names
+device, sandbox (trainer and async_training in portrl/config/schema_trainer.py). Names
 follow verl where verl has the knob, so recipes translate one to one. Batch sizes count
 *prompts* (``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says
 sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences.
@@ -326,6 +326,25 @@ class RewardModelConfig:
     mini_batch_size: Optional[int] = None  # prompts per PRM optimizer step (x rollout.n rows); None = the actor's
 
 
+# ----------------------------------------------------------------------------------- sandbox
+#: what ``sandbox.packages`` holds by default: the packages a sandboxed program may import besides the standard library
+DEFAULT_SANDBOX_PACKAGES = ("numpy",)
+
+
+@dataclass
+class SandboxConfig:
+    """The local code sandbox (portrl/rewards/sandbox.py) of the code reward and the built-in python tool."""
+
+    # accept running programs without the isolation the platform refuses (namespaces: Docker's default seccomp profile,
+    # unprivileged user namespaces off): the program can then read every file its uid may read (the checkout, the
+    # training data and its ground truths), reach the network and see the machine's processes; every validation
+    # line says UNISOLATED. false: such a run stops at start-up with one line naming what is missing
+    allow_unisolated: bool = False
+    # packages a sandboxed program may import besides the standard library (top-level import names, installed in
+    # the run's interpreter); nothing else of the interpreter's site-packages is visible to it
+    packages: List[str] = field(default_factory=lambda: list(DEFAULT_SANDBOX_PACKAGES))
+
+
 # ------------------------------------------------------------------------------------ device
 @dataclass
 class DeviceConfig:
@@ -358,6 +377,7 @@ class PortRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 def default_config() -> Any:

@@ -52,7 +52,8 @@ Deliberate differences (each reward's docstring has the details):
 
 Keyword arguments after ``extra_info`` go to the chosen reward (e.g. ``method="flexible"``,
 ``format_score=0.1`` for gsm8k). The keyword ``code`` (a dict of reward.code settings: continuous, timeout_s,
-memory_mb, max_workers, sandbox_fusion_url) goes to the code reward only.
+memory_mb, max_workers, sandbox_fusion_url; and the sandbox's allow_unisolated and packages, config ``sandbox.*``)
+goes to the code reward only.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
   ``data.train_batch_size`` prompts within ``data.max_prompt_length``; a run that needs files has them;
 * the reward: ``reward.custom.path`` imports and its function scores the first row (with the row's ground
   truth as the response) without raising and returns a float or a dict with "score";
+* the code sandbox: a run whose code reward or python tool runs programs locally starts one one-line program in the
+  sandbox (``sandbox.packages`` installed; it starts; its isolation applies, or ``sandbox.allow_unisolated=true``
+  accepts what is missing: portrl.trainer.sandbox_check);
 * the warm start: ``model.sft_warm_start`` needs the generated rows of a task with built-in SFT rows (portrl.tasks:
   arith), without ``data.train_files`` (portrl.trainer.data_fit.warm_start_task);
 * fitted to the user's data (portrl.trainer.data_fit, each with a log line; a value the user set is refused
@@ -56,6 +59,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
+from portrl.trainer.sandbox_check import check_sandbox, sandbox_users
 from portrl.workers.lora import check_target_modules
 from portrl.workers.placement import compute_split
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
@@ -85,10 +89,12 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
+    tools: dict = {}
     if command in (TRAIN, EVAL) and cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tool_config_path:
         from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
 
-        load_tool_config(str(cfg.rollout.multi_turn.tool_config_path))  # the files its tools read (a corpus) too
+        tools = load_tool_config(str(cfg.rollout.multi_turn.tool_config_path))  # the files its tools read too
+    check_sandbox(cfg, sandbox_users(cfg, [*train_rows, *val_rows], tools))  # a program through it, once
     if command == TRAIN:
         _check_lora_targets(cfg)
         _check_resume(cfg)

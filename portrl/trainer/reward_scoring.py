@@ -42,12 +42,16 @@ def decode_responses(tokenizer: Any, batch: Batch) -> List[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def _code_kwargs(code: Any) -> dict:
-    """reward.code as the ``code`` keyword of the built-in reward (portrl.rewards.registry); {} when absent."""
+def _code_kwargs(code: Any, sandbox: Any = None) -> dict:
+    """reward.code, with the sandbox's ``sandbox.allow_unisolated`` and ``sandbox.packages``, as the ``code``
+    keyword of the built-in reward (portrl.rewards.registry); {} when reward.code is absent."""
     if code is None:
         return {}
     keys = ("continuous", "timeout_s", "memory_mb", "max_workers", "sandbox_fusion_url")
-    return {"code": {k: code.get(k) for k in keys if code.get(k) is not None}}
+    out = {k: code.get(k) for k in keys if code.get(k) is not None}
+    if sandbox is not None:
+        out.update(allow_unisolated=bool(sandbox.allow_unisolated), packages=tuple(str(p) for p in sandbox.packages))
+    return {"code": out}
 
 
 class RewardScorer:
@@ -69,7 +73,7 @@ class RewardScorer:
                                  "penalty_factor": float(ob.penalty_factor)},
                 max_response_length=int(cfg.data.max_response_length), num_workers=int(r.num_workers),
                 timeout_s=r.get("timeout_s"), on_timeout=str(r.get("on_timeout") or "error"),
-                reward_kwargs=None if r.custom.path else _code_kwargs(r.get("code")))
+                reward_kwargs=None if r.custom.path else _code_kwargs(r.get("code"), cfg.get("sandbox")))
 
     def _load_reward_model(self, path: str) -> None:
         self.rm = RewardModelScorer(path, worker_backend(self.cfg))

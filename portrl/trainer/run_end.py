@@ -8,6 +8,8 @@
   (portrl.trainer.divergence.logits_stop), which sets aside the checkpoints of the diverged weights;
 * TrainingDiverged (too many skipped updates in a row): itself;
 * a worker that died: WorkerDiedError naming the last good checkpoint;
+* a tool whose environment broke (portrl.agent.tools.base.ToolUnusable: the python tool's sandbox cannot start
+  programs any more): RunFailed with its reason and the last good checkpoint, instead of training on error messages;
 * a write that failed for want of space or permission: RunFailed (portrl.trainer.storage_faults).
 
 In that order. Every case but the dead worker (whose group is already shut down) stops the run's workers first. Anything else
@@ -16,8 +18,10 @@ is an internal error, re-raised as it is.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Protocol
 
+from portrl.agent.tools.base import ToolUnusable
 from portrl.errors import RunFailed, RunStopped
 from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.trainer.checkpoint import CheckpointManager
@@ -56,6 +60,11 @@ def run_failure(trainer: EndingRun, exc: BaseException, stop: Any) -> Optional[B
     if isinstance(exc, WorkerDiedError):  # its group is shut down already
         latest = trainer.ckpt.latest_valid()
         return exc.with_checkpoint(str(latest) if latest else None)
+    unusable = tool_unusable(exc)
+    if unusable is not None:  # the python tool's sandbox stopped working: no call can work any more
+        trainer.shutdown_workers()
+        return RunFailed("portrl: " + tool_stopped_message(unusable, trainer.global_step, int(t.total_steps),
+                                                           trainer.ckpt.latest_valid()))
     fault = storage_error(exc)
     if fault is None:
         return None
@@ -64,4 +73,30 @@ def run_failure(trainer: EndingRun, exc: BaseException, stop: Any) -> Optional[B
                                                          trainer.ckpt.latest_valid()))
 
 
-__all__ = ["run_failure"]
+def tool_unusable(exc: BaseException) -> Optional[ToolUnusable]:
+    """The ToolUnusable behind ``exc`` (itself, its ``__cause__`` / ``__context__`` chain, or a Ray task error's
+    ``cause``: a tool that ran in a Ray worker), else None."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ToolUnusable):
+            return e
+        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
+    return None
+
+
+def tool_stopped_message(exc: ToolUnusable, step: int, total: int, checkpoint: Optional[Path]) -> str:
+    """One line: the tool's reason, after which step, and where the run continues from."""
+    why = " ".join(str(exc).split()) or type(exc).__name__
+    when = f"after step {step} of {total}" if step else "before step 1"
+    if checkpoint is None:
+        return f"the run stopped {when}: {why}; no checkpoint was written yet: fix that, then rerun the same command"
+    return (f"the run stopped {when}: {why}; the last good checkpoint is {checkpoint} (intact): fix that, then rerun "
+            "the same command with trainer.resume=auto to continue from it")
+
+
+__all__ = ["run_failure", "tool_stopped_message", "tool_unusable"]

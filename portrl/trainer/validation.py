@@ -1,8 +1,13 @@
 """Validation: the prompts of ``data.val_files`` and their accuracy and score per data source, generated with
-``rollout.val_kwargs`` (greedy by default; mean@k over ``val_kwargs.n`` samples otherwise)."""
+``rollout.val_kwargs`` (greedy by default; mean@k over ``val_kwargs.n`` samples otherwise).
+
+A run whose code sandbox runs without parts of its isolation (accepted by ``sandbox.allow_unisolated=true``,
+portrl.trainer.sandbox_check) logs it with every validation: a warning line ``validation at step N: val/acc/mean=...
+(the code sandbox runs UNISOLATED (what is missing: why))``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, List, Optional
 
@@ -12,7 +17,10 @@ from portrl.rewards import per_source_metrics
 from portrl.trainer.agent_metrics import agent_metrics
 from portrl.trainer.generation import generation_seed, prompt_batch, run_dataset, sampling_params
 from portrl.progress import activity
+from portrl.trainer.sandbox_check import unisolated_note
 from portrl.workers.batch import Batch, response_lengths
+
+log = logging.getLogger(__name__)
 
 
 def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: Any) -> Optional[Batch]:
@@ -56,4 +64,8 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
     out["val/response_length/mean"] = float(torch.cat(lens).mean())
     out.update(agent_metrics(generated, prefix="val/"))  # multi-turn rollouts only (portrl.trainer.agent_metrics)
     out["timing_s/val"] = time.perf_counter() - t0
+    note = unisolated_note()
+    if note is not None:  # every validation says it: the scores came from programs that could read the answers
+        log.warning("validation at step %d: val/acc/mean=%.4g val/score/mean=%.4g (the code sandbox runs %s; "
+                    "sandbox.allow_unisolated=true)", max(step, 0), out["val/acc/mean"], out["val/score/mean"], note)
     return out

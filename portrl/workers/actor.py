@@ -61,7 +61,7 @@ from portrl.workers.update_loop import LoopSettings, Position
 class ActorRolloutWorker(TrainedModelWorker):
     """Policy + rollout engine (+ reference). ``model_path`` overrides ``cfg.model.path`` (the resolved tiny model)."""
 
-    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm")  # what it reads
+    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm", "sandbox")  # reads
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size

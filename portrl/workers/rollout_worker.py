@@ -117,7 +117,7 @@ class RolloutWorker(ProfiledWorker):
     """Owns an engine loaded from ``model.path`` (its own copy of the policy) on its own device.
     ``model_path`` overrides ``cfg.model.path``."""
 
-    config_sections = ("trainer", "device", "model", "data", "rollout", "async_training")  # what it reads (group.py)
+    config_sections = ("trainer", "device", "model", "data", "rollout", "async_training", "sandbox")  # reads (group.py)
     compute_side = ROLLOUT  # its cores in a separated run are the rollout side's (portrl.workers.placement)
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):

@@ -6,11 +6,17 @@ count: programs of this tool running at once, over all trajectories; a call wait
 counts in the agent loop's per-call timeout). Each call is a fresh program (no state is kept between calls); a
 ``` fence around the code is removed.
 
+The run's ``sandbox`` settings apply (:meth:`PythonTool.configure_sandbox`, called when the run builds its tools):
+``sandbox.packages``, what a program may import besides the standard library, and ``sandbox.allow_unisolated``.
+
 What the model reads: the program's stdout; when it failed, then the end of its stderr (the traceback, with the
 sandbox's temporary path shortened to ``main.py``); when it printed nothing, :data:`NO_OUTPUT`.
-``error=True`` (counted as a tool error) only when the tool could not do its work: the sandbox stopped the
-program at a limit (time, memory, output size) or could not start it. A program that raises or does not compile
-is a normal result (``error=False``): its traceback is the feedback the model learns from, as in ReTool.
+``error=True`` (counted as a tool error) only when the sandbox stopped the program at a limit (time, memory,
+output size). A program that raises or does not compile is a normal result (``error=False``): its traceback is
+the feedback the model learns from, as in ReTool. When the sandbox itself cannot start a program (a
+:class:`~portrl.rewards.sandbox.SandboxError`: it cannot build the program's root, the platform refuses its
+isolation), no call can work: the call raises :class:`~portrl.agent.tools.base.ToolUnusable`, which the agent loop
+passes on, and the run stops with that reason (one line) instead of training on error messages.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import Any, Dict
+from dataclasses import replace
+from typing import Any, Dict, Sequence
 
-from portrl.agent.tools.base import Tool, ToolResult
+from portrl.agent.tools.base import Tool, ToolResult, ToolUnusable
 from portrl.rewards.sandbox import SandboxError, SandboxLimits, run_program
 
 NO_OUTPUT = "(no output: print() the values you want to see)"
@@ -35,6 +42,7 @@ class PythonTool(Tool):
     """``python(code)``: run ``code`` in the sandbox (module docstring)."""
 
     name = "python"
+    uses_sandbox = True
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_concurrent: "int | None" = None) -> None:
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
@@ -55,6 +63,11 @@ class PythonTool(Tool):
                 "code": {"type": "string", "description": "the Python program to run"}},
                 "required": ["code"]}}}
 
+    def configure_sandbox(self, allow_unisolated: bool, packages: Sequence[str]) -> None:
+        """The run's ``sandbox.allow_unisolated`` and ``sandbox.packages`` (module docstring)."""
+        self.limits = replace(self.limits, allow_unisolated=bool(allow_unisolated),
+                              packages=tuple(str(p) for p in packages))
+
     def __getstate__(self) -> Dict[str, Any]:
         """Picklable (a Ray task may carry the tool): the semaphore travels as its size."""
         state = dict(self.__dict__)
@@ -73,8 +86,8 @@ class PythonTool(Tool):
         try:
             with self.slots:
                 result = run_program(code, "", self.limits)
-        except SandboxError as exc:
-            return ToolResult(text=f"Error: the sandbox could not run the program ({exc})", error=True)
+        except SandboxError as exc:  # the sandbox, not the program: no call can work (module docstring)
+            raise ToolUnusable(f"the python tool's sandbox cannot run programs: {exc}") from exc
         if result.status == "ok":
             return ToolResult(text=result.stdout if result.stdout.strip() else NO_OUTPUT)
         text = result.stdout if not result.stdout or result.stdout.endswith("\n") else result.stdout + "\n"

@@ -5,7 +5,9 @@ Every failure becomes a :class:`ToolResult` with ``error=True`` whose text tells
 the run goes on): a call the parser could not read, an unknown tool (the message lists the valid names),
 arguments that do not fit the tool's schema (portrl.agent.tools.schema.argument_problem), an exception in the
 tool (its type and message, no traceback), a call still running after ``timeout_s``, and a call past
-``max_parallel``.
+``max_parallel``. Except :class:`portrl.agent.tools.base.ToolUnusable` (the tool's environment broke: the python
+tool's sandbox cannot start programs any more): it is raised again from :func:`run_calls_many`, so that the run
+stops with its reason instead of going on training on error messages.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from portrl.agent.tools.base import Tool, ToolResult
+from portrl.agent.tools.base import Tool, ToolResult, ToolUnusable
 from portrl.agent.tools.schema import argument_problem
 from portrl.errors import DataError
 
@@ -46,7 +48,8 @@ def run_calls_many(tools: Mapping[str, Tool], calls_per_row: Sequence[Sequence[A
                    row_kwargs_per_row: Sequence[Optional[Mapping[str, Dict]]], timeout_s: Optional[float] = 10.0,
                    max_parallel: int = 1) -> List[List[ToolResult]]:
     """:func:`run_calls` for the current turn of many trajectories at once (all their calls start together):
-    ``calls_per_row[r]`` with ``row_kwargs_per_row[r]``; ``max_parallel`` counts per row."""
+    ``calls_per_row[r]`` with ``row_kwargs_per_row[r]``; ``max_parallel`` counts per row. A call that raised
+    :class:`ToolUnusable` raises it here (the first one, once the calls before it in order are done)."""
     if len(calls_per_row) != len(row_kwargs_per_row):
         raise ValueError(f"{len(calls_per_row)} rows of calls but {len(row_kwargs_per_row)} rows of kwargs")
     results: List[List[Optional[ToolResult]]] = [[None] * len(calls) for calls in calls_per_row]
@@ -70,6 +73,8 @@ def run_calls_many(tools: Mapping[str, Tool], calls_per_row: Sequence[Sequence[A
             results[r][i] = _error(f"tool {name!r} timed out after {timeout_s:g} s")
         elif "error" in box:
             exc = box["error"]
+            if isinstance(exc, ToolUnusable):  # not the call's fault: no call of this tool can work any more
+                raise exc
             results[r][i] = _error(f"tool {name!r} raised {type(exc).__name__}: {exc}")
         else:
             results[r][i] = _as_result(name, box.get("value"))
@@ -93,7 +98,7 @@ def _start(tool: Tool, arguments: Dict[str, Any], kwargs: Dict[str, Any]):
     def target() -> None:
         try:
             box["value"] = tool.call(arguments, kwargs)
-        except BaseException as exc:  # SystemExit from a tool too: the run goes on
+        except BaseException as exc:  # SystemExit from a tool too: the run goes on (ToolUnusable: it stops)
             box["error"] = exc
 
     thread = threading.Thread(target=target, name=f"portrl-tool-{tool.name}", daemon=True)
