@@ -13,6 +13,7 @@ runs under one (``python -c <install>; os.execv(...)``). Both need Linux x86_64 
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,7 @@ _INSTALL = textwrap.dedent("""
 """)
 
 
+@functools.lru_cache(maxsize=1)
 def seccomp_available() -> bool:
     """Whether this platform can install the filters (Linux x86_64 / aarch64 with seccomp), tried in a child."""
     if not sys.platform.startswith("linux"):
