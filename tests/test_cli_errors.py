@@ -254,6 +254,9 @@ CASES: list[tuple[str, list[str], str, dict]] = [
                                      "rollout.multi_turn.tool_config_path=configs/tools/python.yaml",
                                      "sandbox.packages=[portrl_no_such_pkg]"],
      "(needed by the python tool (rollout.multi_turn.tool_config_path))", {}),
+    ("sandbox-fusion-assert-rows", ["train", "data=code", "data.train_files=[{code_train}]",
+                                    "data.val_files=[{code_test}]", "reward.code.sandbox_fusion_url=http://127.0.0.1:9"],
+     "has assert- or check()-style code tests, which are judged in a sandbox beside the program's", {}),
 ]
 SUBPROCESS_IDS = ["device-npu-flag", "ground-truth-nan", "reward-import-raises", "ckpt-not-a-ckpt", "plot-missing",
                   "sft-output-not-empty", "oc-env-override",

@@ -148,3 +148,52 @@ def test_a_linked_list_problem_passes_objects_as_plain_data():
     unchanged = "class Solution:\n    def reverseList(self, head):\n        return head\n"
     result = compute_score(f"```python\n{unchanged}```", tests, **FAST)
     assert (result["passed"], result["status"]) == (1, "wrong"), result  # only the None case
+
+
+# a stdin/stdout program that looks for the problems' test data where it would be (the paths are given to it,
+# as an attacker who knows the install would write them in), and in every folder visible outside the system
+# ones; it prints the stored output for its input
+DATA_THIEF = r'''
+import json, os, sys
+data = sys.stdin.read()
+KNOWN = {known!r}
+paths = list(KNOWN)
+for top in ["/" + t for t in os.listdir("/")] + [os.path.dirname(p) for p in sys.path if p]:
+    if top.rstrip("/") in ("/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/etc") or top.startswith("/lib"):
+        continue
+    for folder, _, files in os.walk(top):
+        paths += [os.path.join(folder, f) for f in files if f.endswith((".jsonl", ".json", ".parquet"))]
+for path in paths:
+    try:
+        text = open(path, "rb").read(50_000_000).decode("utf-8", "replace")
+    except OSError:
+        continue
+    for line in text.splitlines():
+        try:
+            tests = json.loads(line)["tests"]
+        except Exception:
+            continue
+        for given, want in zip(tests.get("inputs", []), tests.get("outputs", [])):
+            if given == data:
+                print(want, end="")
+                sys.exit(0)
+print("nothing found")
+'''
+
+
+def test_a_program_cannot_read_the_shipped_problems_or_the_training_data(tmp_path):
+    """The shipped problems (package data) and a copy of them beside the run are out of the sandbox's view
+    (portrl/rewards/sandbox.py), so the thief finds nothing and says so; the references still pass."""
+    from portrl.data.code import BUILTIN_PROBLEMS
+
+    problems = [json.loads(line) for line in open(BUILTIN_PROBLEMS, encoding="utf-8")]
+    copy = tmp_path / "train_copy.jsonl"
+    copy.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    thief = DATA_THIEF.replace("{known!r}", repr([str(BUILTIN_PROBLEMS.resolve()), str(copy)]))
+    stdin_problems = [p for p in problems if "fn_name" not in p["tests"] and "inputs" in p["tests"]]
+    assert stdin_problems
+    for problem in stdin_problems:
+        tests = json.dumps(problem["tests"])
+        assert compute_score(f"```python\n{problem['reference']}```", tests, **FAST)["score"] == 1.0
+        stolen = compute_score(f"```python\n{thief}```", tests, **{**FAST, "continuous": False})
+        assert (stolen["score"], stolen["status"]) == (0.0, "wrong"), (problem["id"], stolen)

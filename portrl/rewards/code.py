@@ -13,13 +13,29 @@ taken whole as the program. The ground truth is a JSON string (or dict) in one o
 * call-based: the same with ``"fn_name"``. An input is the list of arguments (APPS/TACO), or a string with one
   JSON argument per line (PRIME); the expected output is the return value (a JSON string is decoded). The
   function is looked up in the program, or on ``Solution()`` when the program defines ``class Solution``. As
-  verl: a returned tuple compares as a list, and a value equal to the expected value's first element passes
-  (APPS wraps outputs in a list); dict keys that are all integers in text are compared as integers.
+  verl: a returned tuple compares as a list (at every depth); dict keys that are all integers in text are
+  compared as integers. APPS and TACO wrap every return value in a one-element list: a problem whose outputs
+  are all one-element lists is compared with the elements, decided once per problem (:func:`outputs_wrapped`;
+  ``"outputs_wrapped": true | false`` in the ground truth decides it explicitly). Unlike verl, whose
+  comparison also passes a value equal to the expected value's first element in every problem, so that
+  ``return min(xs)`` is paid on a sort task and a two_sum returning one index on [0, 1].
 * asserts (portrl's form for LeetCode-style data, data_source ``leetcode``): ``{"asserts": ["assert f(1) ==
   2", ...], "entry_point"?: "Solution().f", "setup"?: "from typing import *"}``: each assert is a case, run
   after ``setup`` and the program, with ``candidate`` bound to ``entry_point`` when given. Also
   ``{"test": "def check(candidate): ...", "entry_point": ...}`` (HumanEval / newfacade LeetCodeDataset): one
   case, ``check(<entry_point>)``.
+
+Where the verdict lives: never in the program's process. A stdin/stdout program's output is compared here. A
+call-based program answers one call with plain data (portrl.rewards.plain_data: builtins, and objects of the
+setup's classes as attribute graphs), decoded and compared here with the expected value, which never enters
+its sandbox. An assert or check() test runs in a sandbox of its own beside the program's; each call it makes
+to the program is relayed (portrl.rewards.code_judge), the answer comes back as plain data, and the test
+judges it there. A program can only change what it answers, as if its function had returned that: an object
+equal to everything, a patched ``print`` or ``json``, an exit hook, a pass line printed and ``os._exit``,
+peeks at frames, the heap or the caller's source find no expected value and no verdict to forge. A value that
+is not plain data (an object of the program's own class) fails a call-based case; in an assert test it may be
+called or have attributes read, never compared or tested for truth. tests/test_reward_hacks.py is the
+catalogue of hacks that must score 0.
 
 Every case is a separate sandbox run (``timeout_s`` 10 s: the limit verl's continuous score gives a case;
 ``memory_mb`` 1024, where verl sets none) with verl's import preamble (``from math import *`` etc., so programs
@@ -37,10 +53,9 @@ the same cases run on a SandboxFusion service (portrl.rewards.sandbox_fusion), r
 verl's SandboxFusion path differs from its prime_code: it compares stdout only after stripping trailing
 newlines, raises nothing, takes a bare "```" block's content when there is no "```python" (a response with no
 fence scores 0.0), and its continuous score counts one more case when a case after the 10th fails (10 of 10
-passed becomes 10/11); portrl keeps prime_code's rules on both paths.
-A program in the same interpreter as the call-based / assert harness could forge a pass on purpose (as in
-verl); the harness's result line carries a per-run random nonce (given on stdin, not in the program's file),
-so it is never produced by accident, and a program that exits early (``exit(0)`` before the asserts) fails.
+passed becomes 10/11); portrl keeps prime_code's rules on both paths. Assert and check() tests need the
+test's own sandbox beside the program's, which a SandboxFusion service cannot give: with a SandboxFusion URL
+such rows are a DataError (verl runs them in the program's interpreter, where the program can forge a pass).
 
 A malformed ground truth is a :class:`portrl.errors.DataError` naming the row; a bad program only ever
 gets a score.
@@ -206,6 +221,16 @@ def parse_tests(ground_truth: str | dict, extra_info: dict | None = None) -> dic
     return tests
 
 
+def judged_in_own_sandbox(ground_truth: Any) -> bool:
+    """Whether a row's tests are assert- or check()-style (judged in a sandbox of their own); False for a
+    ground truth that is not a JSON object (the data check names those)."""
+    try:
+        tests = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
+    except ValueError:
+        return False
+    return isinstance(tests, dict) and ("asserts" in tests or "test" in tests)
+
+
 def _call_args(raw: Any) -> list:
     if isinstance(raw, str):  # PRIME: one JSON value per line
         return [json.loads(line) for line in raw.split("\n") if line.strip()]
@@ -308,14 +333,10 @@ def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict 
 
 
 def _limits(timeout_s: float, memory_mb: int, allow_unisolated: bool, packages: Sequence[str] | None) -> SandboxLimits:
-    """The sandbox limits of one case; the sandbox's own defaults for what is not given."""
-    extra: dict[str, Any] = {}
-    fields = SandboxLimits.__dataclass_fields__
-    if "allow_unisolated" in fields:
-        extra["allow_unisolated"] = bool(allow_unisolated)
-    if packages is not None and "packages" in fields:
-        extra["packages"] = tuple(packages)
-    return SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), **extra)
+    """The sandbox limits of one case; the sandbox's own packages when ``packages`` is None."""
+    extra = {} if packages is None else {"packages": tuple(packages)}
+    return SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb),
+                         allow_unisolated=bool(allow_unisolated), **extra)
 
 
 def _run_case(run: Callable[..., RunResult], case: Case, limits: SandboxLimits) -> tuple[bool, RunResult]:

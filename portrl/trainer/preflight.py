@@ -59,7 +59,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
-from portrl.trainer.sandbox_check import check_sandbox, sandbox_users
+from portrl.trainer.sandbox_check import check_remote_code_rows, check_sandbox, sandbox_users
 from portrl.workers.lora import check_target_modules
 from portrl.workers.placement import compute_split
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
@@ -94,6 +94,7 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
         from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
 
         tools = load_tool_config(str(cfg.rollout.multi_turn.tool_config_path))  # the files its tools read too
+    check_remote_code_rows(cfg, [*train_rows, *val_rows])  # assert tests need the local sandbox
     check_sandbox(cfg, sandbox_users(cfg, [*train_rows, *val_rows], tools))  # a program through it, once
     if command == TRAIN:
         _check_lora_targets(cfg)

@@ -72,6 +72,24 @@ def sandbox_users(cfg: Any, rows: Iterable[Sequence[Any]], tools: Optional[Mappi
     return users
 
 
+def check_remote_code_rows(cfg: Any, rows: Iterable[Sequence[Any]]) -> None:
+    """With ``reward.code.sandbox_fusion_url`` (and the rule rewards scoring), a code row with assert- or
+    check()-style tests is a UserError naming the row: its test is judged in a sandbox of its own beside the
+    program's (portrl/rewards/code_judge.py), which a SandboxFusion service cannot run. ``rows``: (messages,
+    data_source, ground truth, extra_info)."""
+    from portrl.rewards.code import CODE_SOURCES, judged_in_own_sandbox  # noqa: PLC0415
+
+    r = cfg.reward
+    if r.custom.path or r.model_path or not r.code.sandbox_fusion_url:
+        return
+    for index, row in enumerate(rows):
+        if str(row[1]) in CODE_SOURCES and judged_in_own_sandbox(row[2]):
+            raise UserError(f"data row {index} (data_source {row[1]}) has assert- or check()-style code tests, which "
+                            "are judged in a sandbox beside the program's that a SandboxFusion service cannot run; "
+                            "valid with reward.code.sandbox_fusion_url: stdin/stdout and call-based (fn_name) tests, "
+                            "or drop reward.code.sandbox_fusion_url to use the local sandbox")
+
+
 def missing_isolation(result: Any, root: Optional[bool] = None) -> List[str]:
     """The isolation parts a :class:`~portrl.rewards.sandbox.RunResult` says were left out (network namespace, mount
     namespace, PID namespace, minimal root, seccomp filter; as root also uid drop)."""
