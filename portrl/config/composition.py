@@ -12,7 +12,7 @@ The result is a structured, closed omegaconf object: unknown keys are errors tha
 closest valid dotted key, wrong types name the key and the expected type. Interpolations are
 resolved and ``~`` in path fields is expanded, so the returned config is concrete.
 
-``${oc.env:NAME}`` is refused in every layer (:func:`env_interpolation`): it would copy an environment variable (a
+``${oc.env:NAME}`` is refused in every layer (portrl/config/env_interpolation.py): it would copy an environment variable (a
 token, say) into the config that a run records and logs. omegaconf's other resolvers read neither the environment
 nor files (``oc.decode`` parses the string it is given), nor does portrl's ``portrl.scale``.
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-import re
 import tempfile
 import typing
 import weakref
@@ -54,6 +53,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from portrl.config.batch_follow import batch_sizes, follow_train_batch
+from portrl.config.env_interpolation import env_interpolation
 from portrl.config.checks import validate
 from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type_name
 from portrl.config.options_schema import run_schema
@@ -70,9 +70,6 @@ PATH_KEYS = (
     "reward_model.model.path", "reward_model.model.ref_path",
     "data.train_files", "data.val_files", "trainer.output_dir",
 )
-#: a call of omegaconf's oc.env resolver, escaped (``\${oc.env:X}``, which a later resolve of the config calls) or
-#: not, alone or inside another resolver's arguments (``${oc.decode:${oc.env:X}}``)
-_ENV_CALL = re.compile(r"\$\{\s*oc\.env\s*:")
 _RESOLVERS_DONE = False
 _EXPLICIT: dict[int, tuple[weakref.ref, frozenset]] = {}  # id(config) -> (the config, keys the user set)
 _ORIGINS: dict[int, tuple[weakref.ref, Origins]] = {}  # id(config) -> (the config, the layers that set its keys)
@@ -132,32 +129,6 @@ def _wrap_scalars_for_lists(data: Any, prefix: str = "") -> Any:
         else:
             out[k] = v
     return out
-
-
-def _values(data: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    """(dotted key, value) of every leaf of nested mappings; a list's items under the list's key."""
-    if isinstance(data, Mapping):
-        for k, v in data.items():
-            yield from _values(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(data, (list, tuple)):
-        for v in data:
-            yield from _values(v, prefix)
-    else:
-        yield prefix, data
-
-
-def env_interpolation(data: Mapping[str, Any], source: str) -> None:
-    """Raise ConfigError when a value of ``data`` (a layer from ``source``: a preset, the user YAML, an override)
-    holds ``${oc.env:...}`` (:data:`_ENV_CALL`): the variable's value would be saved with the run (the identity keys
-    in ``run.json`` and the checkpoints' manifests) and logged (the config wandb and mlflow get, ``portrl config
-    show``). One line names the key and what to write instead."""
-    for key, value in _values(data):
-        if isinstance(value, str) and _ENV_CALL.search(value):
-            raise ConfigError(
-                f"{source}: {key} reads an environment variable (${{oc.env:...}}), which portrl refuses: its value "
-                f"would be saved with the run's config and logged; write the value itself (on the command line the "
-                f"shell expands {key}=$NAME), and leave a secret such as a token in the environment of the program "
-                f"that reads it")
 
 
 def _merge(cfg, data: Mapping[str, Any], source: str):

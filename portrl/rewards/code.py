@@ -79,7 +79,7 @@ from portrl.rewards.code_judge import (
     run_judged,
 )
 from portrl.rewards.plain_data import encode
-from portrl.rewards.sandbox import RunResult, SandboxLimits, run_program, shared_pool
+from portrl.rewards.sandbox import DEFAULT_PACKAGES, RunResult, SandboxLimits, run_program, shared_pool
 from portrl.rewards.sandbox_fusion import call_run_code
 
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco",  # verl's prime_code names
@@ -334,9 +334,8 @@ def compute_score(solution_str: str, ground_truth: str | dict, extra_info: dict 
 
 def _limits(timeout_s: float, memory_mb: int, allow_unisolated: bool, packages: Sequence[str] | None) -> SandboxLimits:
     """The sandbox limits of one case; the sandbox's own packages when ``packages`` is None."""
-    extra = {} if packages is None else {"packages": tuple(packages)}
-    return SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb),
-                         allow_unisolated=bool(allow_unisolated), **extra)
+    return SandboxLimits(timeout_s=float(timeout_s), memory_mb=int(memory_mb), allow_unisolated=bool(allow_unisolated),
+                         packages=DEFAULT_PACKAGES if packages is None else tuple(packages))
 
 
 def _run_case(run: Callable[..., RunResult], case: Case, limits: SandboxLimits) -> tuple[bool, RunResult]:

@@ -251,7 +251,7 @@ def _fitting(path: Path, what: str) -> Iterator[None]:
     and passes through."""
     try:
         yield
-    except torch.cuda.OutOfMemoryError:
+    except torch.OutOfMemoryError:  # any device's (the vendors' own classes are this one)
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())
