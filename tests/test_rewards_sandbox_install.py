@@ -1,6 +1,6 @@
 """The code sandbox whatever the install: what a program can read and import, and where the interpreter may live.
 
-The minimal root (portrl/rewards/sandbox_host.root_layout) holds the base interpreter, its standard library, the
+The minimal root (portrl/rewards/sandbox_layout.root_layout) holds the base interpreter, its standard library, the
 system's programs and libraries and the packages of ``SandboxLimits.packages``; every site-packages folder is an
 empty tmpfs. These tests run real programs that look for what they must not see -- portrl's package data (the
 shipped problems and their tests), the checkout, the test's own data, the installed packages -- from an editable

@@ -9,7 +9,7 @@ What the program gets where every part applies (Linux on x86_64 or aarch64; as r
 unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as uid 65534):
 
 * its own file system (``root_isolated``, portrl/rewards/sandbox_root.py, the layout in
-  portrl/rewards/sandbox_host.root_layout): a tmpfs root holding, read-only, the base interpreter (the real
+  portrl/rewards/sandbox_layout.root_layout): a tmpfs root holding, read-only, the base interpreter (the real
   executable behind a virtual environment's launcher: no virtual environment is needed in there) with its
   standard library (stdlib, lib-dynload) and its library folders (LIBDIR, e.g. libpython or conda's lib), the
   system's programs and shared libraries (/bin, /lib*, /usr/bin, /usr/lib*, /usr/libexec, /etc/alternatives),
@@ -85,50 +85,43 @@ The process group is killed after every run, so nothing the program started outl
 (before threads are joined: a run abandoned in a thread, e.g. a tool call past the agent loop's timeout, is
 not waited for) every run still going is killed and its folder removed; a process killed by a signal
 (SIGKILL) cannot clean up: its programs die with it (PR_SET_PDEATHSIG), their folders stay in TMPDIR.
-The uid slots, the process table, that cleanup, the root's layout, the exposed packages and the folders to
-mask live in portrl/rewards/sandbox_host.py.
+
+Where each part lives (every name of ``__all__`` is importable from here): this module holds the limits, the
+result and a run from start to finish; the launcher's start and the payload it reads in
+portrl/rewards/sandbox_launch.py (the child itself: sandbox_child.py, with sandbox_root.py, sandbox_seccomp.py and
+sandbox_syscalls.py), the pipes, the child's report and the status in sandbox_io.py, the runs going and their
+cleanup at exit in sandbox_cleanup.py, the uid slots and the process table in sandbox_host.py, the root's layout,
+the exposed packages and the folders to mask in sandbox_layout.py (with sandbox_packages.py and
+sandbox_interpreter.py), the errors in sandbox_errors.py.
 """
 
 from __future__ import annotations
 
-import atexit
-import fcntl
-import functools
-import json
 import logging
-import marshal
 import math
 import os
-import selectors
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from portrl.rewards.sandbox_child import BOOTSTRAP
+from portrl.rewards.sandbox_cleanup import forget, new_folder, remove_tree
+from portrl.rewards.sandbox_errors import SandboxError, SandboxUnisolated, unisolated_message
 from portrl.rewards.sandbox_host import (
-    DEFAULT_PACKAGES,
     UID_BASE,
     UID_COUNT,
-    WRITABLE_DIRS,
-    SandboxError,
     UidSlot,
-    check_package_names,
-    exposed_packages,
-    isolation_view,
     kill_group,
     kill_uid,
     live_processes,
-    root_layout,
     user_task_count,
 )
+from portrl.rewards.sandbox_io import STATUSES, classify_exit, communicate, exited_by, read_status
+from portrl.rewards.sandbox_launch import Started, launch
+from portrl.rewards.sandbox_layout import WRITABLE_DIRS, exposed_packages, isolation_view, root_layout
+from portrl.rewards.sandbox_packages import DEFAULT_PACKAGES, check_package_names
 
 __all__ = ["DEFAULT_PACKAGES", "STATUSES", "UID_BASE", "UID_COUNT", "WRITABLE_DIRS", "RunResult", "SandboxError",
            "SandboxLimits", "SandboxUnisolated", "Started", "classify_exit", "exposed_packages", "finish",
@@ -136,15 +129,7 @@ __all__ = ["DEFAULT_PACKAGES", "STATUSES", "UID_BASE", "UID_COUNT", "WRITABLE_DI
 
 log = logging.getLogger(__name__)
 
-STATUSES = ("ok", "wrong", "timeout", "memory", "output_limit", "runtime_error", "syntax_error")
-_MODULES = ("sandbox_child", "sandbox_syscalls", "sandbox_root", "sandbox_seccomp")  # what the child runs
-_SETUP_ERROR_EXIT = 121
-ALLOW_KEY = "sandbox.allow_unisolated=true"  # the config key that accepts running without isolation
-
-
-class SandboxUnisolated(SandboxError):
-    """The platform refuses parts of the isolation and ``SandboxLimits.allow_unisolated`` is False: the program
-    was not run. The message (one line) names what is missing, the kernel's reason and how to allow it."""
+_SETUP_ERROR_EXIT = 121  # the launcher's exit code when it could not start the program (sandbox_child)
 
 
 @dataclass(frozen=True)
@@ -208,34 +193,16 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ a run
-@dataclass
-class Started:
-    """A sandboxed program that is running: ``proc`` has stdin, stdout and stderr pipes (the program's own).
-    :func:`finish` must follow, whatever happens (it kills what is left, removes the folder, frees the uid)."""
-
-    proc: subprocess.Popen
-    folder: str
-    slot: UidSlot | None
-    status_r: int
-    cfg: dict
-    start: float  # time.monotonic() at the start
-    root: bool
-
-    @property
-    def deadline(self) -> float:
-        return self.start + self.cfg["timeout_s"]
-
-
 def run_program(source: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> RunResult:
     """Run ``source`` (Python) with ``stdin`` under ``limits``; a RunResult whatever the program does.
     SandboxError only when the sandbox itself cannot start it."""
     started = start_program(source, limits)
     out, err, timed_out, over = b"", b"", False, False
     try:
-        out, err, timed_out, over = _communicate(started.proc, stdin.encode("utf-8", "replace"), limits,
-                                                 started.deadline)
+        out, err, timed_out, over = communicate(started.proc, stdin.encode("utf-8", "replace"),
+                                                limits.output_bytes, limits.stderr_bytes, started.deadline)
         if not (timed_out or over):  # the pipes closed: let the launcher pass the program's status on
-            timed_out = not _exited_by(started.proc, started.deadline)
+            timed_out = not exited_by(started.proc, started.deadline)
     finally:
         result = finish(started, out, err, timed_out, over)
     return result
@@ -247,7 +214,7 @@ def start_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Start
     root = os.geteuid() == 0
     slot = UidSlot() if root else None
     try:
-        tmp = _new_folder(slot)
+        tmp = new_folder(slot)
     except BaseException:
         if slot is not None:
             slot.release()
@@ -264,149 +231,20 @@ def start_program(source: str, limits: SandboxLimits = SandboxLimits()) -> Start
         if slot is not None:
             kill_uid(slot.uid)
             slot.release()
-        _remove_tree(tmp)
-        _forget(tmp)
-        raise
-
-
-# ------------------------------------------------------------------------------- runs left at interpreter exit
-@dataclass
-class _Live:
-    slot: UidSlot | None
-    pgid: int | None = None
-
-
-_live: dict[str, _Live] = {}  # sandbox folder -> what to kill and free if the process exits with the run going
-_live_lock = threading.Lock()
-_exiting = False
-
-
-def _new_folder(slot: UidSlot | None) -> str:
-    with _live_lock:
-        if _exiting:
-            raise SandboxError("the interpreter is exiting: no new sandbox runs")
-        tmp = tempfile.mkdtemp(prefix="portrl-sandbox-")
-        _live[tmp] = _Live(slot)
-        return tmp
-
-
-def _forget(folder: str) -> None:
-    with _live_lock:
-        _live.pop(folder, None)
-
-
-def _at_exit() -> None:
-    """At interpreter exit, before threads are joined (a thread abandoned in run_program, e.g. a tool call past
-    the agent loop's timeout, would never finish it): kill every run's process group and uid, give their threads
-    a moment to finish the runs, then remove the folders left."""
-    global _exiting
-    with _live_lock:
-        _exiting = True
-        runs = list(_live.items())
-    for _, run in runs:
-        if run.pgid is not None:
-            kill_group(run.pgid)
-        if run.slot is not None:
-            kill_uid(run.slot.uid)
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        with _live_lock:
-            if not _live:
-                return
-        time.sleep(0.01)
-    with _live_lock:
-        left = list(_live)
-        _live.clear()
-    for folder in left:
-        _remove_tree(folder)
-
-
-def _after_fork_in_child() -> None:
-    """A forked child (a multiprocessing worker) owns none of its parent's runs: its exit must not end them."""
-    global _live_lock, _exiting
-    _live.clear()
-    _live_lock = threading.Lock()
-    _exiting = False
-
-
-try:  # runs before concurrent.futures joins its workers (registered at its import above: the later runs first)
-    threading._register_atexit(_at_exit)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # another Python, or imported while the interpreter exits
-    atexit.register(_at_exit)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _remove_tree(path: str) -> None:
-    """Remove the sandbox folder, also when the program made folders in it unreadable (chmod 0)."""
-    try:
-        shutil.rmtree(path)
-        return
-    except OSError:
-        pass
-    try:
-        os.chmod(path, 0o700)
-    except OSError:
-        pass
-    for folder, subfolders, _ in os.walk(path):  # open every folder up before walking into it
-        for name in subfolders:
-            sub = os.path.join(folder, name)
-            if not os.path.islink(sub):
-                try:
-                    os.chmod(sub, 0o700)
-                except OSError:
-                    pass
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path):
-        log.warning("could not remove the sandbox folder %s", path)
-
-
-@functools.lru_cache(maxsize=1)
-def _child_code() -> dict:
-    """The code objects of the child and its siblings, compiled once per process (the child runs the same
-    Python: the base interpreter of this one)."""
-    folder = Path(__file__).parent
-    return {name: compile((folder / f"{name}.py").read_text(encoding="utf-8"), f"{name}.py", "exec",
-                          dont_inherit=True) for name in _MODULES}
-
-
-def _payload_pipe(payload: bytes) -> tuple[int, int | None, bytes]:
-    """A pipe holding ``payload`` for the child: (read end, write end or None when all of it is written, the rest
-    to write once the child reads)."""
-    read_fd, write_fd = os.pipe()
-    try:
-        if len(payload) > 65536:
-            try:
-                fcntl.fcntl(write_fd, 1031, len(payload))  # F_SETPIPE_SZ
-            except OSError:  # over /proc/sys/fs/pipe-max-size: the rest is written after the start
-                pass
-        os.set_blocking(write_fd, False)
-        view = memoryview(payload)
-        try:
-            while view:
-                view = view[os.write(write_fd, view):]
-        except BlockingIOError:
-            pass
-        if not view:
-            os.close(write_fd)
-            return read_fd, None, b""
-        os.set_blocking(write_fd, True)
-        return read_fd, write_fd, bytes(view)
-    except BaseException:
-        os.close(read_fd)
-        os.close(write_fd)
+        remove_tree(tmp)
+        forget(tmp)
         raise
 
 
 def _start(program: str, tmp: str, limits: SandboxLimits, slot: UidSlot | None, root: bool) -> Started:
+    """The child's settings for this run (portrl/rewards/sandbox_child.py reads them), then its launch."""
     uid = slot.uid if slot is not None else None
     masks, keep, visible = isolation_view(tmp, root)
     layout = root_layout(limits.packages)
     # not root: the user's processes count, and with a PID namespace the launcher and init are two of them
     nproc = limits.nproc if root else user_task_count() + limits.nproc + 2
-    status_r, status_w = os.pipe()
     cfg: dict[str, Any] = {
-        "status_fd": status_w, "parent_pid": os.getpid(), "python": layout["python"],
+        "parent_pid": os.getpid(), "python": layout["python"],
         "python_host": sys.executable, "cwd": tmp, "allow_unisolated": limits.allow_unisolated,
         "program": os.path.basename(program), "uid": uid, "gid": uid, "namespaces": limits.namespaces,
         "masks": masks, "keep": keep, "interpreter_visible": visible, "layout": layout,
@@ -418,48 +256,7 @@ def _start(program: str, tmp: str, limits: SandboxLimits, slot: UidSlot | None, 
                 # one thread per math library (as verl): a thread pool per core would hit RLIMIT_NPROC
                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
     }
-    start = time.monotonic()
-    try:
-        cfg_r, cfg_w, rest = _payload_pipe(marshal.dumps({"cfg": cfg, "code": _child_code()}))
-    except BaseException:
-        os.close(status_r)
-        os.close(status_w)
-        raise
-    try:
-        # the launcher is the base interpreter (the sandbox's own); its command line holds nothing of the host
-        proc = subprocess.Popen(
-            [layout["python"], "-I", "-S", "-c", BOOTSTRAP, str(cfg_r)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=cfg["env"], start_new_session=True,
-            pass_fds=(status_w, cfg_r), close_fds=True)
-    except BaseException:
-        os.close(status_r)
-        if cfg_w is not None:
-            os.close(cfg_w)
-        raise
-    finally:
-        os.close(status_w)
-        os.close(cfg_r)
-    with _live_lock:
-        run = _live.get(tmp)
-        if run is not None:
-            run.pgid = proc.pid
-        exiting = _exiting
-    if exiting:  # the exit cleanup ran meanwhile: this run must not outlive it
-        kill_group(proc.pid)
-    if cfg_w is not None:
-        try:
-            _write_all(cfg_w, rest)
-        except OSError:  # the launcher is gone: finish() reports it
-            pass
-        finally:
-            os.close(cfg_w)
-    return Started(proc, tmp, slot, status_r, cfg, start, root)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    return launch(cfg, slot, root)
 
 
 def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool) -> RunResult:
@@ -478,15 +275,15 @@ def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool
                     stream.close()
                 except OSError:  # a stdin pipe whose reader is gone
                     pass
-        report = _read_status(started.status_r)
+        report = read_status(started.status_r)
     finally:
         if started.slot is not None:
             kill_uid(started.slot.uid)
             started.slot.release()
-        _remove_tree(started.folder)
-        _forget(started.folder)
+        remove_tree(started.folder)
+        forget(started.folder)
     if report.get("unisolated"):
-        raise SandboxUnisolated(_unisolated_message(report, root))
+        raise SandboxUnisolated(unisolated_message(report, root))
     if "error" in report or (proc.returncode == _SETUP_ERROR_EXIT and not report):
         raise SandboxError(f"the sandbox could not start the program: {report.get('error', 'no report')}")
     net, mnt, dropped = bool(report.get("net")), bool(report.get("mnt")), bool(report.get("uid_dropped"))
@@ -509,28 +306,6 @@ def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool
                      filtered, details)
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def _unisolated_message(report: dict, root: bool) -> str:
-    """One line: what the platform refused (the kernel's reasons) and the ways to allow it."""
-    reasons = []
-    for key, what in (("ns_error", "unshare"), ("mnt_error", "mount"), ("root_error", "minimal root"),
-                      ("seccomp_error", "seccomp")):
-        if report.get(key):
-            reasons.append(f"{what}: {_one_line(report[key])}")
-    if root and not report.get("uid_dropped") and "uid drop" in report["unisolated"]:
-        reasons.append("uid drop: no mount namespace, and the interpreter is out of an unprivileged uid's reach")
-    docker = "--security-opt seccomp=unconfined" + (" --cap-add SYS_ADMIN" if root else "")
-    return (f"the code sandbox cannot isolate programs here and does not run them without isolation: no "
-            f"{', '.join(report['unisolated'])} ({'; '.join(reasons) or 'no reason given'}); in Docker run the "
-            f"container with {docker} (and --security-opt apparmor=unconfined where AppArmor is on); on a host "
-            "with unprivileged user namespaces off set the sysctls kernel.unprivileged_userns_clone=1 and "
-            "user.max_user_namespaces=15000 (Ubuntu 24.04 also kernel.apparmor_restrict_unprivileged_userns=0); "
-            f"or accept running programs without isolation with {ALLOW_KEY}")
-
-
 def _warn_missing(report: dict, net: bool, pid: bool, new_root: bool) -> None:
     why = report.get("ns_error", "unknown reason")
     if not net:
@@ -543,114 +318,6 @@ def _warn_missing(report: dict, net: bool, pid: bool, new_root: bool) -> None:
         why = report.get("root_error") or report.get("mnt_error") or why
         _warn_once("root", f"code sandbox: no private root file system on this platform ({why}); programs can "
                            "read every file their uid may read (the checkout, training data, ground truths)")
-
-
-def _exited_by(proc: subprocess.Popen, deadline: float) -> bool:
-    try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _read_status(fd: int) -> dict:
-    chunks = []
-    try:
-        while True:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    report: dict = {}
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        try:
-            report.update(json.loads(line))
-        except json.JSONDecodeError:
-            report["error"] = f"unreadable status {line[:200]!r}"
-    return report
-
-
-def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits,
-                 deadline: float) -> tuple[bytes, bytes, bool, bool]:
-    """(stdout, stderr tail, timed out, stdout or stderr over ``output_bytes``). Writes stdin as the program reads it, reads
-    both pipes, and stops at the deadline, at the cap, or shortly after the program exits (a background
-    process it left holding the pipes does not keep the run going)."""
-    stdin_pipe, stdout_pipe, stderr_pipe = proc.stdin, proc.stdout, proc.stderr
-    if stdin_pipe is None or stdout_pipe is None or stderr_pipe is None:
-        raise ValueError("_communicate needs a process started with stdin, stdout and stderr pipes")
-    sel = selectors.DefaultSelector()
-    for stream in (stdin_pipe, stdout_pipe, stderr_pipe):
-        os.set_blocking(stream.fileno(), False)
-    if data:
-        sel.register(stdin_pipe, selectors.EVENT_WRITE)
-    else:
-        stdin_pipe.close()
-    sel.register(stdout_pipe, selectors.EVENT_READ)
-    sel.register(stderr_pipe, selectors.EVENT_READ)
-    out, err = bytearray(), bytearray()
-    view, timed_out, over, exited_at, err_total = memoryview(data), False, False, None, 0
-    try:
-        while sel.get_map():
-            now = time.monotonic()
-            if now >= deadline:
-                timed_out = True
-                break
-            if exited_at is None and proc.poll() is not None:
-                exited_at = now
-            if exited_at is not None and now - exited_at > 0.2:
-                break
-            for key, _ in sel.select(min(deadline - now, 0.05)):
-                if key.fileobj is stdin_pipe:
-                    try:
-                        view = view[os.write(stdin_pipe.fileno(), view[:65536]):]
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:  # the program closed its stdin
-                        view = view[:0]
-                    if not view:
-                        sel.unregister(stdin_pipe)
-                        stdin_pipe.close()  # EOF: reading past it gets "" / EOFError
-                    continue
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                elif key.fileobj is stdout_pipe:
-                    out += chunk
-                    if len(out) > limits.output_bytes:
-                        over = True
-                else:
-                    err += chunk
-                    err_total += len(chunk)
-                    del err[:-limits.stderr_bytes]
-                    over = over or err_total > limits.output_bytes
-            if over:
-                break
-    finally:
-        sel.close()
-        for stream in (stdin_pipe, stdout_pipe, stderr_pipe):
-            if not stream.closed:
-                stream.close()
-    return bytes(out[:limits.output_bytes]), bytes(err), timed_out, over
-
-
-def classify_exit(returncode: int | None, stderr: str, timed_out: bool, over: bool, elapsed: float,
-              cpu_s: int) -> str:
-    if over:
-        return "output_limit"
-    if timed_out or returncode == -signal.SIGXCPU:
-        return "timeout"
-    if returncode == 0:
-        return "ok"
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if last.startswith("MemoryError"):
-        return "memory"
-    if last.startswith(("SyntaxError", "IndentationError", "TabError")) and "Traceback" not in stderr:
-        return "syntax_error"  # a compile error of the program itself prints no traceback
-    if returncode == -signal.SIGKILL and elapsed >= cpu_s:
-        return "timeout"  # the hard CPU limit
-    return "runtime_error"
 
 
 # ------------------------------------------------------------------------------------------------- pool

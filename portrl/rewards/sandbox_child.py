@@ -1,12 +1,12 @@
 """The child side of portrl.rewards.sandbox: set up isolation, then exec the program's interpreter.
 
-Started by :func:`portrl.rewards.sandbox.start_program` as ``<base python> -I -S -c BOOTSTRAP FD`` in a new session
-(its own process group), with the sandbox folder as cwd and a clean environment. :data:`BOOTSTRAP` reads the
-payload the host wrote to the pipe FD (marshal: the run's settings and the code objects of this module and its
-siblings sandbox_syscalls, sandbox_root and sandbox_seccomp, compiled by the host) and calls :func:`main`: no file
-of the checkout is read here, and the command line -- what /proc/1/cmdline shows the program -- names neither a
-path of the host, its pid nor the root's layout. It imports only the standard library, and does, in this order,
-before ``execve``:
+Started by :func:`portrl.rewards.sandbox_launch.launch` (for :func:`portrl.rewards.sandbox.start_program`) as
+``<base python> -I -S -c BOOTSTRAP FD`` in a new session (its own process group), with the sandbox folder as cwd
+and a clean environment. :data:`BOOTSTRAP` reads the payload the host wrote to the pipe FD (marshal: the run's
+settings and the code objects of this module and its siblings sandbox_syscalls, sandbox_root and sandbox_seccomp,
+compiled by the host) and calls :func:`main`: no file of the checkout is read here, and the command line -- what
+/proc/1/cmdline shows the program -- names neither a path of the host, its pid nor the root's layout. It imports
+only the standard library, and does, in this order, before ``execve``:
 
 1. namespaces: as root ``unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)``; otherwise the
    same with CLONE_NEWUSER and an identity uid/gid map. Where that is refused, the same without the PID and

@@ -22,7 +22,7 @@ this, in a tmpfs mounted over the sandbox folder, then pivots into it and detach
 * the root itself read-only; nothing else of the host (its home folders, /etc, /usr/local, /opt, /work, /var,
   /sys, other mounts) exists in it.
 
-The layout is computed once per process by portrl.rewards.sandbox_host.root_layout. A failure before the
+The layout is computed once per process by portrl.rewards.sandbox_layout.root_layout. A failure before the
 pivot raises :class:`RootError` after detaching the half-built root, so the caller can fall back to the
 sandbox folder as it was.
 """
