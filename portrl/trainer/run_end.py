@@ -26,6 +26,7 @@ from portrl.errors import RunFailed, RunStopped
 from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.trainer.checkpoint import CheckpointManager
 from portrl.trainer.divergence import TrainingDiverged, logits_stop
+from portrl.trainer.fault_chain import exception_chain, run_stopped_message
 from portrl.trainer.interrupts import stopped_message
 from portrl.trainer.storage_faults import storage_error, storage_stopped_message
 from portrl.workers.group import WorkerDiedError
@@ -76,27 +77,12 @@ def run_failure(trainer: EndingRun, exc: BaseException, stop: Any) -> Optional[B
 def tool_unusable(exc: BaseException) -> Optional[ToolUnusable]:
     """The ToolUnusable behind ``exc`` (itself, its ``__cause__`` / ``__context__`` chain, or a Ray task error's
     ``cause``: a tool that ran in a Ray worker), else None."""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, ToolUnusable):
-            return e
-        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
-    return None
+    return next((e for e in exception_chain(exc) if isinstance(e, ToolUnusable)), None)
 
 
 def tool_stopped_message(exc: ToolUnusable, step: int, total: int, checkpoint: Optional[Path]) -> str:
     """One line: the tool's reason, after which step, and where the run continues from."""
-    why = " ".join(str(exc).split()) or type(exc).__name__
-    when = f"after step {step} of {total}" if step else "before step 1"
-    if checkpoint is None:
-        return f"the run stopped {when}: {why}; no checkpoint was written yet: fix that, then rerun the same command"
-    return (f"the run stopped {when}: {why}; the last good checkpoint is {checkpoint} (intact): fix that, then rerun "
-            "the same command with trainer.resume=auto to continue from it")
+    return run_stopped_message(" ".join(str(exc).split()) or type(exc).__name__, step, total, checkpoint)
 
 
 __all__ = ["run_failure", "tool_stopped_message", "tool_unusable"]

@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from portrl.trainer.fault_chain import exception_chain, run_stopped_message
+
 #: errno -> what it means for the run's folder
 STORAGE_ERRNOS = {
     errno.ENOSPC: "the disk is full",
@@ -35,19 +37,12 @@ def storage_error(exc: BaseException) -> Optional[OSError]:
     """The OSError with a :data:`STORAGE_ERRNOS` errno that caused ``exc`` (itself, its ``__cause__`` /
     ``__context__`` chain, or a Ray task error's ``cause``), else None. An exception of a library written in Rust
     whose message ends in ``(os error N)`` (safetensors' writer) counts as that OSError, without a file name."""
-    seen = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in exception_chain(exc):
         if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
             return e
         found = None if isinstance(e, OSError) else _RUST_OS_ERROR.search(str(e))
         if found and int(found.group(1)) in STORAGE_ERRNOS:
             return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
-        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "cause", None)) if isinstance(x, BaseException))
     return None
 
 
@@ -56,11 +51,7 @@ def storage_stopped_message(err: OSError, step: int, total: int, checkpoint: Opt
     what = f" {err.filename}" if err.filename else ""
     assert err.errno is not None  # storage_fault() returns only errors with a STORAGE_ERRNOS errno
     cause = f"cannot write{what}: {STORAGE_ERRNOS[err.errno]} ({err.strerror or errno.errorcode[err.errno]})"
-    when = f"after step {step} of {total}" if step else "before step 1"
-    if checkpoint is None:
-        return f"the run stopped {when}: {cause}; no checkpoint was written yet: fix that, then rerun the same command"
-    return (f"the run stopped {when}: {cause}; the last good checkpoint is {checkpoint} (intact): fix that, then "
-            "rerun the same command with trainer.resume=auto to continue from it")
+    return run_stopped_message(cause, step, total, checkpoint)
 
 
 __all__ = ["STORAGE_ERRNOS", "storage_error", "storage_stopped_message"]
