@@ -64,7 +64,7 @@ def test_the_check_runs_one_program_with_the_runs_settings(monkeypatch):
     monkeypatch.setattr(sandbox, "run_program", counted)
     check_sandbox(_cfg("sandbox.packages=[numpy,json]"), ["the code reward (data_source apps)"])
     assert len(seen) == 1 and seen[0].packages == ("numpy", "json") and seen[0].allow_unisolated is False
-    if not sandbox_check.missing_isolation(real(sandbox_check.PROBE_SOURCE, "", seen[0])):  # isolated here
+    if not real(sandbox_check.PROBE_SOURCE, "", seen[0]).missing:  # isolated here
         assert unisolated_note() is None
 
 

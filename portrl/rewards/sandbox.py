@@ -179,6 +179,7 @@ class RunResult:
     root_isolated: bool = False  # the minimal root: only its folder, the interpreter, /usr (read-only)
     seccomp_filtered: bool = False  # the seccomp filter of portrl.rewards.sandbox_seccomp
     details: dict = field(default_factory=dict)  # "uid" when dropped; why a step failed ("*_error")
+    missing: tuple[str, ...] = ()  # the isolation parts it ran without (only with allow_unisolated), named by the child
 
 
 _warned: set[str] = set()
@@ -303,7 +304,7 @@ def finish(started: Started, out: bytes, err: bytes, timed_out: bool, over: bool
     if dropped:
         details["uid"] = cfg["uid"]
     return RunResult(status, stdout, stderr, elapsed, proc.returncode, proc.pid, net, mnt, dropped, pid, new_root,
-                     filtered, details)
+                     filtered, details, tuple(report.get("missing", ())))
 
 
 def _warn_missing(report: dict, net: bool, pid: bool, new_root: bool) -> None:

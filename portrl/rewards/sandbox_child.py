@@ -308,9 +308,9 @@ def _exec_program(libc, cfg: dict, root: bool, report: dict, status_fd: int, tab
     if not report["pid"]:  # the program is this process: killed with the reward process (the uid change cleared it)
         _die_with_parent(libc, cfg["parent_pid"])
     report.update(_seccomp(libc, tables, sandbox_seccomp))  # last: the steps before need mount, unshare, ...
-    missing = _missing(report, root)
-    if missing and not cfg["allow_unisolated"]:  # refused: the program never runs (the host raises)
-        _report(status_fd, {**report, "unisolated": missing})
+    report["missing"] = _missing(report, root)
+    if report["missing"] and not cfg["allow_unisolated"]:  # refused: the program never runs (the host raises)
+        _report(status_fd, {**report, "unisolated": report["missing"]})
         os._exit(SETUP_ERROR_EXIT)
     os.set_inheritable(status_fd, False)  # closed by a successful exec: the parent then reads EOF
     _report(status_fd, report)

@@ -26,7 +26,6 @@ Then, before any model loads, :func:`check_sandbox` (called by the preflight, po
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
 
@@ -38,15 +37,6 @@ log = logging.getLogger(__name__)
 PROBE_SOURCE = "print('portrl sandbox ok')\n"
 PROBE_OUTPUT = "portrl sandbox ok"
 PROBE_TIMEOUT_S = 30.0  # generous: a loaded machine's first start; a working sandbox takes about 0.1 s
-#: RunResult flag -> the isolation part it reports, named as the sandbox's refusal names it
-ISOLATION_PARTS = (
-    ("network_isolated", "network namespace"),
-    ("mount_isolated", "mount namespace"),
-    ("pid_isolated", "PID namespace"),
-    ("root_isolated", "minimal root"),
-    ("seccomp_filtered", "seccomp filter"),
-)
-
 _note: Optional[str] = None  # the run's UNISOLATED note (set by the last check_sandbox of this process)
 
 
@@ -90,15 +80,6 @@ def check_remote_code_rows(cfg: Any, rows: Iterable[Sequence[Any]]) -> None:
                             "or drop reward.code.sandbox_fusion_url to use the local sandbox")
 
 
-def missing_isolation(result: Any, root: Optional[bool] = None) -> List[str]:
-    """The isolation parts a :class:`~portrl.rewards.sandbox.RunResult` says were left out (network namespace, mount
-    namespace, PID namespace, minimal root, seccomp filter; as root also uid drop)."""
-    missing = [part for flag, part in ISOLATION_PARTS if not getattr(result, flag, False)]
-    if (os.geteuid() == 0 if root is None else root) and not getattr(result, "uid_dropped", False):
-        missing.append("uid drop")
-    return missing
-
-
 def check_sandbox(cfg: Any, users: List[str]) -> None:
     """The start-up check for ``users`` (:func:`sandbox_users`; nothing to check when empty): SandboxUnusable
     (a UserError, one line) when the sandbox cannot run them here (module docstring)."""
@@ -138,7 +119,7 @@ def check_sandbox(cfg: Any, users: List[str]) -> None:
         tail = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
         raise SandboxUnusable(f"the code sandbox did not run the one-line start-up program here ({result.status}: "
                               f"{tail}), and {who} needs it; see docs/code-rl.md, 'The start-up check'")
-    gone = missing_isolation(result)
+    gone = result.missing
     if gone:  # only with sandbox.allow_unisolated=true: the sandbox refuses it otherwise
         why = _reason(result)
         _note = f"UNISOLATED (no {', '.join(gone)}{f': {why}' if why else ''})"
@@ -165,5 +146,5 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-__all__ = ["PROBE_OUTPUT", "PROBE_SOURCE", "SandboxUnusable", "check_sandbox", "missing_isolation", "sandbox_users",
+__all__ = ["PROBE_OUTPUT", "PROBE_SOURCE", "SandboxUnusable", "check_sandbox", "sandbox_users",
            "unisolated_note"]
