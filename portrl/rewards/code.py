@@ -102,7 +102,7 @@ class Case:
 
     source: str
     stdin: str
-    judge: Callable[[RunResult], bool]
+    judge: Callable[[RunResult], bool] | None = None
     test: str | None = None
 
 
@@ -267,7 +267,7 @@ def build_cases(program: str, tests: dict, limit: int | None = None, where: str 
         form = "asserts" if "asserts" in tests else "check"
         for stmt in statements:
             test = judge_source(JUDGE_PREAMBLE, setup + "\n", stmt, tests.get("entry_point"), form)
-            cases.append(Case(served, "", _judged_only, test))
+            cases.append(Case(served, "", test=test))
     elif tests.get("fn_name"):
         served = program_source(program, PREAMBLE)
         wrapped = outputs_wrapped(tests)
@@ -285,10 +285,6 @@ def build_cases(program: str, tests: dict, limit: int | None = None, where: str 
             stdin = "\n".join(map(str, raw_in)) if isinstance(raw_in, list) else str(raw_in)
             cases.append(Case(head, stdin, _stdout_judge(raw_out)))
     return cases
-
-
-def _judged_only(result: RunResult) -> bool:
-    raise AssertionError("a judged case's verdict comes from its test's sandbox")  # never called
 
 
 # ------------------------------------------------------------------------------------------------ score
@@ -340,9 +336,9 @@ def _limits(timeout_s: float, memory_mb: int, allow_unisolated: bool, packages: 
 
 def _run_case(run: Callable[..., RunResult], case: Case, limits: SandboxLimits) -> tuple[bool, RunResult]:
     """(passed, the program's run) of one case."""
-    if case.test is not None:
-        judged = run_judged(case.source, case.test, limits)
-        return judged.passed, judged.program
+    if case.judge is None:
+        assert case.test is not None  # a case is judged here or by its test's sandbox
+        return run_judged(case.source, case.test, limits)
     result = run(case.source, case.stdin, limits)
     return case.judge(result), result
 

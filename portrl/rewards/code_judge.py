@@ -17,7 +17,6 @@ import json
 import os
 import selectors
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from portrl.rewards.plain_data import Undecodable, decode
 from portrl.rewards.sandbox import RunResult, SandboxLimits, Started, finish, start_program
 
 _HERE = Path(__file__).parent
-_CODEC_IMPORT = "from portrl.rewards.plain_data import Undecodable, Unencodable, decode, encode"
+_CODEC_IMPORT = "from portrl.rewards.plain_data import "  # the harness line the codec's text replaces
 
 
 @lru_cache(maxsize=None)
@@ -77,16 +76,6 @@ def is_missing(value: object) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ judged tests
-@dataclass
-class JudgedRun:
-    """One assert / check() case: ``passed`` the test's verdict; ``program`` the program's run (its status says
-    why it failed when it did); ``error`` the test's failure."""
-
-    passed: bool
-    program: RunResult
-    error: str
-
-
 class _Pipe:
     """A process's output pipe read into a buffer, and the lines complete so far."""
 
@@ -113,9 +102,10 @@ class _Pipe:
         return line
 
 
-def run_judged(program_file: str, judge_file: str, limits: SandboxLimits) -> JudgedRun:
+def run_judged(program_file: str, judge_file: str, limits: SandboxLimits) -> tuple[bool, RunResult]:
     """Run the program and the test in two sandboxes and relay between them until the test's verdict, the
-    deadline (``limits.timeout_s`` for the whole case) or a limit."""
+    deadline (``limits.timeout_s`` for the whole case) or a limit: (the verdict is "pass", the program's run,
+    whose status says why it failed when it did)."""
     program = start_program(program_file, limits)
     try:
         judge = start_program(judge_file, limits)
@@ -129,14 +119,12 @@ def run_judged(program_file: str, judge_file: str, limits: SandboxLimits) -> Jud
         verdict, ended, err, timed_out, over, judge_out, judge_err = _relay(program, judge, limits)
     finally:
         try:
-            judged = finish(judge, judge_out, judge_err, False, False)
+            finish(judge, judge_out, judge_err, False, False)
         finally:
             result = finish(program, b"", err, timed_out, over)
     if not (ended or timed_out or over):
         result.status = "ok"  # alive and answering at the verdict: it was stopped afterwards, by the relay
-    passed = verdict.get("verdict") == "pass" and not timed_out and not over
-    error = str(verdict.get("error") or (judged.stderr.strip().splitlines() or ["no verdict"])[-1])
-    return JudgedRun(passed, result, "" if passed else error)
+    return verdict.get("verdict") == "pass" and not timed_out and not over, result
 
 
 def _relay(program: Started, judge: Started, limits: SandboxLimits):

@@ -24,7 +24,7 @@ import json
 import os
 from typing import Callable
 
-from portrl.rewards.plain_data import Undecodable, Unencodable, decode, encode  # embedded: the codec's text
+from portrl.rewards.plain_data import Unencodable, decode, encode  # embedded: the codec's text
 
 
 class ProgramGone(Exception):

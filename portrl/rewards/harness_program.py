@@ -27,7 +27,7 @@ import json
 import os
 import sys
 
-from portrl.rewards.plain_data import Undecodable, Unencodable, decode, encode  # embedded: the codec's text
+from portrl.rewards.plain_data import decode, encode  # embedded: the codec's text
 
 
 def serve(program, setup):
@@ -42,6 +42,8 @@ def serve(program, setup):
     classes = {name for name, value in namespace.items()
                if isinstance(value, type) and value.__module__ == "solution"}  # defined by the setup, not imported
     exec(compile(program, "main.py", "exec"), namespace)
+    # the setup's classes as the program left them (a program may define its own ListNode)
+    decoded_classes = {c: namespace[c] for c in classes if isinstance(namespace.get(c), type)}
     handles = []
 
     def handle_of(value):
@@ -49,8 +51,7 @@ def serve(program, setup):
         return len(handles) - 1
 
     def argument(text):
-        return decode(text, classes={c: namespace[c] for c in classes if isinstance(namespace.get(c), type)},
-                      handle=lambda n: handles[n])
+        return decode(text, classes=decoded_classes, handle=lambda n: handles[n])
 
     def answer(request):
         op = request["op"]
@@ -77,11 +78,7 @@ def serve(program, setup):
     for line in requests:
         try:
             reply = answer(json.loads(line))
-        except (Unencodable, Undecodable, ValueError) as exc:
-            reply = {"raised": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}
-        except BaseException as exc:  # noqa: BLE001 - the program's own exception is its answer
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+        except Exception as exc:  # noqa: BLE001 - the program's own exception (or a value it cannot send) answers
             reply = {"raised": f"{type(exc).__name__}: {exc}"[:2000], "type": type(exc).__name__}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
