@@ -42,3 +42,10 @@ class RunFailed(RunStopped):
 
     def __init__(self, message: str):
         super().__init__(message, 1)
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML parse error in one line: what is wrong and where (line, column)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem

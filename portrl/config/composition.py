@@ -59,6 +59,7 @@ from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type
 from portrl.config.options_schema import run_schema
 from portrl.config.preset_layers import Origins
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
+from portrl.errors import yaml_problem
 from portrl.user_files import ordinary_permissions
 
 SHORTHANDS = ("algorithm", "data", "model", "device", "preset")
@@ -309,13 +310,6 @@ def _read_user_yaml(config_file: str | os.PathLike) -> dict:
         return yaml.safe_load(open(path).read()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{config_file} is not valid YAML: {yaml_problem(exc)}") from None
-
-
-def yaml_problem(exc: Exception) -> str:
-    """A YAML parse error in one line: what is wrong and where (line, column)."""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    mark = getattr(exc, "problem_mark", None)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def _given(sources: list, dotted: str) -> bool:

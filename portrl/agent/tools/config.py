@@ -48,7 +48,7 @@ import yaml
 from portrl.agent.tools.base import Tool
 from portrl.agent.tools.decorator import FunctionTool, tool
 from portrl.agent.tools.schema import ToolSchemaError, check_schema
-from portrl.errors import UserError
+from portrl.errors import UserError, yaml_problem
 
 # portrl's built-in tools by short name ("module:class", imported when used)
 BUILTINS: Dict[str, str] = {
@@ -85,7 +85,6 @@ def load_tool_config(path: "str | Path", *, open_files: bool = True) -> Dict[str
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        from portrl.config.composition import yaml_problem
         raise ToolConfigError(f"tool config {str(path)!r} is not valid YAML: {yaml_problem(exc)}") from None
     entries = data.get("tools") if isinstance(data, dict) else None
     if not isinstance(entries, list):
