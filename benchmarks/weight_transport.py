@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.parallel import find_free_port  # noqa: E402
-from portrl.workers.weight_transport import SYNC_MODES, make_receiver, make_sender, transport_spec  # noqa: E402
+from portrl.device.weight_transport import SYNC_MODES, make_receiver, make_sender, transport_spec  # noqa: E402
 
 ADDR = "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""Conformance of the weight transports (portrl/workers/weight_transport.py): every transport a backend offers,
+"""Conformance of the weight transports (portrl/device/weight_transport.py): every transport a backend offers,
 in every mode, between real processes (one sender, two receivers, spawned; one receiver drains from a
 background thread, as a rollout worker's listener does).
 
@@ -25,7 +25,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.parallel import find_free_port  # noqa: E402
-from portrl.workers.weight_transport import SYNC_MODES, bucket_cap, element_size, numel, plan_buckets  # noqa: E402
+from portrl.device.weight_transport import SYNC_MODES, bucket_cap, element_size, numel, plan_buckets  # noqa: E402
 
 BACKENDS = ("cpu", "cuda", "rocm", "npu")
 ADDR = "127.0.0.1"
@@ -79,7 +79,7 @@ def _peak_since(backend, base) -> int | None:
 
 
 def _send(backend, spec, port: int, mode: str, rank: int) -> dict:
-    from portrl.workers.weight_transport import make_sender
+    from portrl.device.weight_transport import make_sender
 
     sender = make_sender(spec, backend, ADDR, port, WORLD, BUCKET / 2**20, mode, timeout_s=120)
     device = backend.device(rank) if backend.device_type != "cpu" else torch.device("cpu")
@@ -95,7 +95,7 @@ def _send(backend, spec, port: int, mode: str, rank: int) -> dict:
 
 
 def _receive(backend, spec, port: int, rank: int) -> dict:
-    from portrl.workers.weight_transport import make_receiver
+    from portrl.device.weight_transport import make_receiver
 
     receiver = make_receiver(spec, backend, ADDR, port, rank, WORLD, timeout_s=120)
     state: dict = {}
@@ -136,7 +136,7 @@ def _receive(backend, spec, port: int, rank: int) -> dict:
 def _member(rank: int, backend_name: str, ports: dict, queue) -> None:
     """One process of the test: rank 0 sends, 1 and 2 receive, for each transport of the backend and each mode
     (a port each), one after the other."""
-    from portrl.workers.weight_transport import transport_spec
+    from portrl.device.weight_transport import transport_spec
 
     try:
         backend = get_backend(backend_name)
@@ -257,7 +257,7 @@ def test_delta_moves_only_what_changed_and_ends_equal_to_full(run):
 # ------------------------------------------------------------------- choosing a transport, the config, the metrics
 def test_the_backend_chooses_the_transport():
     from portrl.errors import UserError
-    from portrl.workers.weight_transport import choose_transport
+    from portrl.device.weight_transport import choose_transport
 
     cpu, cuda = get_backend("cpu"), get_backend("cuda")
     assert choose_transport(cpu, "auto", same_node=True).name == cpu.weight_transports[0] == "shared_memory"
@@ -288,7 +288,7 @@ def test_a_bad_mode_or_transport_is_one_line_exit_2(overrides, phrase, capsys):
 
 
 def test_sync_stats_become_step_metrics():
-    from portrl.workers.weight_transport import SyncStats, sync_metrics
+    from portrl.device.weight_transport import SyncStats, sync_metrics
 
     stats = asdict(SyncStats(tensors=10, buckets=3, bytes=4096, seconds=0.25, mode="delta", version=7))
     assert sync_metrics(stats) == {"perf/weight_sync_s": 0.25, "perf/weight_sync_bytes": 4096.0,

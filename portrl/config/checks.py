@@ -49,7 +49,7 @@ from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
 from portrl.rollout.registry import engine_names
 from portrl.workers.placement import placement_names, placement_needs_ray
-from portrl.workers.weight_transport import SYNC_MODES, transport_names
+from portrl.device.weight_transport import SYNC_MODES, transport_names
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),

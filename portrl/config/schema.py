@@ -237,7 +237,7 @@ class RolloutConfig:
     num_rollout_workers: int = 1  # separated placement only
     cpu_cores: Optional[int] = None  # separated, cpu backend: cores of all rollout workers; None = by worker count
     weight_sync_bucket_mb: int = 64
-    weight_sync_mode: str = "bucketed"  # full | bucketed | delta (portrl/workers/weight_transport.py)
+    weight_sync_mode: str = "bucketed"  # full | bucketed | delta (portrl/device/weight_transport.py)
     weight_transport: str = "auto"  # auto (the backend's first that fits) | broadcast | shared_memory
     val_kwargs: ValidationSamplingConfig = field(default_factory=ValidationSamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agentic rollouts (portrl/agent/)

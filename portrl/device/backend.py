@@ -16,7 +16,8 @@ Method families:
   :meth:`reset_peak_memory`, :meth:`memory_available`, :meth:`manual_seed`
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
-  :meth:`kernel_preferences` (op name -> implementation names, best first)
+  :meth:`kernel_preferences` (op name -> implementation names, best first), :meth:`decode_kernel` (the hf
+  engine's fast decoder's KV cache layout and what the backend runs its own way in a decode step)
 * rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
 * placement: :meth:`split_compute` (a separated run's trainer and rollout workers on disjoint devices or cores)
 * profiling: :meth:`step_profiler` (one step's trace, ``trainer.profile.steps``), ``profiler_activities``,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # torch is imported lazily (module docstring); checks.py impo
     import torch
 
     from portrl.device.checks import Check
+    from portrl.device.decode_kernel import DecodeKernel
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class Backend:
     ray_noset_env: ClassVar[tuple[str, ...]] = ()  # opt-outs that stop Ray setting the variable
     detect_priority: ClassVar[int] = 0  # higher is tried first by detection ("auto")
     #: weight transports to separated rollout workers this backend offers, best first (names registered in
-    #: portrl/workers/weight_transport.py; ``broadcast`` runs over ``dist_backend``)
+    #: portrl/device/weight_transport.py; ``broadcast`` runs over ``dist_backend``)
     weight_transports: ClassVar[tuple[str, ...]] = ("broadcast",)
     #: distributions whose versions `portrl devices` and `doctor` report
     version_packages: ClassVar[tuple[str, ...]] = ("torch",)
@@ -274,6 +276,13 @@ class Backend:
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
         """Op name -> implementation names, best first. The first that can run here is chosen."""
         return {}
+
+    def decode_kernel(self) -> DecodeKernel:
+        """The fast decoder's KV cache layout and capabilities on this backend (portrl/device/decode_kernel.py): the
+        plain-torch one unless the backend has its own."""
+        from portrl.device.decode_kernel import DecodeKernel  # imports torch (module docstring: lazily)
+
+        return DecodeKernel()
 
     # --- rollout engines ----------------------------------------------------------------------
     def rollout_engines(self) -> tuple[str, ...]:

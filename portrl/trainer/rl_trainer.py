@@ -14,8 +14,9 @@ Before step 1 of a fresh run: the SFT warm start (``model.sft_warm_start``), the
 
 Validation (greedy by default, mean@k accuracy per data source) runs before training and every
 ``trainer.test_freq`` steps. Checkpoints (model, optimizer, LR schedule, RNG, data position, KL controller) every
-``trainer.save_freq`` steps (portrl.trainer.run_checkpoints); ``trainer.resume`` = auto | off | PATH. Generation
-seeds derive from (trainer.seed, step), so a resumed run samples what an uninterrupted run samples.
+``trainer.save_freq`` steps (portrl.trainer.run_checkpoints; when one is due: portrl.trainer.step_schedule);
+``trainer.resume`` = auto | off | PATH. Generation seeds derive from (trainer.seed, step), so a resumed run samples
+what an uninterrupted run samples.
 
 SIGINT / SIGTERM end a run between steps with a checkpoint and :class:`portrl.errors.RunStopped`; calls to
 Ray workers have a time limit that follows the step time (portrl.trainer.interrupts).
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -59,6 +60,7 @@ from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, r
 from portrl.trainer.run_dir import prepare_run_dir
 from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
+from portrl.trainer.step_schedule import StepSchedule
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
 from portrl.trainer.traces import TraceWriter
 from portrl.trainer.validation import validate, validation_prompts
@@ -70,7 +72,10 @@ from portrl.workers.group import WorkerGroup
 from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.setup import seed_all, setup_process, worker_backend
-from portrl.workers.weight_transport import sync_metrics
+from portrl.device.weight_transport import sync_metrics
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class RLTrainer:
     ``cfg`` is a settled config (:func:`portrl.trainer.resources.settle_config`: read-only, with
     ``trainer.num_workers``, ``model.path`` and the data files resolved); the trainer writes nothing into it."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: PortRLConfig):
         if not is_settled(cfg):
             raise TypeError("RLTrainer takes a settled config: portrl.trainer.resources.settle_config(cfg) after "
                             "the preflight (run_training settles the config it is given)")
@@ -96,13 +101,13 @@ class RLTrainer:
         self.train_ds = run_dataset(cfg, [str(f) for f in d.train_files], self.tokenizer, self.processor,
                                     shuffle=bool(d.shuffle), seed=int(d.seed))
         self.val_prompts = validation_prompts(cfg, [str(f) for f in d.val_files], self.tokenizer, self.processor)
-        self.actor = WorkerGroup(ActorRolloutWorker, cfg, int(cfg.trainer.num_workers), self.backend)
+        self.actor = WorkerGroup(ActorRolloutWorker, cfg, settled_num_workers(cfg), self.backend)
         # a placement whose actor holds no engine (separated): its own rollout workers and a weight link
         self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
         if critic_enabled(cfg):
-            self.critic = WorkerGroup(CriticWorker, cfg, int(cfg.trainer.num_workers), self.backend)
+            self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend)
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.profiling = StepProfiling(cfg, self.backend, self.out_dir, lambda: {
             "actor": self.actor, "critic": self.critic, "prm": getattr(self.prm, "group", None), "rollout": self.rollout})
@@ -267,7 +272,10 @@ class RLTrainer:
         earlier = read_metrics_up_to(self.out_dir, self.global_step) if resume is not None else []
         if earlier and "val/acc/mean" in earlier[0] and int(earlier[0].get("step", -1)) == 0:
             summary["val_before"] = earlier[0]["val/acc/mean"]
-        self.watch = DivergenceWatch(int(t.max_nonfinite_steps), earlier)  # skipped updates, counted over the run
+        # checkpoint cadence and the divergence stop (skipped updates counted over the run): step_schedule
+        self.schedule = StepSchedule(DivergenceWatch(int(t.max_nonfinite_steps), earlier), self.ckpt,
+                                     total_steps=int(t.total_steps), save_freq=int(t.save_freq),
+                                     save_final=bool(t.save_final), save_on_interrupt=bool(t.save_on_interrupt))
         stop: Optional[StopSignals] = None
         try:
             with stop_signals() as stop:  # SIGINT / SIGTERM: finish the step, save, raise RunStopped
@@ -305,8 +313,6 @@ class RLTrainer:
             summary.setdefault("val_before", v.get("val/acc/mean"))
             summary["val_before_rl"] = v.get("val/acc/mean")
             tracker.log(v, step=0)
-        pending: Dict[str, float] = {}
-        owed = False  # a checkpoint put off at a step whose update was skipped
         for step in range(self.global_step + 1, int(t.total_steps) + 1):
             if stop.requested:  # asked during the validation before training: nothing of a step to save
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
@@ -316,27 +322,13 @@ class RLTrainer:
             last = step == int(t.total_steps)
             if int(t.test_freq) > 0 and (step % int(t.test_freq) == 0 or last):
                 m.update(self.validate(step))
-            m.update(pending)
-            pending = {}
-            m.update(self.watch.observe(step, m))
+            self.schedule.metrics(step, m)  # the last save's seconds, the divergence counts
             # the step's metrics line is written before its checkpoint: a run killed in between resumes
             # from the previous checkpoint (its later lines are dropped), never past an unlogged step
             tracker.log(m, step=step)
             self.history.append(m)
-            if self.watch.diverged:  # trainer.max_nonfinite_steps steps in a row skipped their update: stop, unsaved
-                raise self.watch.stop(self.ckpt)
-            due = (int(t.save_freq) > 0 and step % int(t.save_freq) == 0) or (last and t.save_final) or owed
-            # a step whose update was skipped holds the weights that gave the non-finite loss: its checkpoint waits
-            # for the next step whose update is taken, so that rotation keeps the checkpoints from before
-            owed = due and bool(self.watch.streak)
-            if owed:
-                log.warning("checkpoint of step %d put off: its update was skipped (a non-finite loss or gradient "
-                            "norm); %s", step, "the run ends without it" if last else
-                            "it is written at the next step whose update is taken")
-            if (due and not owed) or (stop.requested and t.save_on_interrupt):
-                with_time = time.perf_counter()
-                last_ckpt = self.save_checkpoint() or last_ckpt  # None: not written (non-finite weights)
-                pending["timing_s/save"] = time.perf_counter() - with_time  # reported with the next step
+            # a diverged run stops here, unsaved; else a due checkpoint (None: none written)
+            last_ckpt = self.schedule.end_step(step, stop.requested, self.save_checkpoint) or last_ckpt
             if stop.requested and not last:
                 raise RunStopped("portrl: " + self._stopped_message(stop.name, last_ckpt), stop.exit_code)
             slowest = max(slowest or 0.0, time.perf_counter() - began)
@@ -378,7 +370,7 @@ class RLTrainer:
         return summary
 
 
-def run_training(cfg: Any) -> Dict[str, Any]:
+def run_training(cfg: PortRLConfig) -> Dict[str, Any]:
     """Run RL training as configured (``cfg`` is settled here when it is not yet: resources.settle_config);
     returns ``{"run_dir", "steps", "val_before" (before any training, SFT included), "val_before_rl", "val_after",
     "time_s", "tokens_per_s", "export_dir", "plots", "resumed_from"?, "sft/*"?, "critic/pretrain_*"?}``

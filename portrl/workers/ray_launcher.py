@@ -23,7 +23,7 @@ from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
-from portrl.workers.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
+from portrl.device.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
                                              transport_spec)
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class WorkerHost:
         """``worker.named_weights()`` as full CPU tensors (sharded ones all-gathered: call it on every rank)."""
         return {n: _full(t).detach().cpu() for n, t in self.worker.named_weights()}
 
-    # weight sync (separated placement, see portrl.workers.weight_transport)
+    # weight sync (separated placement, see portrl.device.weight_transport)
     def join_weight_sync(self, addr: str, port: int, group_rank: int, group_size: int, bucket_mb: float,
                          transport: str = "broadcast", mode: str = "bucketed") -> None:
         spec = transport_spec(transport)

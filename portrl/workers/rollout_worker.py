@@ -6,7 +6,7 @@ policy reaches them through :class:`~portrl.workers.weight_sync.WeightSyncLink`:
 tensors (LoRA deltas merged, base names) over the transport the backend chooses (``rollout.weight_transport``:
 a broadcast over the backend's collective, or shared memory on one CPU node) in the mode
 ``rollout.weight_sync_mode`` (``full``, ``bucketed`` in buckets of ``rollout.weight_sync_bucket_mb`` MiB, or
-``delta``; portrl/workers/weight_transport.py), and each RolloutWorker loads them into its engine with
+``delta``; portrl/device/weight_transport.py), and each RolloutWorker loads them into its engine with
 ``update_weights``.
 
 :func:`generate_batch` (engine + tokenizer -> rollout Batch) is shared with the colocated
@@ -16,7 +16,7 @@ a broadcast over the backend's collective, or shared memory on one CPU node) in 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +32,9 @@ from portrl.workers.partial_rollout import StagedWeights, generate_versioned, ve
 from portrl.workers.profiled import ProfiledWorker
 from portrl.workers.setup import count_parameters, resolve_dtype, start_worker
 from portrl.workers.weight_sync import WeightSyncLink
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 
 @torch.no_grad()
@@ -170,7 +173,7 @@ class RolloutWorker(ProfiledWorker):
         return model.state_dict().items()
 
 
-def separated_rollout(cfg: Any, backend: Backend, actor_group: Any) -> Tuple[Any, Any]:
+def separated_rollout(cfg: PortRLConfig, backend: Backend, actor_group: Any) -> Tuple[Any, Any]:
     """``(rollout WorkerGroup, WeightSyncLink)`` for ``rollout.placement=separated``: ``rollout.num_rollout_workers``
     RolloutWorkers as Ray actors in a resource pool of their own, linked to ``actor_group`` (a Ray group)."""
     n = int(cfg.rollout.num_rollout_workers)

@@ -1,6 +1,6 @@
 """The ``shared_memory`` weight transport: one node, a /dev/shm segment and a TCP-store handshake.
 
-The contract and the modes are :mod:`portrl.workers.weight_transport`. The sender (group rank 0) owns one
+The contract and the modes are :mod:`portrl.device.weight_transport`. The sender (group rank 0) owns one
 segment, sized for the sync's largest bucket (it grows, never shrinks: a new segment replaces a smaller one).
 One sync, numbered ``s`` on every member (each receiver drains every sync, so the numbers agree):
 
@@ -34,7 +34,7 @@ import torch
 from torch.distributed import PrefixStore
 
 from portrl.workers.weight_sync import rendezvous_store
-from portrl.workers.weight_transport import (SyncHeader, TransportReceiver, TransportSender, element_size, numel,
+from portrl.device.weight_transport import (SyncHeader, TransportReceiver, TransportSender, element_size, numel,
                                              raw_bytes)
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 The contract (sender ``send(named_tensors, version) -> SyncStats``, receiver ``receive()`` yielding ``(name,
 tensor)``, the ``full`` / ``bucketed`` / ``delta`` modes, how a backend chooses a transport and how a new one is
-added) is :mod:`portrl.workers.weight_transport`. Here:
+added) is :mod:`portrl.device.weight_transport`. Here:
 
 * :class:`WeightSender` / :class:`WeightReceiver`, the ``broadcast`` transport: the sender (trainer rank 0,
   group rank 0) and the receivers (rollout workers, group ranks 1..R) form their own process group of the
@@ -12,7 +12,7 @@ added) is :mod:`portrl.workers.weight_transport`. Here:
   live on the CPU for gloo and on the process's current device for the accelerator collectives (only hardware
   can confirm that path; the CPU tests run gloo). Works across nodes.
 * :class:`WeightSyncLink`: joins a trainer WorkerGroup's rank 0 to every rank of a rollout WorkerGroup over the
-  transport the backend chooses (``rollout.weight_transport``, :func:`~portrl.workers.weight_transport.choose_transport`).
+  transport the backend chooses (``rollout.weight_transport``, :func:`~portrl.device.weight_transport.choose_transport`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from portrl.workers.parallel import is_loopback, loopback_store
 from portrl.workers.ray_calls import wait_results
-from portrl.workers.weight_transport import (Meta, SyncHeader, SyncStats, TransportReceiver, TransportSender,
+from portrl.device.weight_transport import (Meta, SyncHeader, SyncStats, TransportReceiver, TransportSender,
                                              choose_transport, element_size, plan_buckets, raw_bytes)
 
 if TYPE_CHECKING:
