@@ -37,7 +37,9 @@ import torch
 
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
+from portrl.config.placement import placement_of
 from portrl.data import PromptBatch
+from portrl.device.weight_transport import sync_metrics
 from portrl.errors import RunStopped, UserError
 from portrl.models import load_processor, load_tokenizer
 from portrl.outputs import OutputExists
@@ -53,7 +55,7 @@ from portrl.trainer.plot import plot_run
 from portrl.trainer.prime_phase import build_prime_phase
 from portrl.trainer.profiling import StepProfiling
 from portrl.trainer.reference_update import refresh_reference
-from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config
+from portrl.trainer.resources import builtin_sft_rows, is_settled, settle_config, settled_num_workers
 from portrl.trainer.rollout_pipeline import RolloutPipeline
 from portrl.trainer.reward_scoring import RewardScorer
 from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, resume_run, save_run_checkpoint
@@ -69,10 +71,8 @@ from portrl.workers.actor import ActorRolloutWorker
 from portrl.workers.batch import Batch
 from portrl.workers.critic import CriticWorker
 from portrl.workers.group import WorkerGroup
-from portrl.workers.placement import placement_of
 from portrl.workers.ray_env import shutdown_ray, terminate_local_ray
 from portrl.workers.setup import seed_all, setup_process, worker_backend
-from portrl.device.weight_transport import sync_metrics
 
 if TYPE_CHECKING:
     from portrl.config.schema import PortRLConfig
