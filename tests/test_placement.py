@@ -1,4 +1,4 @@
-"""Rollout placements are registered records (portrl/workers/placement.py): the config checks, the device count,
+"""Rollout placements are registered records (portrl/config/placement.py): the config checks, the device count,
 the worker group, the actor and the trainer read the record that ``rollout.placement`` names."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from portrl.config import compose
 from portrl.config.checks import CHOICES
 from portrl.errors import UserError
-from portrl.workers.placement import (
+from portrl.config.placement import (
     COLOCATED,
     SEPARATED,
     Placement,

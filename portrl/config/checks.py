@@ -44,12 +44,12 @@ from portrl.config.batch_follow import batch_problem
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
 from portrl.config.checks_agent import check_multi_turn
 from portrl.config.checks_async import check_async
+from portrl.config.placement import placement_names, placement_needs_ray
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
 from portrl.device.registry import BackendError, all_backends, get_backend
-from portrl.rollout.registry import engine_names
-from portrl.workers.placement import placement_names, placement_needs_ray
 from portrl.device.weight_transport import SYNC_MODES, transport_names
+from portrl.rollout.registry import engine_names
 
 CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),

@@ -8,13 +8,16 @@
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, List
 
 from portrl.config.schema_trainer import MODES, STALE_SAMPLES
-from portrl.workers.placement import get_placement, placement_names
+from portrl.config.placement import get_placement, placement_names
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 
-def check_async(cfg: Any) -> List[str]:
+def check_async(cfg: PortRLConfig) -> List[str]:
     """Every problem of ``cfg``'s asynchronous settings, one line each."""
     problems: List[str] = []
     mode, a = cfg.trainer.mode, cfg.async_training

@@ -22,12 +22,13 @@ from __future__ import annotations
 import copy
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from portrl.algo.rollout_correction import rollout_diff_stats
 from portrl.algo.spec import algorithm_spec
+from portrl.config.placement import placement_of
 from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer
 from portrl.models.export import export_pretrained
 from portrl.models.multimodal import batch_image_inputs, freeze_vision_tower
@@ -39,7 +40,6 @@ from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weights
 from portrl.workers.master_weights import load_dtype
-from portrl.workers.placement import placement_of
 from portrl.agent.rollout import AgentRollout, agent_rollout
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
@@ -56,6 +56,9 @@ from portrl.workers.training import (
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.trained_model import TrainedModel, TrainedModelWorker, model_strategy
 from portrl.workers.update_loop import LoopSettings, Position
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 
 class ActorRolloutWorker(TrainedModelWorker):
@@ -179,7 +182,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         :meth:`update_actor`, which may then replay this rollout's forward instead of recomputing it."""
         if self.engine is None:
             raise RuntimeError(f"rollout.placement={self.cfg.rollout.placement}: this actor has no engine; generate "
-                               "with the placement's rollout group (portrl.workers.placement)")
+                               "with the placement's rollout group (portrl.config.placement)")
         record = for_update and self._can_record_forward()
         if record:
             self.engine.start_recording(max_bytes=self._tape_budget())
@@ -282,13 +285,14 @@ class ActorRolloutWorker(TrainedModelWorker):
                 corr.append(correction_stats_of(self.cfg, micro, old))
             return actor_loss(self.cfg, micro, logp, ent, counts, use_old=use_old)
 
-        def preference_pairs(mini: Batch) -> Dict[str, Any]:  # online DPO: valid pairs of the mini-batch, all ranks
-            if "dpo_valid" not in mini:
-                return {}
-            return {"num_pairs": all_reduce_sum([float(mini.tensors["dpo_valid"].sum()) / 2], self.world_size)[0]}
+        spec = algorithm_spec(self.cfg.algorithm)
+
+        def objective_counts(mini: Batch) -> Dict[str, Any]:  # the objective's counts of the mini-batch, all ranks
+            local = spec.counts(mini.tensors)
+            return dict(zip(local, all_reduce_sum(list(local.values()), self.world_size))) if local else {}
 
         out = self.trained.update(batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
-                                  extra_counts=preference_pairs)
+                                  extra_counts=objective_counts)
         self.update_count += 1
         out.update(rollout_gap_metrics(gaps, self.world_size))
         out.update(rollout_corr_metrics(corr, self.world_size), **normalized)
@@ -355,7 +359,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         return str(Path(out_dir))
 
 
-def old_log_probs_needed(cfg: Any, num_rows: int) -> bool:
+def old_log_probs_needed(cfg: PortRLConfig, num_rows: int) -> bool:
     """Whether the step computes ``old_log_probs``: when the algorithm reads them (its record's
     ``needs_old_log_probs``: KL in the reward, an estimator such as optimal_token_baseline) or Σπ²
     (``needs_sum_pi_squared``), or rollout correction decides before the update which tokens it rejects or how it

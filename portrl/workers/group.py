@@ -11,9 +11,13 @@ every rank r through one of two launchers, chosen by :func:`use_ray` (the one ru
 ``cfg_w`` holds only the top-level config sections the worker class declares in its ``config_sections``
 attribute (:func:`worker_config`); a class that declares none gets the whole config.
 
-Every call runs ``method`` on every rank. Each :class:`Batch` argument is cut into N contiguous pieces
-(``Batch.chunk``) and rank r gets piece r; other arguments go to every rank as they are. What comes back is
-said by the method called, never guessed from the results:
+Every call runs ``method`` on every rank. The caller names the worker method itself, as in
+``group.run(CriticWorker.save_shard, path, name)``: mypy checks it against the group's worker class
+(``WorkerGroup[W]``: a method the class lacks is an error) and the arguments and result against its signature.
+The group dispatches by the method's name (:func:`method_name`; Ray actors receive that name), so a subclass's
+override runs. A name (str) is the untyped form, for stand-in worker classes. Each :class:`Batch` argument is cut
+into N contiguous pieces (``Batch.chunk``) and rank r gets piece r; other arguments go to every rank as they are.
+What comes back is said by the method called, never guessed from the results:
 
 * :meth:`WorkerGroup.gather`: every rank's result, a list in rank order;
 * :meth:`WorkerGroup.concat`: every rank's Batch, concatenated in rank order;
@@ -32,25 +36,31 @@ answer, and the group is shut down the same way (portrl.workers.ray_calls).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, Concatenate, Dict, Generic, List, Mapping, Optional, ParamSpec,
+                    Sequence, TypeVar, overload)
 
 from omegaconf import DictConfig, OmegaConf
 
+from portrl.config.placement import placement_of
 from portrl.errors import UserError
 from portrl.workers.batch import Batch, concat_rollouts
-from portrl.workers.placement import placement_of
 from portrl.workers.ray_calls import WorkerDiedError, WorkerTimeoutError  # noqa: F401  (the group's errors)
 from portrl.workers.ray_launcher import RayLauncher
 
 if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
     from portrl.device.backend import Backend
+
+W = TypeVar("W", covariant=True)  # the group's worker class (a group of a subclass is a group of its base)
+P = ParamSpec("P")  # the worker method's parameters after ``self``
+R = TypeVar("R")  # the worker method's result
 
 MAX_KEYS = ("max", "timing", "time/")
 MIN_KEYS = ("min",)
 SUM_KEYS = ("count", "num_tokens", "num_seqs", "/sum", "_sum")
 
 
-def use_ray(cfg: Any, num_workers: int) -> bool:
+def use_ray(cfg: PortRLConfig, num_workers: int) -> bool:
     """Whether a group of ``num_workers`` workers runs as Ray actors: ``trainer.use_ray`` when set, else Ray for
     several workers, a named cluster (``trainer.ray_address``) or ``rollout.placement=separated`` (the weight
     broadcast joins Ray actors). ``trainer.use_ray=false`` where Ray is needed is a UserError."""
@@ -65,7 +75,7 @@ def use_ray(cfg: Any, num_workers: int) -> bool:
     return num_workers > 1 or bool(t.ray_address) or placement.needs_ray
 
 
-def worker_config(worker_cls: Any, cfg: Any) -> Any:
+def worker_config(worker_cls: Any, cfg: PortRLConfig) -> Any:
     """The config a worker of ``worker_cls`` is built with: a copy of ``cfg`` holding only the top-level sections
     named by ``worker_cls.config_sections`` (the whole ``cfg`` when the class declares none, or when ``cfg`` is
     not an OmegaConf config). A declared section the config lacks is an error naming it."""
@@ -151,6 +161,21 @@ def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int) -> List[t
     return out
 
 
+def method_name(worker_cls: Any, method: Callable[..., Any] | str) -> str:
+    """The name ``method`` is dispatched by on a worker of ``worker_cls``: ``method`` itself when it is a name, else
+    ``method.__name__`` when the class has it (a base class's or a protocol's method runs as the class's own), else
+    the name under which the class holds that very function (set there under another name, as a test's spy is)."""
+    if isinstance(method, str):
+        return method
+    name = method.__name__
+    if hasattr(worker_cls, name):
+        return name
+    for attr in dir(worker_cls):
+        if getattr(worker_cls, attr, None) is method:
+            return attr
+    raise AttributeError(f"{getattr(worker_cls, '__name__', worker_cls)} has no method {name!r}")
+
+
 class InProcessLauncher:
     """One worker in this process: ``execute`` is ``getattr(worker, method)(*args, **kwargs)``."""
 
@@ -177,7 +202,7 @@ class InProcessLauncher:
         self.worker = None
 
 
-class WorkerGroup:
+class WorkerGroup(Generic[W]):
     """N data-parallel workers of one role (see the module docstring).
 
     ``pool``: a :class:`~portrl.workers.ray_env.ResourcePool` for the Ray launcher (default: a new one of
@@ -187,12 +212,12 @@ class WorkerGroup:
     arguments of the worker's constructor.
     """
 
-    def __init__(self, worker_cls, cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,
+    def __init__(self, worker_cls: type[W], cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,
                  pool=None, share: int = 1, share_devices: bool = False,
                  worker_kwargs: Optional[Mapping[str, Any]] = None):
         if num_workers < 1:
             raise ValueError(f"WorkerGroup: num_workers must be >= 1, got {num_workers}")
-        self.role = role or getattr(worker_cls, "__name__", "worker")
+        self.role, self.worker_cls = role or getattr(worker_cls, "__name__", "worker"), worker_cls
         self.num_workers, self.backend = int(num_workers), backend
         self.timeout_s: Optional[float] = None  # limit on each call's answers (module docstring); None = none
         self.use_ray = use_ray(cfg, self.num_workers)
@@ -202,50 +227,86 @@ class WorkerGroup:
             self.launcher = RayLauncher(self, pool=pool, share=share, share_devices=share_devices)
             self.launcher.start(worker_cls, cfg, wcfg, kwargs)
         else:
-            self.launcher = InProcessLauncher(worker_cls(wcfg, rank=0, world_size=1, **kwargs))
+            build: Callable[..., W] = worker_cls  # the constructor every worker class has (W says nothing of it)
+            self.launcher = InProcessLauncher(build(wcfg, rank=0, world_size=1, **kwargs))
         self._all = [True] * self.num_workers
         self._none = [False] * self.num_workers
         self._first = [True] + [False] * (self.num_workers - 1)
 
     # ------------------------------------------------------------------------------ dispatch
-    def _execute(self, method: str, args: tuple, kwargs: dict, reply: List[bool]) -> List[Any]:
+    def _execute(self, method: Callable[..., Any] | str, args: tuple, kwargs: dict, reply: List[bool]) -> List[Any]:
         per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
-        return self.launcher.execute(method, per_rank, reply)
+        return self.launcher.execute(method_name(self.worker_cls, method), per_rank, reply)
 
-    def gather(self, method: str, *args, **kwargs) -> List[Any]:
+    @overload
+    def gather(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> List[R]: ...
+    @overload
+    def gather(self, method: str, *args: Any, **kwargs: Any) -> List[Any]: ...
+
+    def gather(self, method: Any, *args: Any, **kwargs: Any) -> List[Any]:
         """Every rank's result, in rank order."""
         return self._execute(method, args, kwargs, self._all)
 
-    def concat(self, method: str, *args, **kwargs) -> Batch:
+    @overload
+    def concat(self, method: Callable[Concatenate[W, P], Batch], *args: P.args, **kwargs: P.kwargs) -> Batch: ...
+    @overload
+    def concat(self, method: str, *args: Any, **kwargs: Any) -> Batch: ...
+
+    def concat(self, method: Any, *args: Any, **kwargs: Any) -> Batch:
         """Every rank's Batch, concatenated in rank order (:func:`concat_batches`)."""
         results = self._execute(method, args, kwargs, self._all)
         if not all(isinstance(r, Batch) for r in results):
-            raise TypeError(f"{self.role}.{method} returned {type(results[0]).__name__}, not a Batch; "
+            name = method_name(self.worker_cls, method)
+            raise TypeError(f"{self.role}.{name} returned {type(results[0]).__name__}, not a Batch; "
                             f"use gather / rank0 for other results")
         return results[0] if len(results) == 1 else concat_batches(results)
 
-    def metrics(self, method: str, *args, **kwargs) -> Dict[str, Any]:
+    @overload
+    def metrics(self, method: Callable[Concatenate[W, P], Mapping[str, Any]], *args: P.args,
+                **kwargs: P.kwargs) -> Dict[str, Any]: ...
+    @overload
+    def metrics(self, method: str, *args: Any, **kwargs: Any) -> Dict[str, Any]: ...
+
+    def metrics(self, method: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """Every rank's metric dict, reduced over the ranks (:func:`reduce_metrics`)."""
         results = self._execute(method, args, kwargs, self._all)
         if not all(isinstance(r, Mapping) for r in results):
-            raise TypeError(f"{self.role}.{method} returned {type(results[0]).__name__}, not a metrics dict")
+            name = method_name(self.worker_cls, method)
+            raise TypeError(f"{self.role}.{name} returned {type(results[0]).__name__}, not a metrics dict")
         return results[0] if len(results) == 1 else reduce_metrics(results)
 
-    def rank0(self, method: str, *args, **kwargs) -> Any:
+    @overload
+    def rank0(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    def rank0(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def rank0(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Rank 0's result of a call every rank makes (collectives need them all); the other ranks' results stay in
         their processes."""
         return self._execute(method, args, kwargs, self._first)[0]
 
-    def run(self, method: str, *args, **kwargs) -> None:
+    @overload
+    def run(self, method: Callable[Concatenate[W, P], object], *args: P.args, **kwargs: P.kwargs) -> None: ...
+    @overload
+    def run(self, method: str, *args: Any, **kwargs: Any) -> None: ...
+
+    def run(self, method: Any, *args: Any, **kwargs: Any) -> None:
         """The call on every rank, for its effect; no result comes back."""
         self._execute(method, args, kwargs, self._none)
 
-    def submit(self, method: str, *args, **kwargs) -> "PendingCall":
+    @overload
+    def submit(self, method: Callable[Concatenate[W, P], Batch], *args: P.args,
+               **kwargs: P.kwargs) -> PendingCall: ...
+    @overload
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> PendingCall: ...
+
+    def submit(self, method: Any, *args: Any, **kwargs: Any) -> PendingCall:
         """Start ``method`` on every rank (as :meth:`concat` does) and return at once; the
         :class:`PendingCall`'s ``batch()`` waits for the Batch. Ray workers run it while this process goes on; an
         in-process worker has already run it when this returns."""
+        name = method_name(self.worker_cls, method)
         per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
-        return PendingCall(self, method, self.launcher.submit(method, per_rank, self._all))
+        return PendingCall(self, name, self.launcher.submit(name, per_rank, self._all))
 
     def full_weights(self) -> Dict[str, Any]:
         """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""

@@ -19,12 +19,12 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from portrl.device.split import describe_cores
+from portrl.device.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
+                                            transport_spec)
 from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
-from portrl.device.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
-                                             transport_spec)
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend

@@ -10,7 +10,8 @@ a broadcast over the backend's collective, or shared memory on one CPU node) in 
 ``update_weights``.
 
 :func:`generate_batch` (engine + tokenizer -> rollout Batch) is shared with the colocated
-:class:`~portrl.workers.actor.ActorRolloutWorker`.
+:class:`~portrl.workers.actor.ActorRolloutWorker`. :func:`separated_rollout` builds the separated placement's
+rollout side; importing this module provides it to that record (portrl/config/placement.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Tu
 import torch
 
 from portrl.agent.rollout import AgentRollout, agent_rollout, trajectory_meta
-from portrl.errors import UserError
+from portrl.config.placement import SEPARATED, provide_rollout_side
 from portrl.device.backend import Backend
 from portrl.device.split import ROLLOUT
+from portrl.errors import UserError
 from portrl.rollout import RolloutSettings, SamplingParams, make_engine
 from portrl.models import load_tokenizer
 from portrl.workers.batch import Batch, build_rollout_batch
@@ -183,3 +185,6 @@ def separated_rollout(cfg: PortRLConfig, backend: Backend, actor_group: Any) -> 
     link = WeightSyncLink(actor_group, group, float(cfg.rollout.weight_sync_bucket_mb),
                           str(cfg.rollout.weight_transport), str(cfg.rollout.weight_sync_mode))
     return group, link
+
+
+provide_rollout_side(SEPARATED.name, separated_rollout)

@@ -5,28 +5,31 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
+from portrl.config.placement import placement_of
 from portrl.device import resolve_backend
 from portrl.device.backend import Backend
 from portrl.models.loader import model_class
 from portrl.ops import registry
-from portrl.workers.placement import placement_of
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 
-def worker_backend(cfg: Any):
+def worker_backend(cfg: PortRLConfig):
     """The Backend named by ``device.name`` (``auto`` = detection); errors name ``device.name_source``."""
     name = cfg.device.name
     return resolve_backend(config=None if name in (None, "auto") else str(name),
-                           config_source=cfg.device.get("name_source"))
+                           config_source=cfg.device.name_source)
 
 
-def auto_num_workers(cfg: Any, backend: Backend) -> tuple[int, str]:
+def auto_num_workers(cfg: PortRLConfig, backend: Backend) -> tuple[int, str]:
     """What ``trainer.num_workers=null`` (auto) means on this node: ``(workers, why)``.
 
     Every device ``backend`` sees here (``device_count()``, which respects the vendor's visible-devices variable)
@@ -51,7 +54,7 @@ def auto_num_workers(cfg: Any, backend: Backend) -> tuple[int, str]:
     return max(1, total), why
 
 
-def resolve_num_workers(cfg: Any, backend: Backend) -> int:
+def resolve_num_workers(cfg: PortRLConfig, backend: Backend) -> int:
     """``trainer.num_workers`` for a run on ``backend``: the value when set, else :func:`auto_num_workers` (logged).
     The caller records the result in its config (preflight, RLTrainer) so that everything after sees one number."""
     explicit = cfg.trainer.num_workers
@@ -84,7 +87,7 @@ def pin_process(cores: Sequence[int]) -> tuple[int, ...]:
     return _pinned
 
 
-def setup_process(cfg: Any, backend: Backend, rank: int = 0) -> None:
+def setup_process(cfg: PortRLConfig, backend: Backend, rank: int = 0) -> None:
     """Apply the backend's env presets and ``device.env``, torch threads, the determinism flag and the op
     implementations of ``device.kernels`` (``portrl.ops.registry.choose``).
 
@@ -118,7 +121,7 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_dtype(cfg: Any, backend: Backend) -> str:
+def resolve_dtype(cfg: PortRLConfig, backend: Backend) -> str:
     """``device.dtype`` > ``model.dtype`` > the backend's preferred training dtype."""
     dtype = cfg.device.dtype or cfg.model.dtype or backend.supported_dtypes()[0]
     valid = tuple(backend.supported_dtypes())
@@ -140,7 +143,7 @@ def local_device_index(backend: Backend, rank: int) -> int | None:
     return int(local) if local is not None else rank % max(1, backend.device_count())
 
 
-def start_worker(cfg: Any, rank: int = 0):
+def start_worker(cfg: PortRLConfig, rank: int = 0):
     """What every worker does first: resolve the backend, set up the process, pick its device.
     Returns ``(backend, device)``."""
     backend = worker_backend(cfg)
@@ -160,7 +163,7 @@ def count_parameters(model_dir: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def use_gradient_checkpointing(cfg: Any, model_dir: str) -> bool:
+def use_gradient_checkpointing(cfg: PortRLConfig, model_dir: str) -> bool:
     """``model.gradient_checkpointing``; when null, on for models of at least AUTO_CHECKPOINTING_PARAMS (100M)
     parameters (Qwen2.5-0.5B and up), whose stored activations of a training forward cost gigabytes, and off below
     (the tiny model), where recomputing them would only cost time."""

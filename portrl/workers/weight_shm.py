@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import torch
 from torch.distributed import PrefixStore
 
-from portrl.workers.weight_sync import rendezvous_store
 from portrl.device.weight_transport import (SyncHeader, TransportReceiver, TransportSender, element_size, numel,
-                                             raw_bytes)
+                                            raw_bytes)
+from portrl.workers.weight_sync import rendezvous_store
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from portrl.device.weight_transport import (Meta, SyncHeader, SyncStats, TransportReceiver, TransportSender,
+                                            choose_transport, element_size, plan_buckets, raw_bytes)
 from portrl.workers.parallel import is_loopback, loopback_store
 from portrl.workers.ray_calls import wait_results
-from portrl.device.weight_transport import (Meta, SyncHeader, SyncStats, TransportReceiver, TransportSender,
-                                             choose_transport, element_size, plan_buckets, raw_bytes)
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
