@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol
 
 from portrl.errors import UserError
 
@@ -97,18 +97,31 @@ def get_task(name: str) -> Task:
     return task
 
 
-def data_task(cfg: Any) -> Optional[Task]:
+class _DataName(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class DataRun(Protocol):
+    """What the look-ups by a run config read: ``data.name`` (portrl.config.schema.PortRLConfig is one; this floor
+    sits below the config's, so it names no schema class)."""
+
+    @property
+    def data(self) -> _DataName: ...
+
+
+def data_task(cfg: DataRun) -> Optional[Task]:
     """The task of a run config's ``data.name``; None for a name that is no task (``custom``: files given)."""
     return TASKS.get(str(cfg.data.name))
 
 
-def generated_task(cfg: Any) -> Optional[Task]:
+def generated_task(cfg: DataRun) -> Optional[Task]:
     """The task whose rows a run of ``cfg`` generates (``data.name`` a generated task), else None."""
     task = data_task(cfg)
     return task if task is not None and task.generated else None
 
 
-def builtin_sft_task(cfg: Any) -> Optional[Task]:
+def builtin_sft_task(cfg: DataRun) -> Optional[Task]:
     """The task of ``data.name`` when it has built-in SFT rows (the warm start's data), else None."""
     task = data_task(cfg)
     return task if task is not None and task.sft_rows is not None else None

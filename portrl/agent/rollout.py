@@ -12,7 +12,7 @@ its ``create_kwargs`` and ``execute_kwargs``; its ``extra_info.interaction_kwarg
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence
 
 from portrl.agent.interactions import load_interaction_config, row_interaction
 from portrl.agent.loop import AgentLimits, AgentRow, ToolAgentLoop
@@ -98,6 +98,8 @@ def trajectory_meta(trajs: Sequence[Trajectory]) -> Dict[str, list]:
             META_TURN_ENDS: [list(t.turn_ends) for t in trajs], META_TRACE: [t.trace for t in trajs]}
 
 
+# cfg: Any, not a Protocol: the run config, or a worker's copy of some of its sections, whose ``sandbox`` section
+# it reads with DictConfig's get (absent: none); agent/ sits below the config, so it names no schema class
 def agent_rollout(cfg: Any, tokenizer: Any) -> Optional[AgentRollout]:
     """The run's AgentRollout when ``rollout.multi_turn.enable``, else None."""
     multi_turn = cfg.rollout.multi_turn
@@ -106,7 +108,28 @@ def agent_rollout(cfg: Any, tokenizer: Any) -> Optional[AgentRollout]:
     return AgentRollout(multi_turn, int(cfg.data.max_response_length), tokenizer, cfg.get("sandbox"))
 
 
-def prompt_tools(cfg: Any) -> Optional[List[Dict[str, Any]]]:
+class _ToolSettings(Protocol):
+    @property
+    def enable(self) -> bool: ...
+
+    @property
+    def tool_config_path(self) -> Optional[str]: ...
+
+
+class _MultiTurn(Protocol):
+    @property
+    def multi_turn(self) -> _ToolSettings: ...
+
+
+class ToolsRun(Protocol):
+    """What :func:`prompt_tools` reads of a run config: ``rollout.multi_turn`` (portrl.config.schema.PortRLConfig is
+    one; agent/ sits below the config, so it names no schema class)."""
+
+    @property
+    def rollout(self) -> _MultiTurn: ...
+
+
+def prompt_tools(cfg: ToolsRun) -> Optional[List[Dict[str, Any]]]:
     """The function schemas a multi-turn run's prompts list (None: not multi-turn, or no tools)."""
     multi_turn = cfg.rollout.multi_turn
     if not bool(multi_turn.enable) or not multi_turn.tool_config_path:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -38,6 +38,13 @@ from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES
 
 Need = Union[bool, Callable[[Any], bool]]
 Tensors = Mapping[str, torch.Tensor]
+#: ``inputs(options, tensors) -> {keyword: value}``: an estimator's extra arguments from the batch (EstimatorSpec)
+InputsFn = Callable[[Mapping[str, Any], Tensors], Dict[str, Any]]
+#: ``counts(tensors) -> {name: count}``: an objective's counts over a mini-batch's rows on one rank (ObjectiveSpec)
+CountsFn = Callable[[Tensors], Dict[str, float]]
+#: keys of the ``algorithm`` section that reach an estimator only when its function names them (``gamma`` reaches
+#: gae and reinforce_plus_plus, not grpo); the config refuses one set away from its default for any other estimator
+ESTIMATOR_KEYWORDS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
 #: ``advantages(algorithm, tensors, index, group_size) -> (new batch tensors, metrics)``
 AdvantageFn = Callable[[Any, Tensors, Sequence, int], Tuple[Dict[str, torch.Tensor], Dict[str, float]]]
 #: ``loss(actor, algorithm, tensors, logp, old, info) -> (loss, raw metrics)`` on one micro-batch
@@ -80,11 +87,15 @@ class EstimatorSpec(Needs):
 
     ``fn`` takes the keyword arguments its signature names from what ``portrl.algo.compute_advantage``
     offers (``values``, ``index``, ``reward_baselines``, ``old_log_probs``, ``gamma``, ``lam``, ...).
+    ``inputs`` (:data:`InputsFn`): the further arguments ``fn`` reads from the step's batch, given the values of its
+    options and the batch tensors (GDPO: its reward components, the tensors ``reward_extra/<key>`` its option
+    ``gdpo_reward_keys`` names); the policy-gradient objective passes them, naming no estimator.
     """
 
     name: str
     fn: Callable
     options: Any = None  # its options classes (portrl.algo.options): keys of the config, passed to fn by name
+    inputs: Optional[InputsFn] = None
 
     def takes(self, option: str) -> bool:
         """Whether ``fn`` takes the keyword ``option`` (e.g. ``lam_actor``)."""
@@ -103,7 +114,10 @@ class ObjectiveSpec(Needs):
     come from ``algorithm.adv_estimator`` (policy gradient), whose needs then add to the objective's;
     otherwise the estimator is not used. ``needs_pairs``: rows come as ``(2k, 2k+1)`` pairs of samples of
     one prompt (``rollout.n`` even). ``options``: its options classes (``portrl.algo.options``), read by its
-    functions from the config sections they get.
+    functions from the config sections they get. ``uses_policy_loss``: ``loss`` is the policy loss
+    ``actor.policy_loss.loss_mode`` (whose options then apply). ``counts`` (:data:`CountsFn`): numbers the loss needs
+    over the whole mini-batch (online DPO: its valid pairs); the actor sums them over the ranks and passes them in
+    ``info``.
     """
 
     name: str
@@ -112,6 +126,8 @@ class ObjectiveSpec(Needs):
     uses_estimator: bool = False
     needs_pairs: Need = False
     options: Any = None
+    uses_policy_loss: bool = False
+    counts: Optional[CountsFn] = None
 
     def declares(self, option: str) -> bool:
         """Whether ``option`` is a field of the options this objective declares."""
@@ -149,6 +165,10 @@ class AlgorithmSpec:
         """The objective's loss on one micro-batch and its raw metrics (see :data:`LossFn`)."""
         return self.objective.loss(actor, algorithm, tensors, logp, old, info)
 
+    def counts(self, tensors: Tensors) -> Dict[str, float]:
+        """The objective's counts over this rank's rows of a mini-batch (:data:`CountsFn`); empty when it has none."""
+        return self.objective.counts(tensors) if self.objective.counts is not None else {}
+
 
 def register_estimator(spec: EstimatorSpec) -> EstimatorSpec:
     """Register ``spec`` under ``spec.name`` (registry ``adv_estimator``); the same spec again is a no-op,
@@ -160,12 +180,13 @@ def register_estimator(spec: EstimatorSpec) -> EstimatorSpec:
     return spec
 
 
-def estimator(name: str, options: Any = None, **needs: Need) -> Callable[[Callable], Callable]:
-    """Decorator: register the decorated function as estimator ``name`` with its ``options`` classes and ``needs``
-    (EstimatorSpec fields); returns the function unchanged."""
+def estimator(name: str, options: Any = None, inputs: Optional[InputsFn] = None,
+              **needs: Need) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated function as estimator ``name`` with its ``options`` classes, its batch
+    ``inputs`` and ``needs`` (EstimatorSpec fields); returns the function unchanged."""
 
     def add(fn: Callable) -> Callable:
-        register_estimator(EstimatorSpec(name, fn, options=options, **needs))
+        register_estimator(EstimatorSpec(name, fn, options=options, inputs=inputs, **needs))
         return fn
 
     return add
@@ -214,14 +235,50 @@ def algorithm_spec(algorithm: Any) -> AlgorithmSpec:
         needs_implicit_rewards=need("needs_implicit_rewards"))
 
 
-def critic_enabled(cfg: Any) -> bool:
+class _Switch(Protocol):
+    @property
+    def enable(self) -> Optional[bool]: ...
+
+
+class _KLLoss(Protocol):
+    @property
+    def use_kl_loss(self) -> bool: ...
+
+
+class _Run(Protocol):
+    """What the role switches below read of a run config (portrl.config.schema.PortRLConfig is one; algo/ sits
+    below the config, so it names no schema class): the ``algorithm`` section, read by :func:`algorithm_spec`."""
+
+    @property
+    def algorithm(self) -> Any: ...
+
+
+class _CriticRun(_Run, Protocol):
+    @property
+    def critic(self) -> _Switch: ...
+
+
+class _PrmRun(_Run, Protocol):
+    @property
+    def reward_model(self) -> _Switch: ...
+
+
+class _RefRun(_Run, Protocol):
+    @property
+    def ref(self) -> _Switch: ...
+
+    @property
+    def actor(self) -> _KLLoss: ...
+
+
+def critic_enabled(cfg: _CriticRun) -> bool:
     """The critic runs when ``critic.enable`` says so, or (auto, null) when the algorithm needs values."""
     if cfg.critic.enable is not None:
         return bool(cfg.critic.enable)
     return algorithm_spec(cfg.algorithm).needs_critic
 
 
-def implicit_prm_enabled(cfg: Any) -> bool:
+def implicit_prm_enabled(cfg: _PrmRun) -> bool:
     """PRIME's implicit process reward model runs when ``reward_model.enable`` says so, or (auto, null) when the
     algorithm reads implicit rewards."""
     if cfg.reward_model.enable is not None:
@@ -229,7 +286,7 @@ def implicit_prm_enabled(cfg: Any) -> bool:
     return algorithm_spec(cfg.algorithm).needs_implicit_rewards
 
 
-def reference_enabled(cfg: Any) -> bool:
+def reference_enabled(cfg: _RefRun) -> bool:
     """The reference runs when ``ref.enable`` says so, or (auto, null) when the KL loss
     (``actor.use_kl_loss``) or the algorithm (KL in the reward, DPO) needs it."""
     if cfg.ref.enable is not None:

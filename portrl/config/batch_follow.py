@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 #: the mini-batch sizes that follow data.train_batch_size (prompts; a null one means "the actor's")
 FOLLOWERS = ("actor.ppo_mini_batch_size", "reward_model.mini_batch_size")
@@ -28,15 +28,17 @@ def mini_batch_for(n: int, steps: int) -> int:
     return min((k for k in range(1, n + 1) if n % k == 0), key=lambda k: (abs(n // k - steps), -k))
 
 
-def batch_sizes(cfg: Any) -> Dict[str, Optional[int]]:
-    """``data.train_batch_size`` and the :data:`FOLLOWERS` of ``cfg`` (as the presets left them)."""
+def batch_sizes(cfg: DictConfig) -> Dict[str, Optional[int]]:
+    """``data.train_batch_size`` and the :data:`FOLLOWERS` of ``cfg`` (as the presets left them; read by dotted key,
+    so ``cfg`` is the container)."""
     return {k: OmegaConf.select(cfg, k) for k in ("data.train_batch_size", *FOLLOWERS)}
 
 
-def follow_train_batch(cfg: Any, explicit: set, preset: Dict[str, Optional[int]], origins: Any = None) -> None:
+def follow_train_batch(cfg: DictConfig, explicit: set, preset: Dict[str, Optional[int]], origins: Any = None) -> None:
     """With ``data.train_batch_size`` in ``explicit`` (the keys the user set), each follower the user did not set,
     not null, that the presets set, is set to :func:`mini_batch_for` the user's batch and the presets' number of
-    mini-batches per step (recorded in ``origins``, a :class:`portrl.config.preset_layers.Origins`)."""
+    mini-batches per step (recorded in ``origins``, a :class:`portrl.config.preset_layers.Origins`). ``cfg`` is the
+    container: the followers are read and set by dotted key."""
     if "data.train_batch_size" not in explicit:
         return
     batch, preset_batch = int(cfg.data.train_batch_size), int(preset["data.train_batch_size"] or 0)

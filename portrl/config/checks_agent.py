@@ -11,13 +11,16 @@
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, List
 
 from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES
 from portrl.errors import UserError
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
-def check_multi_turn(cfg: Any) -> List[str]:
+
+def check_multi_turn(cfg: PortRLConfig) -> List[str]:
     """Every problem of ``cfg.rollout.multi_turn``, one line each."""
     m = cfg.rollout.multi_turn
     problems: List[str] = []
@@ -27,14 +30,14 @@ def check_multi_turn(cfg: Any) -> List[str]:
     if m.max_user_turns is not None and int(m.max_user_turns) < 0:
         problems.append(f"rollout.multi_turn.max_user_turns={m.max_user_turns} must be >= 0 (or null: no bound)")
     for key in ("max_parallel_calls", "max_tool_response_length"):
-        if int(m[key]) < 1:
-            problems.append(f"rollout.multi_turn.{key}={m[key]} must be >= 1")
+        if int(getattr(m, key)) < 1:
+            problems.append(f"rollout.multi_turn.{key}={getattr(m, key)} must be >= 1")
     if not float(m.tool_timeout_s) > 0:
         problems.append(f"rollout.multi_turn.tool_timeout_s={m.tool_timeout_s} must be > 0 (seconds)")
     for key, valid in (("tool_response_truncate_side", TRUNCATE_SIDES),
                        ("tokenization_sanity_check_mode", SANITY_CHECK_MODES)):
-        if m[key] not in valid:
-            problems.append(f"rollout.multi_turn.{key}={m[key]!r} is not one of {', '.join(map(repr, valid))}")
+        if getattr(m, key) not in valid:
+            problems.append(f"rollout.multi_turn.{key}={getattr(m, key)!r} is not one of {', '.join(map(repr, valid))}")
     if not bool(m.enable):
         return problems
     from portrl.agent.parsers import get_parser  # noqa: PLC0415  (the agent package only where it is used)

@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
+from omegaconf.base import Container
 
 from portrl.config.checks import _Problems
 from portrl.config.keys import type_name
@@ -113,9 +114,10 @@ def _show(value: Any) -> str:
 
 
 class _RangeRecorder(_Problems):
-    """The range checks' problem list that records every rule they state, broken or not."""
+    """The range checks' problem list that records every rule they state, broken or not. ``cfg`` is the container
+    (a merged config; the checks read it by dotted key)."""
 
-    def __init__(self, cfg: Any, rules: Dict[str, str]):
+    def __init__(self, cfg: Container, rules: Dict[str, str]):
         super().__init__(cfg)
         self.rules = rules
 
@@ -129,7 +131,7 @@ def _valid_values() -> Dict[str, str]:
     from portrl.config import checks  # noqa: PLC0415
     from portrl.config.options_schema import declared  # noqa: PLC0415
     from portrl.config.reference_text import RULES_ELSEWHERE  # noqa: PLC0415
-    from portrl.config.schema import default_config  # noqa: PLC0415
+    from portrl.config.options_schema import default_config  # noqa: PLC0415
     from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES  # noqa: PLC0415
     from portrl.config.schema_trainer import MODES, STALE_SAMPLES  # noqa: PLC0415
     from portrl.algo.options import range_text  # noqa: PLC0415
