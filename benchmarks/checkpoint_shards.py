@@ -31,7 +31,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.state_files import ShardedState, save_state  # noqa: E402
 from portrl.workers.actor import ActorRolloutWorker  # noqa: E402

@@ -89,7 +89,7 @@ def test_no_tool_call_gives_a_zero_error_rate():
 
 def test_validation_logs_val_agent_metrics_over_its_chunks():
     """validate() gathers agent metrics over every chunk of the validation prompts, prefixed val/."""
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer.validation import validate
     from portrl.workers.batch import Batch
 
@@ -243,7 +243,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, phrase):
                                                 ("trainer.trace_rows", 0, "trainer.trace_rows=0 must be >= 1")])
 def test_config_ranges(key, value, phrase):
     from portrl.config.checks import check_ranges
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
 
     cfg = default_config()
     assert not [p for p in check_ranges(cfg) if "trace" in p]
@@ -252,7 +252,7 @@ def test_config_ranges(key, value, phrase):
 
 
 def _train_cfg(model, out, **extra):
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
 
     cfg = default_config()
     over = {"device.name": "cpu", "device.num_threads": 1, "model.path": model, "trainer.output_dir": str(out),

@@ -45,7 +45,7 @@ def test_diff_stats_by_hand():
 
 
 def _actor(path, **over):
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.workers.actor import ActorRolloutWorker
 
     cfg = default_config()

@@ -92,7 +92,7 @@ def test_metrics_by_hand_and_summed_over_pieces():
 
 
 def _loss_cfg(**rc):
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
 
     cfg = default_config()
     for k, v in rc.items():
@@ -127,7 +127,7 @@ def test_decoupled_ppo_by_hand(level):
 
 # ------------------------------------------------------------------------------------------ the actor's update
 def _actor(path, **over):
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.workers.actor import ActorRolloutWorker
 
     cfg = default_config()

@@ -15,7 +15,7 @@ from portrl.algo import (EstimatorSpec, UnknownNameError, algorithm_spec, comput
 from portrl.algo.registry import ADV_ESTIMATORS
 from portrl.cli import main
 from portrl.config import ConfigError, compose
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.trainer.advantage_phase import compute_batch_advantages
 from portrl.workers.batch import Batch
 

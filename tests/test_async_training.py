@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ray = pytest.importorskip("ray")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_async_modes_on_a_separated_rollout_worker(tiny_model, tmp_path, monkeyp
 SCRIPT = textwrap.dedent("""
     import json, sys
     from omegaconf import OmegaConf
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer import run_training
 
     cfg = default_config()

@@ -255,7 +255,7 @@ def test_the_reference_model_is_saved_once_and_pinned(tiny_model, tmp_path, caps
     from safetensors.torch import load_file
 
     from portrl.cli import main
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer import run_training
 
     def cfg(**over):

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ray = pytest.importorskip("ray")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.state_files import ShardedState, shard_rows  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402

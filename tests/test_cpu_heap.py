@@ -197,7 +197,7 @@ def test_phase_peaks_leave_out_what_earlier_phases_freed():
 
 
 def test_setup_process_configures_the_backends_allocator(monkeypatch):
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.device import get_backend
     from portrl.workers import setup
 

@@ -13,7 +13,7 @@ import torch
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ray = pytest.importorskip("ray")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
 from portrl.workers.group import WorkerDiedError, WorkerGroup  # noqa: E402

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ray = pytest.importorskip("ray")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.actor import ActorRolloutWorker  # noqa: E402
 from portrl.workers.batch import Batch, build_rollout_batch  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from portrl import process_env  # noqa: E402
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.device.backend import Backend  # noqa: E402
 from portrl.workers.batch import Batch  # noqa: E402
@@ -29,6 +29,21 @@ class FakeAccel(Backend):
 
     def env_presets(self, deterministic=False):
         return {"ALLOC_CONF": "expandable", **({"DETERMINISTIC": "1"} if deterministic else {})}
+
+    def supports_bf16(self):
+        return True
+
+    def fp8_dtype(self):
+        return None
+
+    def memory_stats(self):
+        return {}
+
+    def reset_peak_memory(self):
+        pass
+
+    def memory_available(self):
+        return None
 
 
 def tiny_qwen2(seed=0, num_labels=None, vocab_size=40, pad_token_id=0):

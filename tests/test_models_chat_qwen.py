@@ -61,7 +61,7 @@ def test_grpo_run_keeps_the_chat_format_and_exports_the_users_model(chat_model, 
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.data import RLDataset
     from portrl.trainer.resources import settle_config
     from portrl.trainer.rl_trainer import RLTrainer

@@ -18,7 +18,7 @@ from portrl.algo.implicit_prm import (accuracy_band_keep, implicit_token_rewards
                                       prm_ce_loss, prm_dpo_accuracy, prm_dpo_loss, prm_dpo_others,
                                       untruncated_keep)
 from portrl.config import compose, load_preset  # noqa: E402
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.workers.batch import build_rollout_batch  # noqa: E402
 
 

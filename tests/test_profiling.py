@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from portrl.backends.cuda import CUDABackend
 from portrl.backends.npu import NPUBackend
 from portrl.backends.rocm import ROCmBackend
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.device import get_backend
 from portrl.trainer.metrics import Timer
 from portrl.workers.profiled import ProfiledWorker

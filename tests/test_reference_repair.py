@@ -20,7 +20,7 @@ VOLATILE = ("timing_s/", "perf/", "memory/")  # measurements of the machine, not
 def _cfg(model, out, **over):
     from omegaconf import OmegaConf
 
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
 
     c = default_config()
     base = {"device.name": "cpu", "device.num_threads": 1, "model.path": str(model), "trainer.output_dir": str(out),

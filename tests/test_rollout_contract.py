@@ -15,7 +15,7 @@ from portrl.backends.npu import NPUBackend
 from portrl.backends.rocm import ROCmBackend
 from portrl.backends.vllm import VLLMEngine
 from portrl.backends.vllm.options import vllm_options
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.device import Backend
 from portrl.errors import UserError
 from portrl.models import load_causal_lm, write_tiny_model
@@ -45,6 +45,21 @@ class Dev(Backend):
 
     def rollout_engines(self):
         return self.engines
+
+    def supports_bf16(self):
+        return False
+
+    def fp8_dtype(self):
+        return None
+
+    def memory_stats(self):
+        return {}
+
+    def reset_peak_memory(self):
+        pass
+
+    def memory_available(self):
+        return None
 
 
 def never_called():

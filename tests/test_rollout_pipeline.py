@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from portrl.config.checks_async import check_async  # noqa: E402
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.trainer.generation import generation_seed  # noqa: E402
 from portrl.trainer.rollout_pipeline import RolloutPipeline, async_plan, batch_index  # noqa: E402
 from portrl.workers.batch import Batch, build_rollout_batch  # noqa: E402

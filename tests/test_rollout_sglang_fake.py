@@ -112,7 +112,7 @@ def test_two_sppo_steps_through_the_sglang_engine(fake_sglang, tiny_model, tmp_p
     """The CPU backend is made to offer the engine here (SGLang itself never runs on the CPU): the trainer's
     rollout, weight sync and SPPO update run through the adapter and the stand-in."""
     from portrl.backends.cpu import CPUBackend
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer import run_training
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
@@ -136,7 +136,7 @@ def test_two_sppo_steps_through_the_sglang_engine(fake_sglang, tiny_model, tmp_p
 
 def test_partial_rollout_with_an_engine_that_cannot_abort_is_one_line(fake_sglang, tiny_model, tmp_path, monkeypatch):
     from portrl.backends.cpu import CPUBackend
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.errors import UserError
     from portrl.trainer.preflight import preflight
 

@@ -209,7 +209,7 @@ def test_images_go_as_multi_modal_data(fake_vllm):
 def test_every_rollout_key_of_the_config_reaches_vllm(fake_vllm):
     from omegaconf import OmegaConf
 
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.workers.rollout_worker import rollout_settings
 
     cfg = default_config()

@@ -11,7 +11,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.trainer.checkpoint import CheckpointError, CheckpointManager
 from portrl.trainer.run_dir import check_run_dir, prepare_run_dir
 from portrl.trainer.run_identity import RUN_FILE, run_identity, write_run_record

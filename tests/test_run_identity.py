@@ -11,7 +11,7 @@ import shutil
 import pytest
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.errors import UserError
 from portrl.trainer.checkpoint import CheckpointError
 from portrl.trainer.run_identity import fingerprint, identity_diff, run_identity

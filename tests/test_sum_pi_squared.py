@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from portrl.cli import main
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.models import compute_logprobs, load_causal_lm, write_tiny_model
 from portrl.models.logprobs import sum_pi_squared
 from portrl.workers.actor import old_log_probs_needed

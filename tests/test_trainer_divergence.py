@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.errors import UserError
 from portrl.trainer.divergence import DivergenceWatch, TrainingDiverged
 

@@ -8,7 +8,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 
 
 def _cfg(model, out, **over):

@@ -16,7 +16,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import json, sys
     from omegaconf import OmegaConf
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer import run_training
 
     cfg = default_config()

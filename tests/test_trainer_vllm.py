@@ -25,7 +25,7 @@ def _train(tmp_path, model, name, monkeypatch=None):
     from omegaconf import OmegaConf
 
     from _chat_model import write_chat_parquet, write_short_answer_reward
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.trainer import run_training
 
     cfg = default_config()

@@ -40,7 +40,7 @@ def test_ordinary_permissions_follow_the_umask(tmp_path, mask_027):
 
 def test_user_outputs_are_readable_by_the_group(tmp_path, mask_027):
     from portrl.config.composition import save_yaml
-    from portrl.config.schema import default_config
+    from portrl.config.options_schema import default_config
     from portrl.data.preprocess import write_split
     from portrl.models import write_tiny_model
 

@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 ray = pytest.importorskip("ray")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.group import WorkerDiedError, WorkerGroup, WorkerTimeoutError  # noqa: E402
 from portrl.workers.ray_calls import process_state  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch
 

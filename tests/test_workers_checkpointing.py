@@ -4,7 +4,7 @@ tiny model; an explicit true / false is kept."""
 
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, count_parameters, use_gradient_checkpointing
 
 

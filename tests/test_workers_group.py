@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.device import get_backend
 from portrl.errors import UserError
 from portrl.workers.actor import ActorRolloutWorker

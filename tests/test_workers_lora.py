@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 pytest.importorskip("peft")
 
-from portrl.config.schema import default_config  # noqa: E402
+from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.workers.actor import ActorRolloutWorker  # noqa: E402
 
 SAMPLING = {"n": 4, "temperature": 1.0, "max_new_tokens": 5, "seed": 7}

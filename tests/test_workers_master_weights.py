@@ -8,7 +8,7 @@ float32 and the compute copy is its rounding; checkpoints carry the float32 mast
 import torch
 from omegaconf import OmegaConf
 
-from portrl.config.schema import default_config
+from portrl.config.options_schema import default_config
 from portrl.workers.actor import ActorRolloutWorker
 from portrl.workers.master_weights import MasterWeights, load_dtype
 from portrl.workers.training import clip_and_step

@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_preset": "portrl.config.presets",
     "ConfigError": "portrl.config.presets",
     "GROUPS": "portrl.config.presets",
-    "default_config": "portrl.config.schema",
+    "default_config": "portrl.config.options_schema",
     "PortRLConfig": "portrl.config.schema",
 }
 

@@ -11,9 +11,7 @@ sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
-
-from omegaconf import OmegaConf
+from typing import Dict, List, Optional
 
 from portrl.config.schema_agent import MultiTurnConfig
 from portrl.config.schema_trainer import AsyncTrainingConfig, TrainerConfig
@@ -378,11 +376,3 @@ class PortRLConfig:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-
-
-def default_config() -> Any:
-    """The defaults as a structured (type-checked, closed) omegaconf object, with every option the registered
-    estimators, objectives and policy losses declare (portrl.config.options_schema.run_schema)."""
-    from portrl.config.options_schema import run_schema  # noqa: PLC0415  (it builds on this module's classes)
-
-    return OmegaConf.structured(run_schema())
