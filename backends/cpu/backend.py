@@ -5,16 +5,18 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping
 
-from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult, package_version
+from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult
 from portrl.device.split import ComputeSplit
+from portrl.device.versions import package_version
 from portrl.errors import UserError
 
 from . import cores as core_split
 from . import env as env_tables
 from . import heap, isa
 
-if TYPE_CHECKING:  # checks.py is imported where a check is made
+if TYPE_CHECKING:  # checks.py is imported where a check is made; decode_kernel.py imports torch
     from portrl.device.checks import Check
+    from portrl.device.decode_kernel import DecodeKernel
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16, x86 AMX-BF16, Arm FEAT_BF16
@@ -195,6 +197,13 @@ class CPUBackend(Backend):
         from portrl.backends.cpu.kernels import PREFERENCES
 
         return dict(PREFERENCES)
+
+    def decode_kernel(self) -> DecodeKernel:
+        """The cache in the layout of this backend's decode kernels, and the parts of a step they run
+        (backends/cpu/decode_kernel.py)."""
+        from portrl.backends.cpu.decode_kernel import CPUDecodeKernel  # imports torch: the doctor must not
+
+        return CPUDecodeKernel()
 
     def env_presets(self, deterministic: bool = False) -> dict[str, str]:
         env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}

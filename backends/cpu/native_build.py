@@ -27,7 +27,8 @@ Building elsewhere instead would cost every process its own ~10 s build, unannou
 
 The C++ standard is the one the installed torch builds its own extensions with (:func:`cxx_standard`, read from
 ``torch.utils.cpp_extension``: ``-std=c++20`` on torch 2.13 and later), so a torch whose headers need a newer
-standard does not meet flags written for an older one. Compiling takes about 10 s on 2 cores.
+standard does not meet flags written for an older one. Compiling takes about 10 s a library on 2 cores (a minute or
+two for all of a decode step's); a process's first build says so in one line on stderr (:func:`_announce`).
 :class:`KernelBuildError` (one line: the compiler's first error) is raised when there is no compiler, the build
 fails or the cache folder is refused; :func:`try_load` turns it into one warning that names the reason and what
 serves instead (the whole compiler output is logged at DEBUG level only).
@@ -44,13 +45,14 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from .toolchain import compiler  # one finder for the build and the doctor (which must not import torch)
+from .toolchain import compiler, first_error  # shared with the doctor, which must not import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 # Not here: the -std flag (the installed torch's: cxx_standard, in flags()) and the instruction set (ISA_FLAGS).
@@ -79,6 +81,7 @@ _lock = threading.Lock()
 _loaded: dict[str, Path] = {}
 _failed: dict[str, str] = {}
 _held: dict[str, int] = {}  # the open descriptor each loaded library was loaded through
+_announced = False  # this process's first build said so on stderr (_announce)
 
 
 class KernelBuildError(RuntimeError):
@@ -149,19 +152,6 @@ def _command(cxx: str, source: Path, output: Path, variant: str | None = None) -
             *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu"]
 
 
-def first_error(output: str) -> str:
-    """The line of a compiler's ``output`` that says what went wrong, folders cut from its file name: its first
-    ``#error`` line (a header's stated requirement), else its first ``error`` line, else its last line; "no output"
-    when it printed nothing."""
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    if not lines:
-        return "no output"
-    errors = [ln for ln in lines if re.search(r"\berror\b", ln, re.IGNORECASE)]
-    line = next((ln for ln in errors if "#error" in ln), errors[0] if errors else lines[-1])
-    line = re.sub(r"^\S*/", "", line)  # /long/path/ATen.h:5:2: error: ... -> ATen.h:5:2: error: ...
-    return line if len(line) <= 300 else line[:297] + "..."
-
-
 def library_path(name: str, variant: str | None = None) -> Path:
     """Where ``name``'s library of ``variant`` for this source, torch and CPU is (or will be) cached
     (``rows_linear-avx2-<hash>.so``; ``<name>-<hash>.so`` without a variant)."""
@@ -210,6 +200,7 @@ def load(name: str, variant: str | None = None) -> Path:
         _private_folder(path.parent)
         fd = _open_vouched(path)
         if fd is None:
+            _announce(path.parent)
             fd = _build(cxx, SOURCE_DIR / f"{name}.cpp", path, variant)
         try:
             _load_open(fd, path)
@@ -219,6 +210,17 @@ def load(name: str, variant: str | None = None) -> Path:
         _held[_key(name, variant)] = fd  # kept open: see _load_open
         _loaded[_key(name, variant)] = path
         return path
+
+
+def _announce(folder: Path) -> None:
+    """One line on stderr before this process's first build, which is otherwise silent for a minute or two (every
+    kernel of a decode step, ~10 s each on 2 cores): what is happening and that it happens once. A process that
+    finds its libraries cached says nothing."""
+    global _announced
+    if not _announced:
+        _announced = True
+        print(f"portrl: compiling the CPU kernels for this machine (once; cached in {folder})", file=sys.stderr,
+              flush=True)
 
 
 def try_load(name: str, variant: str | None = None) -> bool:

@@ -15,6 +15,10 @@ Method families:
   :meth:`synchronize`, :meth:`configure_allocator`, :meth:`empty_cache`, :meth:`memory_stats`,
   :meth:`reset_peak_memory`, :meth:`memory_available`, :meth:`manual_seed`
 * dtypes: :meth:`supported_dtypes`, :meth:`supports_bf16`, :meth:`fp8_dtype`
+* required answers (:data:`REQUIRED_ANSWERS`: bf16, fp8 and memory): no default here, since a default would be one
+  vendor's answer given silently to another; a backend class lacking one is refused when it registers
+  (:func:`missing_answers`). A device whose torch module tracks memory answers with :func:`torch_memory_stats`
+  and :func:`torch_memory_available`
 * kernels: :meth:`register_kernels` (called once with the ops registry),
   :meth:`kernel_preferences` (op name -> implementation names, best first), :meth:`decode_kernel` (the hf
   engine's fast decoder's KV cache layout and what the backend runs its own way in a decode step)
@@ -32,17 +36,18 @@ Method families:
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
+from abc import abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
 
 from portrl.device.split import ComputeSplit
+from portrl.device.versions import CompatRow, package_version
 
-if TYPE_CHECKING:  # torch is imported lazily (module docstring); checks.py imports this module
+if TYPE_CHECKING:  # torch is imported lazily (module docstring)
     import torch
 
     from portrl.device.checks import Check
@@ -58,40 +63,6 @@ class ProbeResult:
     device_count: int = 0
     device_name: str = ""
     versions: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CompatRow:
-    """One set of versions a backend is known to work with, e.g. ``{"torch": "2.10.0", "some-plugin": "2.10.0.post4"}``.
-
-    ``pins`` maps a distribution (or a system component such as ``CANN``) to an exact version;
-    ``note`` says where the row comes from; ``install`` is the exact command that installs the row (what
-    ``portrl doctor`` prints as the fix when the installed versions break it).
-    """
-
-    pins: Mapping[str, str]
-    note: str = ""
-    install: str = ""
-
-    def matches(self, installed: Mapping[str, str]) -> bool:
-        """True when every pinned component that is installed has the pinned version (local tags ignored)."""
-        for pkg, want in self.pins.items():
-            have = installed.get(pkg)
-            if have is not None and _base_version(have) != _base_version(want):
-                return False
-        return True
-
-
-def _base_version(v: str) -> str:
-    return v.split("+", 1)[0]
-
-
-def package_version(dist: str) -> str | None:
-    """Installed version of a distribution, or None; never imports the package."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def module_available(module: str) -> bool:
@@ -226,27 +197,22 @@ class Backend:
     def empty_cache(self) -> None:
         self._module().empty_cache()
 
+    # memory_stats, reset_peak_memory, memory_available: answers every backend gives itself (REQUIRED_ANSWERS); a
+    # device whose torch module tracks its memory answers with torch_memory_stats / torch_memory_available
+    @abstractmethod
     def memory_stats(self) -> dict[str, int]:
         """Allocated / reserved / peak bytes on the current device (empty where not tracked)."""
-        mod = self._module()
-        return {
-            "allocated": int(mod.memory_allocated()),
-            "reserved": int(mod.memory_reserved()),
-            "peak_allocated": int(mod.max_memory_allocated()),
-        }
+        raise NotImplementedError(f"backend {self.name!r} does not answer memory_stats")
 
+    @abstractmethod
     def reset_peak_memory(self) -> None:
         """Restart ``memory_stats()["peak_allocated"]`` from what is allocated now (per-phase peaks)."""
-        self._module().reset_peak_memory_stats()
+        raise NotImplementedError(f"backend {self.name!r} does not answer reset_peak_memory")
 
+    @abstractmethod
     def memory_available(self) -> int | None:
-        """Bytes the current device could still allocate now (the device module's ``mem_get_info()`` free
-        bytes), None where the device does not say."""
-        info = getattr(self._module(), "mem_get_info", None)
-        try:
-            return int(info()[0]) if info is not None else None
-        except RuntimeError:
-            return None
+        """Bytes the current device could still allocate now, None where the device does not say."""
+        raise NotImplementedError(f"backend {self.name!r} does not answer memory_available")
 
     def manual_seed(self, seed: int) -> None:
         """Seed torch on the host and on every device of this backend."""
@@ -261,13 +227,15 @@ class Backend:
         """Training dtypes in order of preference (torch dtype names)."""
         return ("bfloat16", "float16", "float32") if self.supports_bf16() else ("float16", "float32")
 
+    @abstractmethod
     def supports_bf16(self) -> bool:
         """Whether the device computes bfloat16 natively (bf16 may still run where it is emulated, slowly)."""
-        return True
+        raise NotImplementedError(f"backend {self.name!r} does not answer supports_bf16")
 
+    @abstractmethod
     def fp8_dtype(self) -> str | None:
-        """The fp8 e4m3 dtype this device computes with, or None without fp8."""
-        return "float8_e4m3fn"
+        """The fp8 e4m3 dtype this device computes with (e.g. ``"float8_e4m3fn"``), or None without fp8."""
+        raise NotImplementedError(f"backend {self.name!r} does not answer fp8_dtype")
 
     # --- kernels ------------------------------------------------------------------------------
     def register_kernels(self, registry: KernelRegistry) -> None:
@@ -371,6 +339,37 @@ class Backend:
     # --- misc ---------------------------------------------------------------------------------
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r}>"
+
+
+#: what every backend answers itself, with no default in :class:`Backend` (a default would be one vendor's answer,
+#: silently given to another): a backend class that lacks one is refused when it registers
+#: (portrl.device.registry), and mypy refuses to instantiate it
+REQUIRED_ANSWERS = ("supports_bf16", "fp8_dtype", "memory_stats", "reset_peak_memory", "memory_available")
+
+
+def missing_answers(cls: type[Backend]) -> list[str]:
+    """The :data:`REQUIRED_ANSWERS` that backend class ``cls`` does not give (inherits only Backend's)."""
+    return [n for n in REQUIRED_ANSWERS if getattr(getattr(cls, n, None), "__isabstractmethod__", False)]
+
+
+def torch_memory_stats(mod: ModuleType) -> dict[str, int]:
+    """``memory_stats`` of a device whose torch module (``torch.<device>``) counts its allocator's bytes:
+    ``allocated``, ``reserved``, ``peak_allocated`` on the current device."""
+    return {
+        "allocated": int(mod.memory_allocated()),
+        "reserved": int(mod.memory_reserved()),
+        "peak_allocated": int(mod.max_memory_allocated()),
+    }
+
+
+def torch_memory_available(mod: ModuleType) -> int | None:
+    """``memory_available`` from a torch device module: its ``mem_get_info()`` free bytes on the current device,
+    None where it has none or it fails."""
+    info = getattr(mod, "mem_get_info", None)
+    try:
+        return int(info()[0]) if info is not None else None
+    except RuntimeError:
+        return None
 
 
 def import_optional(module: str, install: str) -> ModuleType:

@@ -11,11 +11,15 @@ seen at once) with one preallocated KV cache per generate call:
 * rotary cos/sin computed once for every position of the call by the model's own rotary module
   (so every rope variant the model supports is honoured);
 * attention over ``cache[:, :, :length]`` with a boolean key mask (left padding + not-yet-written
-  slots): ``scaled_dot_product_attention``, except a one-token step on the CPU, which takes four
-  plain ops (SDPA's per-call set-up costs more than the math there; 4% of a medium generate call);
+  slots): ``scaled_dot_product_attention``, or for a one-token step the backend's ``decode_attention`` op where
+  its decode kernel says so (``step_attention``);
 * logits for the last position only;
-* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op (x86 CPUs: an
-  AVX-512 kernel on the weights as they are up to 16 rows, else MKL's sgemm on weights packed once per call).
+* with 16 or more steps to decode, the linears use the backend's ``linear_prepacked`` op (an implementation may
+  pack the weights once per call, which pays over enough steps).
+
+The KV cache's layout, and which parts of a step the backend runs its own way (the norms, a layer or the head in
+one call of its ``decode_layer`` op), are the backend's decode kernel's (:meth:`Backend.decode_kernel`,
+portrl/device/decode_kernel.py); this module holds the arithmetic every backend shares.
 
 Layer math (pre-norm decoder): ``h = x + o(attn(rope(q), rope(k), v))`` with ``q, k, v =
 W_qkv·rms(x) (+ b)``; ``y = h + down(silu(gate) * up)`` with ``gate, up = W_gu·rms(h)``;
@@ -34,11 +38,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from portrl.device import get_backend, resolve_backend
 from portrl.device.backend import Backend
+from portrl.device.decode_kernel import KVCache
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
-from portrl.ops.decode_layer import bind_head, bind_layer
 from portrl.ops.layers import linear_prepacked, rms_norm
 from portrl.ops.registry import NATIVE
 from portrl.progress import note
@@ -75,19 +80,10 @@ def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = Non
     return FastDecoder(model, backend)
 
 
-#: fewest one-token steps for which the decode linears go through the backend's ``linear_prepacked`` op. Its MKL
-#: implementation packs the weights once per call: for the medium benchmark model (60 MB), on the Intel host of
-#: 2026-11-30, ~29 ms that saved ~2.9 ms per step at 32 rows, so it paid from ~10 steps on (on a Zen 4 host MKL's
-#: packed sgemm is no faster than F.linear; the CPU's rows kernel serves up to 64 rows there and packs nothing)
+#: fewest one-token steps for which the decode linears go through the backend's ``linear_prepacked`` op: an
+#: implementation that packs the weights once per call pays that back only over enough steps (the CPU's, measured:
+#: docs/performance.md, the decode loop on the CPU)
 PREPACK_MIN_STEPS = 16
-
-
-_NO_CACHE = torch.empty(0)  # the KV cache of a decoder between calls (start allocates one)
-#: On the CPU the keys are stored transposed, (head_dim, slots) per row and KV head, with the slots padded to a
-#: multiple of this (64-byte rows of float32): a decode step's scores then take a vector of keys per load with no
-#: horizontal sums (backends/cpu/decode_attention.cpp; on the Qwen2.5-0.5B shapes the fused attention is 2x torch's,
-#: and unaligned rows cost it ~1.5x). ``k_cache`` stays the (layers, rows, KV, slots, head_dim) view.
-KEY_ALIGN = 16
 
 
 class FastDecoder:
@@ -105,13 +101,15 @@ class FastDecoder:
         self.layers: list = []
         self.head: Any = None
         self.tape: Any = None  # a portrl.models.forward_tape.ForwardTape while recording
-        self._k_store: torch.Tensor = _NO_CACHE  # the keys' storage where k_cache is its transposed view (KEY_ALIGN)
+        backend = backend if isinstance(backend, Backend) else get_backend(backend) if backend else resolve_backend()
+        self.kernel = backend.decode_kernel()  # the cache's layout, and what the backend runs its own way
+        self.cache: Optional[KVCache] = None  # one generate call's (start allocates it, release drops it)
         self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
         self._swiglu = select("swiglu", backend=backend)[1]
         rms_name, self._rms_norm = select("rms_norm", backend=backend)  # the tape's replay runs it too
         self._rotary = select("rotary", backend=backend)[1]  # only the tape's replay runs it
-        self._rms_kernel = self._rms_norm if rms_name != NATIVE else None
+        self._rms_kernel = self._rms_norm if rms_name != NATIVE and self.kernel.own_norm else None
         self._attend = select("decode_attention", backend=backend)[1]
         name, layer_op = select("decode_layer", backend=backend)
         self._layer_op: Optional[Callable] = layer_op if name != NATIVE else None  # the backend's one-call layer
@@ -122,13 +120,26 @@ class FastDecoder:
     def device(self) -> torch.device:
         return self.inner.embed_tokens.weight.device
 
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The keys, (layers, rows, KV, slots, head_dim), whatever the kernel's storage (this call's)."""
+        assert self.cache is not None, "start() allocates the cache"
+        return self.cache.keys
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        """The values, (layers, rows, KV, slots, head_dim) (this call's)."""
+        assert self.cache is not None, "start() allocates the cache"
+        return self.cache.values
+
     # ------------------------------------------------------------------------------ per call
     def start(self, rows: int, max_len: int, decode_rows: Optional[int] = None, steps: int = 0) -> None:
         """Fuse the current weights and allocate a cache for ``rows`` sequences of up to ``max_len`` tokens.
 
         With ``steps >= PREPACK_MIN_STEPS`` one-token steps of ``decode_rows`` rows to come, the linears
-        go through the backend's ``linear_prepacked`` op (specialised for the call's row count; MKL's packs the
-        weights once per call); for fewer steps a packing would cost more than it saves.
+        go through the backend's ``linear_prepacked`` op (specialised for the call's row count; an implementation
+        may pack the weights once per call); for fewer steps a packing would cost more than it saves. The
+        backend's decode kernel allocates the cache and binds the ``decode_layer`` op where it runs a step's layers.
         """
         make = self._prepack if steps >= PREPACK_MIN_STEPS and decode_rows else linear_prepacked  # native: F.linear
 
@@ -136,28 +147,19 @@ class FastDecoder:
             return make(w, b, decode_rows)
 
         w = self.inner.embed_tokens.weight
-        # the one-call layer takes the keys stored transposed (the CPU's cache, below) and serves float32
-        fuse = (w.device.type == "cpu" and w.dtype == torch.float32
-                and (decode_rows or rows) <= getattr(self._layer_op, "max_rows", rows))
-        layer_op = self._layer_op if fuse else None
         weights = [_layer_arguments(layer, self.eps) for layer in self.inner.layers]
-        self._fused = ([bind_layer(layer_op, args, self.scale, self.n_heads, self.n_kv) for args in weights]
-                       if layer_op is not None else [])
+        cache = self.cache = self.kernel.allocate(len(weights), rows, self.n_kv, max_len, self.head_dim, w.dtype,
+                                                  w.device)
+        step_rows = decode_rows or rows
+        self._fused = self.kernel.bind(self._layer_op, weights, self.scale, self.n_heads, self.n_kv, step_rows, cache)
         self.final_norm_w = self.inner.norm.weight
         self.final_eps = getattr(self.inner.norm, "variance_epsilon", self.eps)
         head = self.model.lm_head
-        self._fused_head = (bind_head(layer_op, self.final_norm_w, self.final_eps, head.weight, head.bias)
-                            if layer_op is not None else None)
+        self._fused_head = self.kernel.head(self._layer_op, self.final_norm_w, self.final_eps, head.weight, head.bias,
+                                            step_rows, cache)
         self.layers = [(ln1, linear(w_qkv, b_qkv), linear(w_o, b_o), ln2, linear(w_gu), linear(w_down), eps1, eps2)
                        for ln1, w_qkv, b_qkv, w_o, b_o, ln2, w_gu, w_down, eps1, eps2 in weights]
         self.head = linear(head.weight, head.bias)
-        shape = (len(self.layers), rows, self.n_kv, max_len, self.head_dim)
-        if w.device.type == "cpu":
-            self._k_store = torch.zeros(*shape[:3], self.head_dim, -(-max_len // KEY_ALIGN) * KEY_ALIGN, dtype=w.dtype)
-            self.k_cache = self._k_store.transpose(-1, -2)[:, :, :, :max_len]  # keys stored transposed (KEY_ALIGN)
-        else:
-            self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         pos = torch.arange(max_len, device=w.device)[None]
         cos, sin = self.inner.rotary_emb(w[:1, None], pos)  # (1, max_len, head_dim)
         half = self.head_dim // 2
@@ -171,22 +173,16 @@ class FastDecoder:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only cache rows ``index`` (drop finished sequences, or repeat prompts for n samples)."""
-        if self.k_cache.stride(-1) != 1:  # stored transposed: select on the storage, keep the layout
-            self._k_store = self._k_store.index_select(1, index)
-            self.k_cache = self._k_store.transpose(-1, -2)[:, :, :, : self.k_cache.shape[3]]
-        else:
-            self.k_cache = self.k_cache.index_select(1, index)
-        self.v_cache = self.v_cache.index_select(1, index)
+        assert self.cache is not None, "start() allocates the cache"
+        self.cache = self.kernel.select_rows(self.cache, index)
 
     def release(self) -> None:
-        self.layers, self.head, self.k_cache, self.v_cache, self._k_store = [], None, _NO_CACHE, _NO_CACHE, _NO_CACHE
+        self.layers, self.head, self.cache = [], None, None
         self._fused, self._fused_head = [], None
 
     # ------------------------------------------------------------------------------- forward
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._rms_kernel is not None and x.device.type == "cpu":
-            # the backend's one-call norm (measured on the CPU only): F.rms_norm on a decode step's (rows, hidden)
-            # opens a parallel region, waking a sleeping thread (~50 us on a VM) for microseconds of work
+        if self._rms_kernel is not None:  # the backend's own norm, where its decode kernel takes it (own_norm)
             return self._rms_kernel(x, w, eps)
         if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused op, the same formula in float32
             return F.rms_norm(x, w.shape, w, eps)
@@ -206,6 +202,8 @@ class FastDecoder:
         ``record_at`` (slice or (B*S,) indices): the tape slots the four matmul outputs of each layer are saved to.
         """
         tape = self.tape if record_at is not None else None
+        cache = self.cache
+        assert cache is not None, "start() allocates the cache"
         B, S = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         end = start + S
@@ -218,8 +216,8 @@ class FastDecoder:
             mask = mask & causal
             # a query on left padding sees no real key; let it see itself so softmax stays finite
             mask = mask | _diag(S, end, start, ids.device)
-        one_token_cpu = S == 1 and ids.device.type == "cpu"
-        hidden_keys = ~mask.view(B, -1) if one_token_cpu else None
+        one_token_op = S == 1 and self.kernel.step_attention  # attention through the decode_attention op
+        hidden_keys = ~mask.view(B, -1) if one_token_op else None
         if hidden_keys is not None and self._fused:
             return self._forward_fused(x.view(B, -1), positions[:, 0], start, hidden_keys, tape, record_at)
         for li, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj, eps1, eps2) in enumerate(self.layers):
@@ -229,13 +227,12 @@ class FastDecoder:
                 tape.save(li, 0, qkv, record_at)
             qk = self._rope(qkv[..., : (H + KV) * D].view(B, S, H + KV, D), cos, sin)  # q and k heads together
             q = qk[:, :, :H].transpose(1, 2)
-            self.k_cache[li, :, :, start:end] = qk[:, :, H:].transpose(1, 2)
-            self.v_cache[li, :, :, start:end] = qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2)
-            if hidden_keys is not None:  # one token a row, on the CPU
-                o = self._attend(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end], hidden_keys,
-                                 self.scale)
+            self.kernel.write(cache, li, start, qk[:, :, H:].transpose(1, 2),
+                              qkv[..., (H + KV) * D:].view(B, S, KV, D).transpose(1, 2))
+            if hidden_keys is not None:  # one token a row, through the decode_attention op
+                o = self._attend(q, cache.keys[li, :, :, :end], cache.values[li, :, :, :end], hidden_keys, self.scale)
             else:
-                o = F.scaled_dot_product_attention(q, self.k_cache[li, :, :, :end], self.v_cache[li, :, :, :end],
+                o = F.scaled_dot_product_attention(q, cache.keys[li, :, :, :end], cache.values[li, :, :, :end],
                                                attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
             o = o_proj(o.transpose(1, 2).reshape(B, S, H * D))
             x = x + o
@@ -252,9 +249,11 @@ class FastDecoder:
                        tape: Any, record_at: Any) -> torch.Tensor:
         """:meth:`forward` of one token a row through the backend's ``decode_layer`` op (x (B, hidden), its own)."""
         cos, sin = self.cos[positions], self.sin[positions]
+        cache = self.cache
+        assert cache is not None, "start() allocates the cache"
         for li, step in enumerate(self._fused):
             into = tape.destinations(li, record_at) if tape is not None else None  # the recording's own slots
-            outs = step(x, self._k_store[li], self.v_cache[li], cos, sin, hidden_keys, start, out=into)
+            outs = step(x, cache.key_store[li], cache.values[li], cos, sin, hidden_keys, start, out=into)
             if tape is not None and into is None:
                 for which, out in enumerate(outs):
                     tape.save(li, which, out, record_at)
