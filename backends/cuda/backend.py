@@ -20,7 +20,9 @@ from types import ModuleType
 from typing import ClassVar, Sequence
 
 from portrl.backends.cuda import env as env_tables
-from portrl.device.backend import Backend, CompatRow, KernelRegistry, ProbeResult, module_available, package_version
+from portrl.device.backend import (Backend, KernelRegistry, ProbeResult, module_available, torch_memory_available,
+                                   torch_memory_stats)
+from portrl.device.versions import CompatRow, package_version
 
 # the command of the first compatibility row (torch 2.8.0, vLLM 0.11.0, flash-attn 2.8.3), as docs/backends/nvidia.md spells it;
 # it ends the message, so that it can be copied as it stands (tests/test_cli_errors.py checks the pin)
@@ -126,6 +128,17 @@ class CUDABackend(Backend):
             return name.decode() if isinstance(name, bytes) else str(name)
         except Exception:  # NVML missing or refusing: the name is cosmetic
             return ""
+
+    # --- memory (torch.cuda's caching allocator counts it) ------------------------------------
+    def memory_stats(self) -> dict[str, int]:
+        return torch_memory_stats(self._module())
+
+    def reset_peak_memory(self) -> None:
+        self._module().reset_peak_memory_stats()
+
+    def memory_available(self) -> int | None:
+        """``torch.cuda.mem_get_info()``'s free bytes on the current device."""
+        return torch_memory_available(self._module())
 
     # --- dtypes (run time: these read device properties) ---------------------------------------
     def supports_bf16(self) -> bool:

@@ -29,7 +29,9 @@ from portrl.backends.npu.versions import (
     cann_version,
     torch_pair_mismatch,
 )
-from portrl.device.backend import Backend, KernelRegistry, ProbeResult, module_available, package_version
+from portrl.device.backend import (Backend, KernelRegistry, ProbeResult, module_available, torch_memory_available,
+                                   torch_memory_stats)
+from portrl.device.versions import package_version
 
 if TYPE_CHECKING:  # torch and checks.py are imported where they are used
     import torch
@@ -133,6 +135,17 @@ class NPUBackend(Backend):
     def device(self, index: int | None = None) -> torch.device:
         self._import_plugin()
         return super().device(index)
+
+    def memory_stats(self) -> dict[str, int]:
+        """``torch.npu``'s allocator counts, as torch.cuda's (torch_npu mirrors its memory API)."""
+        return torch_memory_stats(self._module())
+
+    def reset_peak_memory(self) -> None:
+        self._module().reset_peak_memory_stats()
+
+    def memory_available(self) -> int | None:
+        """``torch.npu.mem_get_info()``'s free bytes on the current device."""
+        return torch_memory_available(self._module())
 
     # --- dtypes ---------------------------------------------------------------------------------
     def supports_bf16(self) -> bool:

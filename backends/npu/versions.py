@@ -13,7 +13,7 @@ import os
 
 from packaging.version import InvalidVersion, Version
 
-from portrl.device.backend import CompatRow
+from portrl.device.versions import CompatRow
 
 #: variables that CANN's set_env.sh exports; one of them set means the toolkit environment is loaded
 CANN_HOME_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")

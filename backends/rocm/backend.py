@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from portrl.backends.cuda.backend import WSL_GPU_NODE, CUDABackend
 from portrl.backends.rocm import env as env_tables
-from portrl.device.backend import CompatRow, KernelRegistry, ProbeResult, module_available, package_version
+from portrl.device.backend import KernelRegistry, ProbeResult, module_available
+from portrl.device.versions import CompatRow, package_version
 
 if TYPE_CHECKING:  # checks.py is imported where a check is made
     from portrl.device.checks import Check
@@ -88,6 +89,9 @@ def rocm_version_from_torch(torch_version: str | None) -> str | None:
 
 
 class ROCmBackend(CUDABackend):
+    """A ROCm build of torch runs AMD GPUs as torch.cuda (HIP): bf16 support and the memory answers are
+    CUDABackend's, read through torch.cuda from HIP; fp8 is its own (from the GPU's gcnArchName)."""
+
     name = "rocm"
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL implements the NCCL API

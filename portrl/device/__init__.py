@@ -1,6 +1,6 @@
 """Device abstraction: the Backend contract and the registry of backends."""
 
-from portrl.device.backend import Backend, CompatRow, ProbeResult, import_optional, module_available, package_version
+from portrl.device.backend import Backend, ProbeResult, import_optional, module_available
 from portrl.device.registry import (
     BackendError,
     all_backends,
@@ -14,6 +14,7 @@ from portrl.device.registry import (
     resolve_backend,
     usable_names,
 )
+from portrl.device.versions import CompatRow, package_version
 
 __all__ = [
     "Backend", "BackendError", "CompatRow", "ProbeResult", "all_backends", "backend_names", "broken_backends",

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from portrl.device.backend import CompatRow, package_version
+from portrl.device.versions import CompatRow, package_version
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 STATUSES = (OK, WARN, FAIL)
