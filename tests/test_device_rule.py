@@ -12,6 +12,13 @@ FORBIDDEN = [
     r"torch\.cuda", r"torch\.npu", r"torch\.version\.hip", r"\btorch_npu\b", r"\bflash_attn\b",
     r"\bvllm\b", r"\baiter\b",
     r"\bnvidia\b", r"\bamd\b", r"\bascend\b", r"\bhuawei\b", r"\brocm\b", r"\bcuda\b", r"\bnpu\b",
+    # CPU vendors, their processors, instruction sets and math libraries: the CPU backend's knowledge
+    # (backends/cpu/). Architecture names stay (x86_64, aarch64: the code sandbox's syscall tables are per
+    # architecture), so do variables named after a library (MKL_NUM_THREADS: a word of its own).
+    r"\bintel\b", r"\bxeon\b", r"\bepyc\b", r"\bryzen\b", r"\bzen\d*\b", r"\bzentorch\b", r"\bsapphire rapids\b",
+    r"\bskylake\b", r"\bgraviton\b", r"\bavx", r"\bamx\b", r"\bamx_", r"\bsse\d", r"\bneon\b",
+    r"\bmkl\b", r"\bmkldnn\b", r"\bonednn\b", r"\bdnnl\b", r"\bopenblas\b", r"\bipex\b",
+    r"\bintel_extension_for_pytorch\b",
 ]
 PATTERN = re.compile("|".join(FORBIDDEN), re.IGNORECASE)
 
@@ -39,6 +46,10 @@ def test_portrl_mentions_no_vendor():
 @pytest.mark.parametrize("line", [
     "import torch_npu", "x = torch.cuda.device_count()", "# runs on ROCm", "Ascend 910B", "an NVIDIA GPU",
     "from vllm import LLM", "torch.version.hip", "use flash_attn", "AMD Instinct", "device='npu'", "aiter kernels",
+    "on the Intel host", "an Intel(R) Xeon(R)", "a 2-core AMD EPYC", "on a Zen 4 VM", "zen3", "Sapphire Rapids",
+    "an AVX-512 kernel", "AVX2 + FMA", "avx512_bf16", "amx_bf16", "AMX tiles", "sse4_2", "Arm NEON",
+    "MKL's sgemm", "torch.backends.mkldnn", "oneDNN", "the dnnl library", "OpenBLAS", "import ipex",
+    "import intel_extension_for_pytorch",
 ])
 def test_rule_catches(tmp_path, line):
     (tmp_path / "portrl").mkdir()
@@ -46,7 +57,9 @@ def test_rule_catches(tmp_path, line):
     assert violations(tmp_path / "portrl")
 
 
-@pytest.mark.parametrize("line", ["accuracy = 1.0", "cudagraph_like = 1", "ascending order", "sample amdahl"])
+@pytest.mark.parametrize("line", ["accuracy = 1.0", "cudagraph_like = 1", "ascending order", "sample amdahl",
+                                  "artificial intelligence", "zenith", "MKL_NUM_THREADS=1", "x86_64 and aarch64",
+                                  "mklink /d", "amxx", "essential"])
 def test_rule_spares_words_that_contain_a_name(tmp_path, line):
     (tmp_path / "portrl").mkdir()
     (tmp_path / "portrl" / "m.py").write_text(f"{line}\n")

@@ -2,8 +2,9 @@
 
 :func:`run_program` writes the program to a fresh temporary folder (its cwd, HOME and TMPDIR; removed
 afterwards) and starts it through portrl.rewards.sandbox_child in a new session (its own process group) with
-a clean environment (PATH, LANG, HOME, TMPDIR, and OMP/OPENBLAS/MKL_NUM_THREADS=1; the interpreter runs with
-``-I``: no PYTHONPATH, no user site). Each part below is reported on the :class:`RunResult`.
+a clean environment (PATH, LANG, HOME, TMPDIR, and OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS
+set to 1; the interpreter runs with ``-I``: no PYTHONPATH, no user site). Each part below is reported on the
+:class:`RunResult`.
 
 What the program gets where every part applies (Linux on x86_64 or aarch64; as root, or as any user where
 unprivileged user namespaces are on; tested on kernel 6.18 x86_64 as root and as uid 65534):

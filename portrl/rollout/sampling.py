@@ -10,12 +10,12 @@ For logits ``z`` (rows, vocab) and temperature ``T > 0``:
   the first token whose cumulative kept mass reaches ``u * total`` (without truncation ``exp(z/T - max)`` is
   computed once for both the draw and ``logsumexp = max + log(sum)``). One uniform per row is far
   cheaper on CPU than a vocabulary-sized noise tensor (Gumbel / exponential race). The weights are
-  ``exp2(x * log2(e))`` (:func:`_exp_`): torch's CPU ``exp`` of a float tensor goes through MKL's vector math,
-  which opens three OpenMP regions a call, each waking a sleeping thread, and takes ~150 cycles an element whose
-  result is subnormal (x < -87); ``exp2`` is torch's own vectorised loop. The product's rounding makes the weights
-  differ from ``exp(x)`` by at most ~3e-7 relatively for x > -10 (4e-6 near -87); the sampled token's ``logp``
-  keeps the logit itself. Small benchmark model (32 rows, 259 tokens, 2 threads): generation 0.044 -> 0.040 s
-  a step.
+  ``exp2(x * log2(e))`` (:func:`_exp_`): torch's CPU ``exp`` of a float tensor goes through the vector math library
+  of torch's CPU build, which opens three OpenMP regions a call, each waking a sleeping thread, and takes ~150
+  cycles an element whose result is subnormal (x < -87); ``exp2`` is torch's own vectorised loop. The product's
+  rounding makes the weights differ from ``exp(x)`` by at most ~3e-7 relatively for x > -10 (4e-6 near -87); the
+  sampled token's ``logp`` keeps the logit itself. Small benchmark model (32 rows, 259 tokens, 2 threads):
+  generation 0.044 -> 0.040 s a step.
 
 ``T == 0`` is greedy: ``argmax(z)``, with ``logp = log_softmax(z)`` at that token.
 
