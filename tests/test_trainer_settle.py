@@ -7,7 +7,8 @@ from omegaconf.errors import ReadonlyConfigError
 
 from portrl.config import compose
 from portrl.trainer.preflight import TRAIN, preflight
-from portrl.trainer.resources import generated_files, is_settled, settle_config
+from portrl.trainer.data_cache import generated_files
+from portrl.trainer.resources import is_settled, settle_config
 from portrl.trainer.run_identity import run_identity
 
 SMALL = ["device=cpu", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "model.tiny.num_heads=2",

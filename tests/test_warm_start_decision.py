@@ -6,7 +6,7 @@ import pytest
 from portrl.config import compose
 from portrl.errors import UserError
 from portrl.trainer.data_fit import fit_warm_start, warm_start_task
-from portrl.trainer.resources import generated_files
+from portrl.trainer.data_cache import generated_files
 
 
 def _arith_files(tmp_path):

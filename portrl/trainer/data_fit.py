@@ -32,15 +32,19 @@ import logging
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
-from omegaconf import read_write
+from omegaconf import Node, read_write
 
 from portrl.config.batch_follow import mini_batch_for
 from portrl.config.composition import explicit_keys
 from portrl.errors import UserError
 from portrl.tasks import Task, builtin_sft_task, names_where
+from portrl.trainer.data_cache import generated_files
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, count_parameters
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 log = logging.getLogger(__name__)
 # id(config) -> (the config, notes logged for it, notes held back or None): the preflight and the trainer both
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 _NOTES: dict[int, tuple[weakref.ref, set, list | None]] = {}
 
 
-def _notes(cfg: Any) -> tuple[weakref.ref, set, list | None]:
+def _notes(cfg: PortRLConfig) -> tuple[weakref.ref, set, list | None]:
     key = id(cfg)
     entry = _NOTES.get(key)
     if entry is None or entry[0]() is not cfg:
@@ -56,7 +60,7 @@ def _notes(cfg: Any) -> tuple[weakref.ref, set, list | None]:
     return entry
 
 
-def note_once(cfg: Any, message: str, level: int = logging.INFO) -> None:
+def note_once(cfg: PortRLConfig, message: str, level: int = logging.INFO) -> None:
     """Log ``message`` unless it was logged for this config object already; held back inside :func:`held_notes`."""
     _, logged, held = _notes(cfg)
     if message in logged:
@@ -69,7 +73,7 @@ def note_once(cfg: Any, message: str, level: int = logging.INFO) -> None:
 
 
 @contextmanager
-def held_notes(cfg: Any) -> Iterator[None]:
+def held_notes(cfg: PortRLConfig) -> Iterator[None]:
     """Hold the notes about ``cfg`` back while the block runs: logged when it ends normally, dropped when it
     raises (a run refused for bad input prints its one error line only)."""
     ref, logged, _ = _notes(cfg)
@@ -87,7 +91,17 @@ def held_notes(cfg: Any) -> Iterator[None]:
         _NOTES[id(cfg)] = (ref, logged, None)
 
 
-def user_set(cfg: Any, key: str) -> bool:
+@contextmanager
+def _writable(section: object) -> Iterator[None]:
+    """omegaconf's ``read_write`` on ``section``: the run config or one of its sections (the schema's dataclass to
+    mypy, a DictConfig at run time) opened for the block."""
+    if not isinstance(section, Node):
+        raise TypeError(f"not an omegaconf config: {type(section).__name__}")
+    with read_write(section):
+        yield
+
+
+def user_set(cfg: PortRLConfig, key: str) -> bool:
     """Whether the user YAML or an override set ``key`` (True when the config's origin is unknown)."""
     keys = explicit_keys(cfg)
     return keys is None or key in keys
@@ -103,7 +117,7 @@ def val_files_beside(train_files: Iterable[str]) -> list[str]:
     return []
 
 
-def default_val_files(cfg: Any, train_files: list[str], why: str = "data.val_files is empty") -> list[str]:
+def default_val_files(cfg: PortRLConfig, train_files: list[str], why: str = "data.val_files is empty") -> list[str]:
     """The test split beside ``train_files`` (logged), or [] with a note that validation is off."""
     val = val_files_beside(train_files)
     if val:
@@ -114,7 +128,7 @@ def default_val_files(cfg: Any, train_files: list[str], why: str = "data.val_fil
     return val
 
 
-def fit_val_files(cfg: Any) -> None:
+def fit_val_files(cfg: PortRLConfig) -> None:
     """Fill or replace ``data.val_files`` in ``cfg`` as the module docstring says (a run with training files)."""
     d = cfg.data
     train = [str(f) for f in d.train_files or []]
@@ -137,11 +151,11 @@ def fit_val_files(cfg: Any) -> None:
         new = default_val_files(cfg, train, f"the data preset's data.val_files {missing} does not exist")
     else:
         return
-    with read_write(d):
+    with _writable(d):
         d.val_files = new
 
 
-def warm_start_task(cfg: Any) -> Optional[Task]:
+def warm_start_task(cfg: PortRLConfig) -> Optional[Task]:
     """The task whose built-in SFT rows the SFT warm start trains on, or None when the run must not warm-start.
 
     A task only when the run trains on that task's own generated rows: ``data.name`` has built-in SFT rows
@@ -149,8 +163,6 @@ def warm_start_task(cfg: Any) -> Optional[Task]:
     config: portrl.trainer.resources.settle_config writes it there). Other training files are the user's data even
     where ``data.name`` kept its default (``arith``: the data preset is skipped when files are given), so a run
     with them never warm-starts on the built-in task."""
-    from portrl.trainer.resources import generated_files  # here: resources imports this module
-
     task = builtin_sft_task(cfg)
     files = [str(f) for f in cfg.data.train_files or []]
     if task is None or not files:
@@ -159,7 +171,7 @@ def warm_start_task(cfg: Any) -> Optional[Task]:
     return task if generated is not None and files == [str(generated[0])] else None
 
 
-def fit_warm_start(cfg: Any) -> None:
+def fit_warm_start(cfg: PortRLConfig) -> None:
     """``model.sft_warm_start`` off when :func:`warm_start_task` is None and a preset set it (with a note);
     UserError naming the key when the user set it."""
     if not bool(cfg.model.sft_warm_start) or warm_start_task(cfg) is not None:
@@ -173,11 +185,11 @@ def fit_warm_start(cfg: Any) -> None:
                         "--train-files SFT.parquet --output sft` and train from it with model.path=sft")
     note_once(cfg, f"model.sft_warm_start is built in for the generated rows of data.name={tasks} only: off for "
               f"{data} (fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
-    with read_write(cfg.model):
+    with _writable(cfg.model):
         cfg.model.sft_warm_start = False
 
 
-def fit_train_batch(cfg: Any, usable: int, total: int, files: list[str]) -> None:
+def fit_train_batch(cfg: PortRLConfig, usable: int, total: int, files: list[str]) -> None:
     """Fit ``data.train_batch_size`` to ``usable`` training prompts (of ``total`` rows; fewer when some are longer
     than ``data.max_prompt_length``); UserError with the key to set when the user set it or none is usable."""
     d, a = cfg.data, cfg.actor
@@ -205,7 +217,7 @@ def fit_train_batch(cfg: Any, usable: int, total: int, files: list[str]) -> None
     note_once(cfg, f"data.train_batch_size={want} (not set by you) is more than the {usable} training rows{short} of "
                    f"{where}: lowered to {usable} prompts per step, actor.ppo_mini_batch_size {mini} -> {new_mini}; set "
                    "data.train_batch_size to choose", logging.WARNING)
-    with read_write(cfg):
+    with _writable(cfg):
         d.train_batch_size = usable
         a.ppo_mini_batch_size = new_mini
 
@@ -223,7 +235,7 @@ def token_budget(hidden: int, layers: int, intermediate: int) -> int:
     return max(256, MICRO_BATCH_ACTIVATION_BYTES // per_token // 256 * 256)
 
 
-def fit_token_budget(cfg: Any) -> None:
+def fit_token_budget(cfg: PortRLConfig) -> None:
     """``actor.max_tokens_per_micro_batch``: a null the user did not set becomes :func:`token_budget` of
     ``model.path`` when it has at least AUTO_CHECKPOINTING_PARAMS parameters (logged once); kept otherwise."""
     a, path = cfg.actor, cfg.model.path
@@ -238,5 +250,5 @@ def fit_token_budget(cfg: Any) -> None:
     budget = token_budget(int(c.hidden_size), int(c.num_hidden_layers), int(c.intermediate_size))
     note_once(cfg, f"actor.max_tokens_per_micro_batch=null -> {budget} tokens per micro-batch for {path} (about "
                    f"{MICRO_BATCH_ACTIVATION_BYTES >> 30} GiB of activations; set it to choose)")
-    with read_write(cfg):
+    with _writable(cfg):
         a.max_tokens_per_micro_batch = budget

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from portrl.algo import critic_enabled, implicit_prm_enabled
 from portrl.data.schema import check_row
@@ -56,6 +56,7 @@ from portrl.rewards.time_limit import TimeLimitReached, call_with_time_limit
 from portrl.rollout import engine_capabilities, engine_factory, offered_engines
 from portrl.tasks import data_task, generated_task, names_where
 from portrl.trainer.checkpoint import check_compatible, read_meta, verify
+from portrl.trainer.data_cache import generator_options
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
 from portrl.trainer.run_dir import check_run_dir
@@ -64,17 +65,20 @@ from portrl.workers.lora import check_target_modules
 from portrl.workers.placement import compute_split
 from portrl.workers.setup import auto_num_workers, resolve_dtype, worker_backend
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
 TRAIN, SFT, EVAL = "train", "sft", "eval"
 
 
-def preflight(cfg: Any, command: str = TRAIN, *, checkpoint: Optional[str] = None) -> None:
+def preflight(cfg: PortRLConfig, command: str = TRAIN, *, checkpoint: Optional[str] = None) -> None:
     """Check ``cfg`` for ``command`` (train, sft or eval) before any model loads; UserError on the first problem.
     What it fits to the data is logged once every check passed."""
     with held_notes(cfg):
         _preflight(cfg, command, checkpoint)
 
 
-def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
+def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> None:
     _check_device(cfg)
     tokenizer = _check_model(cfg, command)
     _check_output_dir(cfg)
@@ -106,7 +110,7 @@ def _preflight(cfg: Any, command: str, checkpoint: Optional[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ device
-def _check_device(cfg: Any) -> None:
+def _check_device(cfg: PortRLConfig) -> None:
     quiet = logging.getLogger("portrl.device.registry")  # the run logs its backend when it starts; not twice
     level = quiet.level
     quiet.setLevel(logging.WARNING)
@@ -135,7 +139,7 @@ def _check_device(cfg: Any) -> None:
     compute_split(cfg, backend, trainer_workers)  # rollout.cpu_cores more than the node has: UserError
 
 
-def _check_num_workers(cfg: Any, backend: Backend) -> None:
+def _check_num_workers(cfg: PortRLConfig, backend: Backend) -> None:
     """An explicit ``trainer.num_workers`` fits this node; null (auto) is what the run will resolve it to
     (``auto_num_workers``, resolved and logged once by RLTrainer when the run starts), and Ray is there when that
     is more than one worker."""
@@ -156,7 +160,7 @@ def _check_num_workers(cfg: Any, backend: Backend) -> None:
 
 
 # ------------------------------------------------------------------------------------------- model
-def _check_model(cfg: Any, command: str):
+def _check_model(cfg: PortRLConfig, command: str):
     """The tokenizer the run will use, after the model directories are checked (tiny: built in memory)."""
     m = cfg.model
     if m.path:
@@ -172,8 +176,8 @@ def _check_model(cfg: Any, command: str):
             check_model_dir(str(cfg.reward.model_path), "reward.model_path")
             check_pickled_weights(str(cfg.reward.model_path), "reward.model_path")
         for key in ("path", "ref_path"):  # PRIME's implicit PRM and its reference
-            if cfg.reward_model.model[key] and implicit_prm_enabled(cfg):
-                check_model_dir(str(cfg.reward_model.model[key]), f"reward_model.model.{key}")
+            if getattr(cfg.reward_model.model, key) and implicit_prm_enabled(cfg):
+                check_model_dir(str(getattr(cfg.reward_model.model, key)), f"reward_model.model.{key}")
     tokenizer = _load_tokenizer(cfg)
     if command != SFT and getattr(tokenizer, "chat_template", None) is None:
         where = m.tokenizer_path or m.path
@@ -182,7 +186,7 @@ def _check_model(cfg: Any, command: str):
     return tokenizer
 
 
-def _load_tokenizer(cfg: Any):
+def _load_tokenizer(cfg: PortRLConfig):
     m = cfg.model
     if not m.path and not m.tokenizer_path:
         return build_tokenizer(TINY_VOCAB)  # what the built-in tiny model is saved with
@@ -196,7 +200,7 @@ def _load_tokenizer(cfg: Any):
                         f"({type(exc).__name__}: {exc})".replace("\n", " ")) from exc
 
 
-def _check_lora_targets(cfg: Any) -> None:
+def _check_lora_targets(cfg: PortRLConfig) -> None:
     """``actor.lora_target_modules`` names layers of the model (with ``actor.lora_rank > 0`` and a model.path;
     the built-in tiny model is a Qwen2 like the defaults assume)."""
     if int(cfg.actor.lora_rank) <= 0 or not cfg.model.path or not module_available("peft"):
@@ -207,14 +211,14 @@ def _check_lora_targets(cfg: Any) -> None:
         raise UserError(str(exc)) from None
 
 
-def _check_output_dir(cfg: Any) -> None:
+def _check_output_dir(cfg: PortRLConfig) -> None:
     out = Path(str(cfg.trainer.output_dir)).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"trainer.output_dir {str(out)!r} is a file; give a directory for the run")
 
 
 # -------------------------------------------------------------------------------------------- data
-def _check_preprocessed(cfg: Any, train_files: list, val_files: list) -> None:
+def _check_preprocessed(cfg: PortRLConfig, train_files: list, val_files: list) -> None:
     """A data preset's file that is not there yet (``data=gsm8k`` reads ``~/data/gsm8k/train.parquet``): one line
     with the `portrl preprocess` command that writes it. Other missing files are read_verl_files' message."""
     task = data_task(cfg)
@@ -228,7 +232,7 @@ def _check_preprocessed(cfg: Any, train_files: list, val_files: list) -> None:
                                 f"--output-dir {Path(f).parent}` writes it (see `portrl preprocess --help`)")
 
 
-def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
+def _check_data(cfg: PortRLConfig, command: str, tokenizer) -> tuple[list, list]:
     d = cfg.data
     generated = generated_task(cfg) is not None
     train_files = [str(f) for f in d.train_files or []]
@@ -244,7 +248,7 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
     val_rows, val_images = read_verl_files(val_files, "data.val_files")
     processor = _check_processor(cfg, train_images or val_images)
     _check_sources(cfg, train_files, train_rows, val_files, val_rows)
-    g = d[str(d.name)] if generated and not train_files else None  # the generator's options: data.<name>
+    g = generator_options(cfg, str(d.name)) if generated and not train_files else None  # data.<name>
     if command == TRAIN and g is not None and int(g.num_train) < int(d.train_batch_size):
         raise UserError(f"data.train_batch_size={d.train_batch_size} is more than the data.{d.name}.num_train="
                         f"{g.num_train} generated problems; raise data.{d.name}.num_train or lower the batch")
@@ -257,7 +261,7 @@ def _check_data(cfg: Any, command: str, tokenizer) -> tuple[list, list]:
     return train_rows, val_rows
 
 
-def _check_processor(cfg: Any, image_row: Optional[str]):
+def _check_processor(cfg: PortRLConfig, image_row: Optional[str]):
     """The model's processor when the data has images (``image_row``: where the first is), else None; a model
     without an image processor is a UserError (it cannot read the images)."""
     if image_row is None:
@@ -278,7 +282,7 @@ def _check_processor(cfg: Any, image_row: Optional[str]):
     return processor
 
 
-def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> None:
+def _check_sources(cfg: PortRLConfig, train_files, train_rows, val_files, val_rows) -> None:
     """Every data_source has a built-in reward, unless a custom reward scores all rows."""
     if cfg.reward.custom.path or cfg.reward.model_path:
         return
@@ -290,18 +294,18 @@ def _check_sources(cfg: Any, train_files, train_rows, val_files, val_rows) -> No
                 raise UnknownDataSource(f"{', '.join(files)}: {exc}") from None
 
 
-def _first_generated_row(cfg: Any):
+def _first_generated_row(cfg: PortRLConfig):
     """The first generated row of a generated task (the data of a run without files), checked like a file's
     rows; None for other data."""
     task = generated_task(cfg)
     if task is None:
         return None
-    a = cfg.data[task.name]
+    a = generator_options(cfg, task.name)
     return check_row(task.generate(1, int(a.seed), int(a.difficulty), "train")[0], f"<{task.name}>", 0)
 
 
 # ------------------------------------------------------------------------------------------ reward
-def _check_reward(cfg: Any, first_row) -> None:
+def _check_reward(cfg: PortRLConfig, first_row) -> None:
     """The custom reward imports, and scores one row (its ground truth as the response) without raising."""
     custom = cfg.reward.custom
     if not custom.path:
@@ -324,7 +328,7 @@ def _check_reward(cfg: Any, first_row) -> None:
 
 
 # ----------------------------------------------------------------------------------- checkpoints
-def _check_resume(cfg: Any) -> None:
+def _check_resume(cfg: PortRLConfig) -> None:
     resume = str(cfg.trainer.resume)
     if resume in ("auto", "off"):
         return
@@ -335,7 +339,7 @@ def _check_resume(cfg: Any) -> None:
 LOGGER_PACKAGES = {"tensorboard": "tensorboard>=2.16", "wandb": "wandb>=0.18", "mlflow": "mlflow>=2.16"}
 
 
-def _check_loggers(cfg: Any) -> None:
+def _check_loggers(cfg: PortRLConfig) -> None:
     """Optional packages the run will import: the loggers' and, for LoRA, peft."""
     if int(cfg.actor.lora_rank) > 0 and not module_available("peft"):
         raise UserError(f"actor.lora_rank={cfg.actor.lora_rank} trains LoRA adapters with peft, which is not installed; "

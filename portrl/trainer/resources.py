@@ -15,12 +15,9 @@ settled config, and a later write raises omegaconf's ReadonlyConfigError naming 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import weakref
 from pathlib import Path
-from typing import Any, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, List, Optional, Tuple, cast
 
 from omegaconf import OmegaConf
 
@@ -30,15 +27,19 @@ from portrl.errors import UserError
 from portrl.models import write_tiny_model
 from portrl.models.loader import check_model_dir
 from portrl.models.tokenizer import CHAT_TEMPLATE
-from portrl.tasks import Task, builtin_sft_task, data_task, generated_task, names_where
+from portrl.tasks import builtin_sft_task, data_task, generated_task, names_where
+from portrl.trainer.data_cache import cache_dir, cache_key, generated_files, generated_spec, generator_options
 from portrl.trainer.data_fit import fit_val_files
 from portrl.workers.setup import resolve_num_workers, worker_backend
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 # id(config) -> weak reference to it, for every config settle_config returned
 _SETTLED: dict[int, weakref.ref] = {}
 
 
-def no_train_files_message(cfg: Any) -> str:
+def no_train_files_message(cfg: PortRLConfig) -> str:
     """Why a run of ``data.name`` without ``data.train_files`` cannot start, and the command that makes them."""
     name = str(cfg.data.name)
     task = data_task(cfg)
@@ -49,27 +50,19 @@ def no_train_files_message(cfg: Any) -> str:
             "the validation split)")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PORTRL_CACHE") or Path.home() / ".cache" / "portrl")
-
-
-def _key(d: dict) -> str:
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-
-
 #: the vocabulary of the built-in tiny model (portrl.models.tokenizer: one token per byte, ChatML specials)
 TINY_VOCAB = "arith"
 
 
-def tiny_model_dir(cfg: Any) -> Path:
+def tiny_model_dir(cfg: PortRLConfig) -> Path:
     """Where the built-in tiny model of ``model.tiny`` is cached (written by :func:`resolve_model_path`); the key
     holds the sizes and the tokenizer's chat template (a model cached with an older template is built again)."""
     t = cast(dict, OmegaConf.to_container(cfg.model.tiny, resolve=True)) \
         if not isinstance(cfg.model.tiny, dict) else dict(cfg.model.tiny)
-    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{_key({**t, 'chat_template': CHAT_TEMPLATE})}"
+    return cache_dir() / "models" / f"tiny-{TINY_VOCAB}-{cache_key({**t, 'chat_template': CHAT_TEMPLATE})}"
 
 
-def resolve_model_path(cfg: Any) -> str:
+def resolve_model_path(cfg: PortRLConfig) -> str:
     """``model.path``, or the cached tiny model built from ``model.tiny`` (written on first use)."""
     if cfg.model.path:
         return str(check_model_dir(str(cfg.model.path), "model.path"))
@@ -83,23 +76,15 @@ def resolve_model_path(cfg: Any) -> str:
     return str(out)
 
 
-def _generated_spec(cfg: Any, task: Task) -> dict:
-    a = cfg.data[task.name]
-    return {"n_train": int(a.num_train), "n_test": int(a.num_test), "difficulty": int(a.difficulty),
-            "seed": int(a.seed), "generator": task.generator_version}
+def settled_num_workers(cfg: PortRLConfig) -> int:
+    """``trainer.num_workers`` of a settled config (:func:`settle_config` resolves the auto null to a count)."""
+    n = cfg.trainer.num_workers
+    if n is None:
+        raise TypeError("trainer.num_workers is null (auto): settle the config first (settle_config)")
+    return int(n)
 
 
-def generated_files(cfg: Any) -> Optional[Tuple[Path, Path]]:
-    """(train, test) parquet paths of the generated task of ``data.name`` in the cache (None for other data);
-    nothing is written."""
-    task = generated_task(cfg)
-    if task is None:
-        return None
-    out = cache_dir() / "data" / f"{task.name}-{_key(_generated_spec(cfg, task))}"
-    return out / "train.parquet", out / "test.parquet"
-
-
-def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
+def resolve_data_files(cfg: PortRLConfig) -> Tuple[List[str], List[str]]:
     """(train files, validation files); for a generated task without files, its rows written once to the cache.
     Validation files missing from ``cfg`` are filled in it (:func:`portrl.trainer.data_fit.fit_val_files`)."""
     train = [str(f) for f in (cfg.data.train_files or [])]
@@ -112,25 +97,25 @@ def resolve_data_files(cfg: Any) -> Tuple[List[str], List[str]]:
         raise UserError(no_train_files_message(cfg))
     task = generated_task(cfg)
     assert task is not None  # generated_files found it
-    spec = _generated_spec(cfg, task)
+    spec = generated_spec(cfg, task)
     for path, split, n in zip(files, ("train", "test"), (spec["n_train"], spec["n_test"])):
         if not path.is_file():
             write_split(task.generate(n, spec["seed"], spec["difficulty"], split), path)
     return [str(files[0])], (val or [str(files[1])])
 
 
-def builtin_sft_rows(cfg: Any, at_least: int = 0) -> Optional[list]:
+def builtin_sft_rows(cfg: PortRLConfig, at_least: int = 0) -> Optional[list]:
     """Rows (prompt messages + response) of the train split of ``data.name``'s built-in SFT data (the SFT warm
     start's, ``portrl sft`` without files): ``data.<name>.num_train`` of them, or ``at_least``; None when the
     task has none."""
     task = builtin_sft_task(cfg)
     if task is None:
         return None
-    a = cfg.data[task.name]
+    a = generator_options(cfg, task.name)
     return task.generate_sft(max(int(a.num_train), at_least), int(a.seed), int(a.difficulty), "train")
 
 
-def settle_config(cfg: Any) -> Any:
+def settle_config(cfg: PortRLConfig) -> PortRLConfig:
     """A read-only copy of ``cfg`` (composed, checked by the preflight) with the run's resources resolved into
     it: ``trainer.num_workers``, ``model.path``, ``data.train_files`` and ``data.val_files`` (module docstring).
     ``cfg`` itself is left as it is; a config this returned is returned unchanged. UserError when the data
@@ -149,7 +134,7 @@ def settle_config(cfg: Any) -> Any:
     return out
 
 
-def is_settled(cfg: Any) -> bool:
+def is_settled(cfg: PortRLConfig) -> bool:
     """Whether ``cfg`` is a config :func:`settle_config` returned."""
     ref = _SETTLED.get(id(cfg))
     return ref is not None and ref() is cfg

@@ -40,12 +40,16 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
 from portrl import __version__
-from portrl.trainer.resources import generated_files, tiny_model_dir
+from portrl.trainer.data_cache import generated_files
+from portrl.trainer.resources import tiny_model_dir
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 RUN_FILE = "run.json"
 TINY = "<tiny>"
@@ -62,8 +66,8 @@ IDENTITY_KEYS = (
 )
 
 
-def _get(cfg: Any, key: str) -> Any:
-    node = cfg
+def _get(cfg: PortRLConfig, key: str) -> Any:
+    node: Any = cfg  # a walk by dotted name (IDENTITY_KEYS)
     for part in key.split("."):
         node = node[part] if isinstance(node, dict) else getattr(node, part, None)
         if node is None:
@@ -84,14 +88,14 @@ def _flat(d: Any, prefix: str) -> Dict[str, Any]:
     return out
 
 
-def _is_tiny_path(cfg: Any, path: Optional[str]) -> bool:
+def _is_tiny_path(cfg: PortRLConfig, path: Optional[str]) -> bool:
     """True when ``path`` is the cached built-in tiny model for ``model.tiny`` (see portrl.trainer.resources)."""
     if not path:
         return True
     return Path(str(path)) == tiny_model_dir(cfg)
 
 
-def run_identity(cfg: Any) -> Dict[str, Any]:
+def run_identity(cfg: PortRLConfig) -> Dict[str, Any]:
     """The identity of the run ``cfg`` describes: ``{dotted key: value}`` (JSON values, sections flattened)."""
     ident: Dict[str, Any] = {}
     for key in IDENTITY_KEYS:
@@ -147,27 +151,7 @@ def write_run_record(out_dir: str | os.PathLike, identity: Dict[str, Any]) -> Di
     return rec
 
 
-def apply_lr(state: Dict[str, Any], lr: float, key: str) -> Optional[str]:
-    """A worker state (``{"optimizer": {"param_groups"}, "scheduler": {"base_lrs", "_last_lr"}}``) saved with another
-    base learning rate than ``lr`` (``key`` names the config key): rescale it in place so that the schedule
-    continues from the saved step with base ``lr``; returns a one-line note, None when nothing changed."""
-    sched = state.get("scheduler") or {}
-    base = [float(b) for b in sched.get("base_lrs", [])]
-    lr = float(lr)
-    if not base or all(b == lr for b in base):
-        return None
-    for i, group in enumerate(state.get("optimizer", {}).get("param_groups", [])):
-        old = base[min(i, len(base) - 1)]
-        group["lr"] = float(group.get("lr", old)) * lr / old if old else lr
-        group["initial_lr"] = lr
-    if isinstance(sched.get("_last_lr"), list):
-        sched["_last_lr"] = [float(v) * lr / b if b else lr for v, b in zip(sched["_last_lr"], base)]
-    sched["base_lrs"] = [lr] * len(base)
-    return (f"{key} changed since the checkpoint ({base[0]:g} -> {lr:g}): the learning-rate schedule continues "
-            f"from step {sched.get('last_epoch', '?')} with the new base rate")
-
-
 MODEL_KEYS = ("model.", "actor.lora_rank")
 
-__all__ = ["MODEL_KEYS", "apply_lr", "IDENTITY_KEYS", "RUN_FILE", "run_identity", "fingerprint", "identity_diff",
+__all__ = ["MODEL_KEYS", "IDENTITY_KEYS", "RUN_FILE", "run_identity", "fingerprint", "identity_diff",
            "read_run_record", "write_run_record"]
