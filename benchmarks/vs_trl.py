@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _ceilings  # noqa: E402
 import _common  # noqa: E402
+from _vs_trl_report import merge_rounds, print_config, summarize  # noqa: E402
 from portrl import process_env  # noqa: E402
 from portrl.backends.cpu import isa  # noqa: E402
 
@@ -246,55 +247,6 @@ def portrl_side(model_dir: str, steps: int, warmup: int, prompts_per_step: int, 
 SIDES = {"trl": trl_side, "portrl": portrl_side}
 
 
-def merge_rounds(results: list) -> dict:
-    """Pool the timed steps of several rounds of one side; peak RSS is the largest of them; each ceiling the
-    best of the rounds."""
-    out = {k: [x for r in results for x in r[k]] for k in ("step_times", "step_cpu", "gen_times", "gen_tokens")}
-    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in results)
-    for k in ("decode", "update"):
-        if all(k in r for r in results):
-            out[k] = [x for r in results for x in r[k]]
-    if all("ceilings" in r for r in results):
-        out["ceilings"] = {"read": max((r["ceilings"]["read"] for r in results), key=lambda c: c["bytes_per_s"]),
-                           "matmul": max((r["ceilings"]["matmul"] for r in results), key=lambda c: c["flops_per_s"])}
-    out.update({k: results[-1][k] for k in ("checkpointing", "host") if results and k in results[-1]})
-    return out
-
-
-def summarize(res: dict) -> dict:
-    st, gt, tok = res["step_times"], res["gen_times"], res["gen_tokens"]
-    med = _common.median(st)
-    tokens_per_step = _common.median(tok)
-    return {
-        "s_per_step": med,
-        "cpu_s_per_step": _common.median(res["step_cpu"]),
-        "tokens_per_s": tokens_per_step / med,
-        "gen_tokens_per_s": sum(tok) / sum(gt),
-        "gen_s_per_step": _common.median(gt),
-        "tokens_per_step": tokens_per_step,
-        "peak_rss_mb": res["peak_rss_mb"],
-    }
-
-
-def print_config(name: str, summary: dict, hosts: dict | None = None, header: str = "") -> float | None:
-    print(f"\n== {name} ==")
-    print("".join(f"{side} ran on: {line}\n" for side, line in (hosts or {}).items() if line != header), end="")
-    print(f"{'side':8s} {'s/step':>8s} {'cpu s/step':>10s} {'gen s/step':>10s} {'tok/step':>8s} {'tok/s':>8s} {'gen tok/s':>9s} {'peak RSS MiB':>12s}")
-    for side, s in summary.items():
-        print(f"{side:8s} {s['s_per_step']:8.3f} {s['cpu_s_per_step']:10.3f} {s['gen_s_per_step']:10.3f} {s['tokens_per_step']:8.0f} "
-              f"{s['tokens_per_s']:8.1f} {s['gen_tokens_per_s']:9.1f} {s['peak_rss_mb']:12.0f}")
-    if "trl" in summary and "portrl" in summary:
-        p, t = summary["portrl"], summary["trl"]
-        ratio = p["s_per_step"] / t["s_per_step"]
-        print(f"{name}: step_time_ratio (portrl/trl) = {ratio:.3f}   tokens/s ratio = "
-              f"{p['tokens_per_s'] / t['tokens_per_s']:.2f}   rollout gen tokens/s ratio = "
-              f"{p['gen_tokens_per_s'] / t['gen_tokens_per_s']:.2f}   peak RSS ratio = "
-              f"{p['peak_rss_mb'] / t['peak_rss_mb']:.2f}   cpu-time ratio = "
-              f"{p['cpu_s_per_step'] / t['cpu_s_per_step']:.3f}")
-        return ratio
-    return None
-
-
 def _model_dir(name: str, cache: str | None, tmp: str) -> Path:
     """The configuration's model: built in a temp folder, or in ``cache/name`` and reused from there."""
     where = Path(cache) / name if cache else Path(tmp) / name
@@ -303,13 +255,13 @@ def _model_dir(name: str, cache: str | None, tmp: str) -> Path:
     return _common.build_model(name, where)
 
 
-def main(argv=None) -> int:
+def _parser(names: list[str]) -> argparse.ArgumentParser:
+    """The command line: the comparison's options, and the hidden ones a side's worker process is started with."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="Real size (issue 20): python benchmarks/vs_trl.py --configs qwen2.5-0.5b --steps 2 "
                                         "--warmup 1 --model-cache /tmp/vs-trl-models (4 prompts x 4 samples, 128 new "
                                         "tokens, GSM8K, gradient checkpointing on both sides; also prints the decode and "
                                         "update ceilings; about 25 minutes on a quiet 2-core machine).")
-    names = [*_common.CONFIGS, *_common.REAL_CONFIGS]
     ap.add_argument("--configs", default="small,medium,real-vocab", help=f"comma-separated, of: {', '.join(names)}")
     ap.add_argument("--sides", default="trl,portrl")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per side")
@@ -330,6 +282,12 @@ def main(argv=None) -> int:
     ap.add_argument("--data", choices=("arith", "gsm8k"), default="arith", help=argparse.SUPPRESS)
     ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--measure-ceilings", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    names = [*_common.CONFIGS, *_common.REAL_CONFIGS]
+    ap = _parser(names)
     a = ap.parse_args(argv)
     try:
         isa.setting()  # a bad PORTRL_CPU_ISA: one line now, not a side's traceback later
