@@ -64,3 +64,29 @@ def test_rule_spares_words_that_contain_a_name(tmp_path, line):
     (tmp_path / "portrl").mkdir()
     (tmp_path / "portrl" / "m.py").write_text(f"{line}\n")
     assert not violations(tmp_path / "portrl")
+
+
+#: a branch on a tensor's device type (``x.device.type == "cpu"``, ``x.is_cpu``)
+DEVICE_BRANCH = re.compile(r"\bdevice\.type\b|\.is_cpu\b")
+
+
+def device_branches(root: Path) -> list[str]:
+    return [f"{path.relative_to(root.parent)}:{lineno}: {line.strip()[:100]}"
+            for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if DEVICE_BRANCH.search(line)]
+
+
+def test_rollout_decodes_alike_on_every_device():
+    """What a device changes in decoding is its backend's decode kernel (portrl/device/decode_kernel.py: the KV
+    cache's layout, the ops a step runs), not a branch on a tensor's device in portrl/rollout/."""
+    found = device_branches(PORTRL / "rollout")
+    assert not found, "portrl/rollout/ branches on a device; ask its backend instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line, branches", [('if w.device.type == "cpu":', True), ("cpu = x.is_cpu", True),
+                                            ("kernel = backend.decode_kernel()", False), ("dev = x.device", False)])
+def test_the_device_branch_rule(tmp_path, line, branches):
+    (tmp_path / "rollout").mkdir()
+    (tmp_path / "rollout" / "m.py").write_text(f"{line}\n")
+    assert bool(device_branches(tmp_path / "rollout")) == branches

@@ -50,6 +50,8 @@ from portrl.rollout.weights import load_named_tensors
 
 log = logging.getLogger(__name__)
 
+HOST = torch.device("cpu")  # host memory: where a sleeping engine keeps the model it owns
+
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids from the tokenizer and the model's generation config (either may list several)."""
@@ -235,11 +237,12 @@ class HFEngine(RolloutEngine):
         self._interrupt = event
 
     def sleep(self) -> None:
-        """An engine that owns its model moves it to host memory; a colocated one has nothing of its own to free."""
-        if self.colocated or self._offloaded_from is not None or self.device.type == "cpu":
+        """An engine that owns its model moves it to host memory; a colocated one, or one whose model is there
+        already, has nothing of its own to free."""
+        if self.colocated or self._offloaded_from is not None or self.device == HOST:
             return
         self._offloaded_from = self.device
-        self.model.to("cpu")
+        self.model.to(HOST)
         if self.backend is not None:
             self.backend.empty_cache()
 
