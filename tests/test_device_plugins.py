@@ -86,6 +86,21 @@ class Offering(Backend):
     def rollout_engines(self):
         return ("turbo", "odd", "hf")
 
+    def supports_bf16(self):
+        return False
+
+    def fp8_dtype(self):
+        return None
+
+    def memory_stats(self):
+        return {}
+
+    def reset_peak_memory(self):
+        pass
+
+    def memory_available(self):
+        return None
+
 
 def test_broken_engines_are_recorded_and_the_others_work(broken):
     assert {"turbo", "odd", "hf"} <= set(engine_names())  # declared names stay known (config checks accept them)

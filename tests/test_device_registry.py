@@ -111,6 +111,21 @@ XPU_PLUGIN = """
 
         def probe(self):
             return ProbeResult(True, device_count=2, device_name="test xpu")
+
+        def supports_bf16(self):
+            return True
+
+        def fp8_dtype(self):
+            return None
+
+        def memory_stats(self):
+            return {}
+
+        def reset_peak_memory(self):
+            pass
+
+        def memory_available(self):
+            return None
 """
 
 
@@ -144,6 +159,22 @@ def test_entry_point_name_must_match_class_name(tmp_path, monkeypatch):
     assert "gpu2" not in backend_names() and "cpu" in backend_names()  # the others still work
     with pytest.raises(BackendError, match=r"declares name 'xpu'"):
         get_backend("gpu2")
+
+
+def test_a_backend_without_its_own_bf16_fp8_and_memory_answers_is_refused_at_registration(tmp_path, monkeypatch):
+    forgetful = XPU_PLUGIN.replace("def fp8_dtype", "def _fp8").replace("def memory_available", "def _free")
+    _write_plugin(tmp_path, "portrl_forgetful_plugin", "portrl_test_forgetful", [("xpu", "XPUBackend")], forgetful)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "portrl_test_forgetful", raising=False)
+    clear_cache()
+    assert "xpu" not in backend_names() and "cpu" in backend_names()  # the others still work
+    with pytest.raises(BackendError) as err:
+        get_backend("xpu")
+    assert str(err.value) == (
+        "device 'xpu': its plugin portrl_test_forgetful:XPUBackend is broken: TypeError: backend 'xpu' "
+        "(portrl_test_forgetful.XPUBackend) does not answer fp8_dtype, memory_available: every backend gives these "
+        "itself (portrl.device.backend); working backends: npu, rocm, cuda, cpu (see `portrl devices`)")
+    assert "\n" not in str(err.value)
 
 
 def test_import_and_discovery_do_not_import_torch():

@@ -38,6 +38,21 @@ class FakeAcceleratorBackend(Backend):
 
     def probe(self):
         return ProbeResult(True, device_count=self.device_count(), device_name="fake accelerator")
+
+    def supports_bf16(self):
+        return True
+
+    def fp8_dtype(self):
+        return None
+
+    def memory_stats(self):
+        return {}
+
+    def reset_peak_memory(self):
+        pass
+
+    def memory_available(self):
+        return None
 """
 
 

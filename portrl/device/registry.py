@@ -7,7 +7,8 @@ are declared in pyproject.toml exactly as a third-party plugin would be::
     xpu = "my_pkg.xpu:XPUBackend"
 
 Entry points load through :class:`portrl.plugins.PluginGroup`, one at a time, isolated as every plugin group is: a
-plugin that fails to import, is not a Backend subclass, declares another name, or claims a name another plugin
+plugin that fails to import, is not a Backend subclass, declares another name, lacks one of the answers every
+backend gives itself (bf16, fp8, memory: ``portrl.device.backend.REQUIRED_ANSWERS``), or claims a name another plugin
 claims is recorded with its error (:func:`broken_backends`, listed by ``portrl devices``) instead of stopping
 discovery; asking for it by name is a one-line :class:`BackendError`, and the other backends still work.
 
@@ -26,7 +27,7 @@ import os
 from functools import lru_cache
 from typing import Sequence
 
-from portrl.device.backend import Backend
+from portrl.device.backend import Backend, missing_answers
 from portrl.errors import UserError
 from portrl.plugins import BrokenPlugin, PluginGroup
 
@@ -42,11 +43,16 @@ class BackendError(UserError, RuntimeError):
 
 
 def _check(name: str, cls: object) -> type[Backend]:
-    """An entry point's Backend class: a Backend subclass whose declared name (if any) is the entry point's."""
+    """An entry point's Backend class: a Backend subclass whose declared name (if any) is the entry point's and
+    that gives every required answer itself (portrl.device.backend.REQUIRED_ANSWERS: bf16, fp8, memory)."""
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise TypeError(f"{cls!r} is not a portrl Backend subclass")
     if (cls.name or name) != name:
         raise ValueError(f"the class declares name {cls.name!r}; the entry point and the class must agree")
+    missing = missing_answers(cls)
+    if missing:
+        raise TypeError(f"backend {name!r} ({cls.__module__}.{cls.__qualname__}) does not answer "
+                        f"{', '.join(missing)}: every backend gives these itself (portrl.device.backend)")
     return cls
 
 
