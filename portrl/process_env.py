@@ -9,21 +9,17 @@ wins; ``VAR=0 portrl train ...`` opts out of either.
   of a parallel region spins 1000 times, then sleeps. libgomp's own default spins 300,000 times (about a
   millisecond): alone on its cores that is fastest, but when another busy process shares them the spinning
   threads take the cores the working ones need. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) is the safe
-  extreme, at a futex wake-up per parallel region. Measured on a 2-core VM (benchmarks/RESULTS.md,
-  runs U and V), one tiny-model GRPO step alone: 0.17-0.20 s passive, 0.13-0.15 s with 1000 spins, 0.12 s at
-  libgomp's default; with a second run on the same cores: 0.16-0.18, 0.23-0.24 and 0.78-0.80 s. A wait policy
+  extreme, at a futex wake-up per parallel region; 1000 spins stay near the default alone and near passive on
+  shared cores (the figures: docs/performance.md, "Measurements behind code comments and presets"). A wait policy
   the user sets (``OMP_WAIT_POLICY=PASSIVE`` or ``ACTIVE``) decides alone: the spin count is then not set.
 * ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator asks Linux for transparent huge pages (2 MiB instead of
   4 KiB, ``madvise(MADV_HUGEPAGE)``) for every tensor of 2 MiB or more. A model's weights, a packed decode
   weight, a forward's activations then cost one page-table entry per 2 MiB: fewer TLB misses when a decode
   streams every weight, one page fault per 2 MiB instead of 512 when a large fresh tensor is first written.
-  Measured on another 2-core VM (benchmarks/RESULTS.md, run O): a 1-4 GiB ``torch.sum`` 15-18 ->
-  24-29 GB/s, a 4096^3 matmul 216-223 -> 271-302 GFLOP/s, gathering 94 MB of rows into a fresh tensor 49 -> 20
-  ms; Qwen2.5-0.5B GRPO steps 2-4 of a run 67-79 -> 64-75 s (decode 25.7-26.7 -> 24.3-24.7 s). Works where
+  Memory reads, matmuls and a 0.5B GRPO step all gain (docs/performance.md). Works where
   ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (``portrl doctor`` says which).
   On a VM whose hypervisor takes freed memory back (free-page reporting), the first touch of huge pages a
-  process has not used yet is slow: on that VM ~7-15 s per 2 GiB, and the first 0.5B step took 152 s against
-  111 s (the steps after it win that back in about eight steps).
+  process has not used yet is slow, which makes a run's first step slower; the steps after win it back.
 """
 
 from __future__ import annotations

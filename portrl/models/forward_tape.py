@@ -258,8 +258,8 @@ def _norm(module: HFModule, x: torch.Tensor, rms_norm: Any) -> torch.Tensor:
 def _embed(embedding: torch.nn.Embedding, ids: torch.Tensor, sparse_grad: bool) -> torch.Tensor:
     """``embedding(ids)``; with ``sparse_grad`` its weight's gradient is sparse (the looked-up rows only). Only for a
     weight the LM head shares: the head's dense gradient reaches the same weight in the same backward and autograd
-    adds the sparse rows into it, where the dense form first fills a (V, H) zero tensor (at Qwen2.5-0.5B, 545 MB:
-    0.76 s of a 26 s update on a 2-core VM) and then adds all of it. The weight's ``.grad`` stays dense."""
+    adds the sparse rows into it, where the dense form first fills a (V, H) zero tensor (545 MB at Qwen2.5-0.5B;
+    its cost: docs/performance.md) and then adds all of it. The weight's ``.grad`` stays dense."""
     if not sparse_grad:
         return embedding(ids)
     return torch.nn.functional.embedding(ids, embedding.weight, embedding.padding_idx, embedding.max_norm,

@@ -94,8 +94,7 @@ class HFEngine(RolloutEngine):
     verl's rollouts call on entry for an engine with a memory pool of its own): this engine allocates from the same
     allocator as the update, so the blocks the update freed serve its KV cache and recording, and what they do not
     use the next update takes again. On the CPU, giving them back before each rollout made the next update fault
-    them in again (Qwen2.5-0.5B: ~60,000 faults and 4.5 s of system time an update on a 2-core VM,
-    benchmarks/RESULTS.md).
+    them in again (docs/performance.md).
     """
 
     name = "hf"

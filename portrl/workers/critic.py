@@ -32,9 +32,8 @@ class ValueModel(torch.nn.Module):
     """A causal LM's decoder (``base``) with a scalar head; ``forward`` returns values ``(B, T)``.
 
     The head starts at zero, so an untrained critic predicts 0 everywhere: a random head gives values
-    of order 1 that vary from token to token, and GAE passes that noise straight into the advantages.
-    Measured on the presets test's tiny setup (20 steps, from a random head std 1/sqrt(hidden+1) to
-    zero): PPO's probe-reward gain went from +0.056 / +0.017 to +0.087 / +0.094 (trainer.seed 0 / 1).
+    of order 1 that vary from token to token, and GAE passes that noise straight into the advantages
+    (PPO's gain with each head: docs/performance.md).
     The decoder gets no gradient through a zero head; it trains from the head's first optimizer step on."""
 
     def __init__(self, lm: torch.nn.Module):
