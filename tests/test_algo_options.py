@@ -115,7 +115,8 @@ def test_a_bad_plugin_option_is_one_line(installed, tmp_path, override, message)
 def test_builtin_options_keep_their_verl_paths():
     """Declared options live where verl has them; their defaults and types are the declarations'."""
     cfg = compose(overrides=["algorithm=ppo", "algorithm.lam_actor=0.9", "actor.policy_loss.clip_cov_ratio=0.001",
-                             "actor.tau_pos=2", "actor.sppo_eta=0.5", "algorithm.reward_dpo_coef=1"])
+                             "actor.tau_pos=2", "actor.sppo_eta=0.5", "algorithm.reward_dpo_coef=1"],
+                  check=False)  # options of several algorithms at once: only the paths and types are asked here
     assert cfg.algorithm.lam_actor == 0.9 and cfg.actor.policy_loss.clip_cov_ratio == 0.001
     assert cfg.actor.tau_pos == 2.0 and cfg.actor.sppo_eta == 0.5 and cfg.algorithm.reward_dpo_coef == 1.0
     assert cfg.algorithm.dpo_beta == 0.1 and cfg.actor.policy_loss.dro_beta is None

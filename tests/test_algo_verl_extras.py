@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from portrl.algo import (compute_advantage, compute_policy_loss_reinforce, estimator_spec, get_policy_loss,
                          masked_whiten, pf_ppo_resample_indices, pf_ppo_weights)
 from portrl.algo.advantages_tir import compute_multi_turn_optimal_token_baseline_advantage as tir
-from portrl.algo.objectives import reward_components
+from portrl.algo.advantages_gdpo import reward_components
 from portrl.cli import main
 from portrl.config import ConfigError, compose
 

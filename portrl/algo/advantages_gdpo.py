@@ -15,7 +15,7 @@ response is not empty (an empty response scores 0 in its group's statistics).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ from portrl.algo.spec import estimator
 class GDPOOptions:
     """``algorithm.gdpo_reward_keys``: the reward components, numeric keys of the dict a custom reward function
     returns other than score and acc (null: the summed score is the only component); ``gdpo_reward_weights``: their
-    weights (null: 1 each). The policy-gradient objective turns the keys into ``reward_components``."""
+    weights (null: 1 each). Its batch inputs (:func:`gdpo_inputs`) turn the keys into ``reward_components``."""
 
     gdpo_reward_keys: Optional[List[str]] = option(None)
     gdpo_reward_weights: Optional[List[float]] = option(None)
@@ -51,7 +51,32 @@ def _component_rewards(values, mask: torch.Tensor, name: str) -> torch.Tensor:
     return out
 
 
-@estimator("gdpo", options=GDPOOptions, needs_groups=True)
+#: prefix of the per-row reward extras (keys of a reward function's dict) among the advantage phase's tensors
+REWARD_EXTRA = "reward_extra/"
+
+
+def reward_components(options: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+                      ) -> Optional[Dict[str, torch.Tensor]]:
+    """The per-row reward components named by the option ``gdpo_reward_keys`` (tensors ``reward_extra/<key>``),
+    in that order; None when no keys are set. A key the reward function did not return is a ValueError."""
+    keys = options.get("gdpo_reward_keys")
+    if not keys:
+        return None
+    have = sorted(k[len(REWARD_EXTRA):] for k in tensors if k.startswith(REWARD_EXTRA))
+    missing = [str(k) for k in keys if REWARD_EXTRA + str(k) not in tensors]
+    if missing:
+        raise ValueError(f"algorithm.gdpo_reward_keys {missing} are not numeric values of the reward function's "
+                         f"result; it returned: {', '.join(have) or '(no extra values: return a dict with them)'}")
+    return {str(k): tensors[REWARD_EXTRA + str(k)] for k in keys}
+
+
+def gdpo_inputs(options: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """GDPO's batch inputs (``EstimatorSpec.inputs``): the reward components its keys name, and their weights."""
+    return {"reward_components": reward_components(options, tensors),
+            "reward_weights": options.get("gdpo_reward_weights")}
+
+
+@estimator("gdpo", options=GDPOOptions, inputs=gdpo_inputs, needs_groups=True)
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
                                    norm_adv_by_std_in_grpo=True,

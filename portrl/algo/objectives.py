@@ -4,13 +4,14 @@
   as group index, critic values, greedy baselines, the VC-PPO / VAPO lambdas); loss
   ``actor.policy_loss.loss_mode`` with optional rollout importance weights
   (``algorithm.rollout_correction``), or verl's ``bypass_mode`` loss with ``rollout_correction.bypass_mode``
-  (old policy = the rollout engine's log-probs; ``portrl/algo/policy_losses_bypass.py``). GDPO's reward
-  components come from the tensors ``reward_extra/<key>`` (``algorithm.gdpo_reward_keys``).
+  (old policy = the rollout engine's log-probs; ``portrl/algo/policy_losses_bypass.py``). An estimator's further
+  batch inputs are the ones its record declares (``EstimatorSpec.inputs``).
 * ``sppo``: ``A_i = R_i - SoftMean_eta(R of i's group)`` (``algorithm.sppo_eta``; the whole batch is the group
   when ``rollout.n = 1``), broadcast over tokens;
   SPPO's square loss on sequence log-ratios (``actor.sppo_eta``).
 * ``dpo``: rows ``2k, 2k+1`` (two samples of one prompt) form a pair; ``dpo_chosen`` marks the one with the
-  larger reward, ``dpo_valid`` the pairs whose rewards differ; online DPO loss on the valid pairs.
+  larger reward, ``dpo_valid`` the pairs whose rewards differ; online DPO loss on the valid pairs (their number
+  over the mini-batch is its record's ``counts``).
 
 Signatures are ``portrl.algo.spec.AdvantageFn`` and ``LossFn``: config sections and tensors in, tensors
 and metrics out. Loss metrics are raw (tensors or floats; the actor names and reduces them).
@@ -19,7 +20,7 @@ and metrics out. Loss metrics are raw (tensors or floats; the actor names and re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Mapping, Sequence, Tuple
 
 import torch
 
@@ -27,6 +28,7 @@ from portrl.algo.advantages import compute_advantage
 from portrl.algo.masked import masked_mean
 from portrl.algo.options import option, option_values, policy_loss_options
 from portrl.algo.policy_loss_registry import get_policy_loss
+from portrl.algo.registry import POLICY_LOSSES
 from portrl.algo.preference import dpo_loss, online_dpo_preference, sppo_advantage, sppo_loss
 from portrl.algo.rollout_correction import rollout_is_weights
 from portrl.algo.spec import ObjectiveSpec, estimator_spec, register_objective
@@ -63,38 +65,21 @@ class DPOOptions:
 # ------------------------------------------------------------------------------------ advantages
 def estimator_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
                          group_size: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
-    """``advantages`` and ``returns`` (float32) by the estimator ``algorithm.adv_estimator``."""
+    """``advantages`` and ``returns`` (float32) by the estimator ``algorithm.adv_estimator``, given its options and
+    the batch inputs its record declares (``EstimatorSpec.inputs``)."""
     a = algorithm
-    options = option_values(estimator_spec(str(a.adv_estimator)).options, {"algorithm": a})
-    weights = options.pop("gdpo_reward_weights", None)  # GDPO's: its keys become reward_components below
-    options.pop("gdpo_reward_keys", None)
+    spec = estimator_spec(str(a.adv_estimator))
+    options = option_values(spec.options, {"algorithm": a}, owner=("adv_estimator", spec.name))
+    if spec.inputs is not None:
+        options.update(spec.inputs(options, tensors))
     adv, ret = compute_advantage(
         str(a.adv_estimator), token_level_rewards=tensors["token_level_rewards"],
         response_mask=tensors["response_mask"], index=index, values=tensors.get("values"),
         reward_baselines=tensors.get("reward_baselines"), old_log_probs=tensors.get("old_log_probs"),
         ref_log_probs=tensors.get("ref_log_probs"), sum_pi_squared=tensors.get("sum_pi_squared"),
         gamma=float(a.gamma), lam=float(a.lam), norm_adv_by_std_in_grpo=bool(a.norm_adv_by_std_in_grpo),
-        reward_components=reward_components(a, tensors), reward_weights=weights,
         implicit_rewards=tensors.get("implicit_rewards"), **options)
     return {"advantages": adv.float(), "returns": ret.float()}, {}
-
-
-#: prefix of the per-row reward extras (keys of a reward function's dict) among the advantage phase's tensors
-REWARD_EXTRA = "reward_extra/"
-
-
-def reward_components(algorithm: Any, tensors: Tensors) -> Optional[Dict[str, torch.Tensor]]:
-    """The per-row reward components named by ``algorithm.gdpo_reward_keys`` (tensors ``reward_extra/<key>``),
-    in that order; None when no keys are set. A key the reward function did not return is a ValueError."""
-    keys = algorithm.get("gdpo_reward_keys")
-    if not keys:
-        return None
-    have = sorted(k[len(REWARD_EXTRA):] for k in tensors if k.startswith(REWARD_EXTRA))
-    missing = [str(k) for k in keys if REWARD_EXTRA + str(k) not in tensors]
-    if missing:
-        raise ValueError(f"algorithm.gdpo_reward_keys {missing} are not numeric values of the reward function's "
-                         f"result; it returned: {', '.join(have) or '(no extra values: return a dict with them)'}")
-    return {str(k): tensors[REWARD_EXTRA + str(k)] for k in keys}
 
 
 def sppo_advantages(algorithm: Any, tensors: Tensors, index: Sequence,
@@ -120,6 +105,11 @@ def dpo_pairs(algorithm: Any, tensors: Tensors, index: Sequence,
             {"actor/dpo_valid_pairs": float(valid.float().mean())})
 
 
+def dpo_counts(tensors: Tensors) -> Dict[str, float]:
+    """``num_pairs``: the valid pairs among these rows (each pair's two rows are marked)."""
+    return {"num_pairs": float(tensors["dpo_valid"].sum()) / 2}
+
+
 # ---------------------------------------------------------------------------------------- losses
 def policy_loss_config(actor: Any, info: Mapping[str, Any], algorithm: Any = None) -> Dict[str, Any]:
     """The mapping policy losses read: the clip ratios, the global counts, and the options the loss
@@ -127,12 +117,13 @@ def policy_loss_config(actor: Any, info: Mapping[str, Any], algorithm: Any = Non
     knobs, DRO's beta, a plugin's own), read from the sections where they live."""
     clip = float(actor.clip_ratio)
     sections = {"algorithm": algorithm, "actor": actor, "actor.policy_loss": actor.policy_loss}
+    name = POLICY_LOSSES.resolve(str(actor.policy_loss.loss_mode))
     return {
         "clip_ratio": clip,
         "clip_ratio_low": float(actor.clip_ratio_low) if actor.clip_ratio_low is not None else clip,
         "clip_ratio_high": float(actor.clip_ratio_high) if actor.clip_ratio_high is not None else clip,
         "clip_ratio_c": float(actor.clip_ratio_c),
-        **option_values(policy_loss_options(str(actor.policy_loss.loss_mode)), sections),
+        **option_values(policy_loss_options(name), sections, owner=("policy_loss", name)),
         "global_batch_info": dict(info),
     }
 
@@ -213,8 +204,9 @@ def _dpo_needs_reference(algorithm: Any) -> bool:
     return not algorithm.get("dpo_reference_free", False)
 
 
-register_objective(ObjectiveSpec("policy_gradient", estimator_advantages, policy_gradient_loss, uses_estimator=True))
+register_objective(ObjectiveSpec("policy_gradient", estimator_advantages, policy_gradient_loss, uses_estimator=True,
+                                 uses_policy_loss=True))
 register_objective(ObjectiveSpec("sppo", sppo_advantages, sppo_objective_loss,
                                  options=(SPPOOptions, SPPOLossOptions)))
 register_objective(ObjectiveSpec("dpo", dpo_pairs, dpo_objective_loss, needs_reference=_dpo_needs_reference,
-                                 needs_pairs=True, options=DPOOptions))
+                                 needs_pairs=True, options=DPOOptions, counts=dpo_counts))

@@ -14,6 +14,12 @@ options are ``algorithm.<field>``), or, for the built-ins that keep verl's paths
 ``"actor.policy_loss"`` (``actor.policy_loss.clip_cov_ratio``). ``options`` of a record is one class, a tuple of
 classes (keys in two sections, e.g. SPPO's ``algorithm.sppo_eta`` and ``actor.sppo_eta``), or None.
 
+Scopes (:func:`placements`): a built-in's key (declared by a class of portrl's own modules) is always
+``<SECTION>.<field>``, and another declaration of it must be the same. A plugin's key is ``<SECTION>.<field>`` too,
+unless plugins declare that field differently (type, default, range or doc): then each of them has it under its
+own name, ``<SECTION>.<name>.<field>`` (``algorithm.td0.horizon``, ``algorithm.td1.horizon``), so two plugins that
+never heard of each other do not break each other's runs, nor anybody's.
+
 Who reads the declarations: ``portrl.config.options_schema`` merges every registered one into the typed config (so
 the keys are valid, typed and defaulted, and unknown ones are still refused) and checks the declared ranges and
 choices; ``compute_advantage`` passes an estimator its options as the keywords its function names; the
@@ -25,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from functools import lru_cache
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from portrl.algo.registry import POLICY_LOSSES
 
@@ -113,13 +119,21 @@ def _class_fields(cls: type) -> Tuple[Tuple[str, dataclasses.Field, Any], ...]:
     return tuple((section_of(cls), f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def option_values(options: Any, sections: Mapping[str, Any]) -> Dict[str, Any]:
+def option_values(options: Any, sections: Mapping[str, Any],
+                  owner: Optional[Tuple[str, str]] = None) -> Dict[str, Any]:
     """The values of the options ``options`` declares, read from the config ``sections`` (section name -> config
     node, e.g. ``{"algorithm": cfg.algorithm}``); a section not given, or a key missing from it (a config built
-    before the declaration), gives the declared default. Lists and mappings come back as plain Python."""
+    before the declaration), gives the declared default. ``owner`` (kind, name), e.g. ``("adv_estimator", "td0")``:
+    whose options they are, so that a key scoped under its owner's name (:func:`placements`) is read there. Lists
+    and mappings come back as plain Python."""
+    scoped = {(p.section, p.field.name): p.scope for p in placements() if p.scope and (p.kind, p.name) == owner} \
+        if owner is not None else {}
     out: Dict[str, Any] = {}
     for section, f, _ in fields_of(options):
         node = sections.get(section)
+        scope = scoped.get((section, f.name))
+        if scope is not None and node is not None:
+            node = node.get(scope)
         value = node.get(f.name, f.default) if node is not None else f.default
         if hasattr(value, "items") or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes))):
             from omegaconf import OmegaConf  # noqa: PLC0415  (a config node; plain data passes through)
@@ -155,24 +169,77 @@ def policy_loss_options(name: str) -> Tuple[type, ...]:
     return POLICY_LOSS_OPTIONS.get(POLICY_LOSSES.resolve(str(name)), ())
 
 
+class Placed(NamedTuple):
+    """One declared option and where it lives: ``<section>.<field>``, or ``<section>.<scope>.<field>`` when its key
+    is scoped under its owner's name (see the module docstring)."""
+
+    kind: str  # adv_estimator | objective | policy_loss
+    name: str  # the owner's registered name
+    section: str  # one of SECTIONS
+    scope: Optional[str]  # the owner's name when scoped, else None
+    field: dataclasses.Field
+    type: Any
+    builtin: bool  # declared by a class of portrl's own modules
+
+    @property
+    def owner(self) -> str:
+        """The owner as messages name it: ``adv_estimator 'gae'``."""
+        return f"{self.kind} {self.name!r}"
+
+    @property
+    def node(self) -> str:
+        """The dotted config node holding the key: the section, or ``section.scope``."""
+        return f"{self.section}.{self.scope}" if self.scope else self.section
+
+    @property
+    def key(self) -> str:
+        """The dotted config key: ``algorithm.lam_actor``, ``algorithm.td0.horizon``."""
+        return f"{self.node}.{self.field.name}"
+
+
+def same_declaration(a: Placed, b: Placed) -> bool:
+    """Whether two declarations of one field name agree: type, default, range and doc."""
+    return a.type == b.type and a.field.default == b.field.default and dict(a.field.metadata) == dict(b.field.metadata)
+
+
 def declarations() -> List[Tuple[str, str, dataclasses.Field, Any]]:
     """``(owner, section, field, type)`` of every option every registered estimator, objective and policy loss
     declares, plugins included (``owner`` e.g. ``"adv_estimator 'gae'"``), in a fixed order; recomputed only
     when what is registered changes."""
+    return [(p.owner, p.section, p.field, p.type) for p in _placed()[0]]
+
+
+def placements() -> List[Placed]:
+    """Every declared option as :class:`Placed`, scopes decided (the module docstring): a plugin's field that another
+    plugin declares differently, and no built-in declares, is scoped under its owner's name. A built-in's field
+    stays where it is, whatever a plugin says (``portrl.config.options_schema`` refuses a plugin that redeclares it
+    differently)."""
+    return list(_placed()[1])
+
+
+def _placed() -> Tuple[List[Placed], List[Placed]]:
+    """(every declaration unscoped, every declaration placed), recomputed only when what is registered changes."""
     import portrl.algo  # noqa: F401,PLC0415  (importing the package registers the built-ins)
     from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES, load_plugins  # noqa: PLC0415
 
     load_plugins()
     key = (tuple(ADV_ESTIMATORS._fns.items()), tuple(OBJECTIVES._fns.items()), tuple(POLICY_LOSS_OPTIONS.items()))
     if _LAST[0] != key:
-        out = []
-        for kind, entries in (("adv_estimator", key[0]), ("objective", key[1])):
-            for name, spec in sorted(entries):
-                out += [(f"{kind} {name!r}", section, f, tp) for section, f, tp in fields_of(spec.options)]
-        for name, classes in sorted(key[2]):
-            out += [(f"policy_loss {name!r}", section, f, tp) for section, f, tp in fields_of(classes)]
-        _LAST[:] = [key, out]
-    return list(_LAST[1])
+        owners = [(kind, name, as_classes(spec.options, name)) for kind, entries in (("adv_estimator", key[0]),
+                  ("objective", key[1])) for name, spec in sorted(entries)]
+        owners += [("policy_loss", name, classes) for name, classes in sorted(key[2])]
+        flat = [Placed(kind, name, section, None, f, tp, cls.__module__.split(".")[0] == "portrl")
+                for kind, name, classes in owners for cls in classes for section, f, tp in _class_fields(cls)]
+        _LAST[:] = [key, (flat, [_place(p, flat) for p in flat])]
+    return _LAST[1]
 
 
-_LAST: List[Any] = [None, []]  # [what was registered, its declarations]
+def _place(p: Placed, every: List[Placed]) -> Placed:
+    """``p`` scoped under its owner's name when it is a plugin's and the plugins that declare its field disagree."""
+    same_key = [q for q in every if (q.section, q.field.name) == (p.section, p.field.name)]
+    if p.builtin or any(q.builtin for q in same_key) or all(same_declaration(p, q) for q in same_key):
+        return p
+    return p._replace(scope=p.name)
+
+
+_LAST: List[Any] = [None, ([], [])]  # [what was registered, (its declarations, placed)]

@@ -3,9 +3,9 @@
 What the algorithm's record (``portrl.algo.spec.algorithm_spec``) needs of the rest of the config and which
 options apply to it: ``rollout.n > 1`` for group comparisons, an even ``rollout.n`` for pairs, the critic /
 reference it reads not switched off (``critic.enable`` / ``ref.enable``), ``trainer.ref_update_freq`` only with a
-reference, the options the algorithms declare (``portrl/algo/options.py``) within their declared ranges and, for an
-``algorithm.`` option that is off by default (``lam_actor``, ``vapo_alpha``, GDPO's reward keys, ...), set only for an
-algorithm that declares it; rollout-correction bypass mode and PF-PPO against the algorithm, the rollout-correction
+reference, the options the algorithms declare (``portrl/algo/options.py``) within their declared ranges and, like
+the shared estimator keys (``lam``, ``gamma``, ``norm_adv_by_std_in_grpo``), set away from their default only for an
+algorithm that takes them; rollout-correction bypass mode and PF-PPO against the algorithm, the rollout-correction
 bounds, PRIME's implicit PRM (``reward_model``) and the accuracy filter (``data.accuracy_*_bound``). The checks
 that read the record are skipped for an unknown algorithm name (:func:`portrl.config.checks.check_registries`
 reports the name).
@@ -13,10 +13,18 @@ reports the name).
 
 from __future__ import annotations
 
-from portrl.algo import algorithm_spec, reference_enabled, registered
-from portrl.algo.options import fields_of, policy_loss_options
+import dataclasses
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from portrl.algo import AlgorithmSpec, algorithm_spec, estimator_spec, reference_enabled, registered
+from portrl.algo.options import placements
+from portrl.algo.registry import POLICY_LOSSES
 from portrl.algo.rollout_correction import RS_LEVELS
-from portrl.config.options_schema import check_declared_ranges, declared
+from portrl.algo.spec import ESTIMATOR_KEYWORDS
+from portrl.config.options_schema import check_declared_ranges
+from portrl.config.schema import AlgorithmConfig
 
 
 def check_algorithm(cfg) -> list[str]:
@@ -61,23 +69,58 @@ def _algorithm_needs(cfg) -> list[str]:
 
 
 def _options_apply(cfg) -> list[str]:
-    """An ``algorithm.`` option that is off by default (null) is set only when the chosen estimator, objective or
-    policy loss declares it (``algorithm.lam_actor`` with grpo would be ignored)."""
+    """An algorithm option set away from its default (a value equal to it passes: verl's full YAML files carry every
+    key) only for a chosen estimator, objective or policy loss that takes it: the declared options
+    (``portrl/algo/options.py``, plugins' included) and the shared estimator keys (``gamma``, ``lam``,
+    ``norm_adv_by_std_in_grpo``: ``portrl.algo.spec.ESTIMATOR_KEYWORDS``), which an estimator takes when its function
+    names them. ``algorithm.lam=0.5`` with grpo, ``actor.policy_loss.dro_beta=0.1`` with vanilla would be ignored."""
     loss_mode = cfg.actor.policy_loss.loss_mode
     if not known_algorithm(cfg) or loss_mode not in registered("policy_loss"):
         return []
-    a = cfg.algorithm
-    spec = algorithm_spec(a)
-    chosen = {"adv_estimator": a.adv_estimator, "objective": a.objective, "policy_loss": loss_mode}
-    used = (spec.objective.options, spec.estimator.options if spec.estimator else None, policy_loss_options(loss_mode))
-    ours = {f.name for options in used for _, f, _ in fields_of(options)}
-    takers: dict[str, list[str]] = {}  # "<kind> <key>" -> the names of that kind that declare the key
-    for owner, section, f, _ in declared():
-        if section == "algorithm" and f.default is None and f.name not in ours and a.get(f.name) is not None:
-            kind, name = owner.split(" ", 1)
-            takers.setdefault(f"{kind} {f.name}", []).append(name.strip("'"))
-    return [f"algorithm.{key} only applies to the {kind.replace('adv_', '')}s that take it ({', '.join(names)}), "
-            f"not {chosen[kind]!r}" for kind_key, names in takers.items() for kind, key in [kind_key.split(" ")]]
+    spec = algorithm_spec(cfg.algorithm)
+    chosen = {("objective", spec.objective.name)}
+    chosen |= {("adv_estimator", spec.estimator.name)} if spec.estimator is not None else set()
+    chosen |= {("policy_loss", POLICY_LOSSES.resolve(str(loss_mode)))} if spec.objective.uses_policy_loss else set()
+    problems = []
+    for key, (default, takers) in _option_takers().items():
+        value = OmegaConf.select(cfg, key)
+        if value != default and not chosen & set(takers):
+            shown = "null" if default is None else repr(default)
+            problems.append(f"{key} {_applies_to(cfg, spec, takers)}: its value {value!r} would be ignored (leave it "
+                            f"at its default, {shown}, or choose one of those)")
+    return problems
+
+
+def _option_takers() -> dict[str, tuple[Any, list[tuple[str, str]]]]:
+    """Every algorithm option's key -> (its default, the (kind, name) of each algorithm that takes it)."""
+    out: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
+    for key in ESTIMATOR_KEYWORDS:
+        takers = [("adv_estimator", n) for n in registered("adv_estimator") if estimator_spec(n).takes(key)]
+        out[f"algorithm.{key}"] = (defaults[key], takers)
+    for p in placements():
+        out.setdefault(p.key, (p.field.default, []))[1].append((p.kind, p.name))
+    return out
+
+
+_WHAT = {"adv_estimator": ("estimators", "algorithm.adv_estimator"), "objective": ("objectives", "algorithm.objective"),
+         "policy_loss": ("policy losses", "actor.policy_loss.loss_mode")}
+
+
+def _applies_to(cfg, spec: AlgorithmSpec, takers: list[tuple[str, str]]) -> str:
+    """``only applies to the estimators that take it (gae, vcppo_gae), not 'grpo'``: per kind of taker, the ones
+    that take it and the chosen one (or that the objective uses none of that kind)."""
+    parts = []
+    for kind, (plural, key) in _WHAT.items():
+        names = sorted({n for k, n in takers if k == kind})
+        if not names:
+            continue
+        unused = (kind == "adv_estimator" and spec.estimator is None) or \
+            (kind == "policy_loss" and not spec.objective.uses_policy_loss)
+        not_chosen = f"and algorithm.objective={spec.objective.name!r} uses none" if unused \
+            else f"not {OmegaConf.select(cfg, key)!r}"
+        parts.append(f"the {plural} that take it ({', '.join(names)}), {not_chosen}")
+    return "only applies to " + "; or to ".join(parts) if parts else "is taken by no registered algorithm"
 
 
 def _algorithm_options(cfg) -> list[str]:
