@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping
 
+from portrl import process_env
 from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult
+from portrl.device.checks import FAIL, OK, WARN, Check
 from portrl.device.split import ComputeSplit
 from portrl.device.versions import package_version
 from portrl.errors import UserError
@@ -13,9 +15,9 @@ from portrl.errors import UserError
 from . import cores as core_split
 from . import env as env_tables
 from . import heap, isa
+from .toolchain import compiler  # not native_build's: that module imports torch (seconds)
 
-if TYPE_CHECKING:  # checks.py is imported where a check is made; decode_kernel.py imports torch
-    from portrl.device.checks import Check
+if TYPE_CHECKING:  # decode_kernel.py imports torch
     from portrl.device.decode_kernel import DecodeKernel
 
 
@@ -155,8 +157,6 @@ class CPUBackend(Backend):
         return ("float32", "bfloat16")
 
     def doctor_checks(self) -> list[Check]:
-        from portrl.device.checks import OK, WARN, Check
-
         native = native_bf16_features()
         if native:
             checks = [Check("bfloat16", OK, f"native bfloat16 arithmetic ({', '.join(native)}); the cpu preset "
@@ -165,10 +165,6 @@ class CPUBackend(Backend):
             checks = [Check("bfloat16", WARN, "this CPU has no native bfloat16 arithmetic (no avx512_bf16 / amx_bf16 "
                             "/ bf16 flag): bfloat16 matmuls are emulated and several times slower than float32",
                             "keep device.dtype=float32 (the cpu preset's)")]
-        from portrl import process_env
-
-        from .toolchain import compiler  # not native_build's: that module imports torch (seconds)
-
         return checks + [huge_pages_check(transparent_hugepage_mode(), process_env.current()["THP_MEM_ALLOC_ENABLE"]),
                          compiler_check(compiler()), kernels_check()]
 
@@ -215,8 +211,6 @@ class CPUBackend(Backend):
 def huge_pages_check(mode: str | None, thp_alloc: str) -> Check:
     """The doctor line for torch's huge-page allocation (portrl/process_env.py): Linux's THP ``mode`` and the
     ``THP_MEM_ALLOC_ENABLE`` value a portrl command runs with."""
-    from portrl.device.checks import OK, WARN, Check
-
     if thp_alloc.strip() in ("0", ""):
         return Check("huge pages", OK, "off (THP_MEM_ALLOC_ENABLE=0): large CPU tensors use 4 KiB pages")
     if mode in ("always", "madvise"):
@@ -229,11 +223,9 @@ def huge_pages_check(mode: str | None, thp_alloc: str) -> Check:
 def compiler_check(cxx: str | None) -> Check:
     """The doctor line for the C++ compiler (``native_build.compiler()``: ``cxx``) that builds this backend's
     kernels and its counting allocator (per-phase tensor memory, backends/cpu/heap.py) on first use."""
-    from portrl.device.checks import OK, WARN, Check
-
     if cxx:
         return Check("C++ compiler", OK, f"{cxx}: the CPU's native kernels and per-phase tensor memory are built on "
-                     "first use (about 10 s, cached)")
+                     "first use (once, a minute or two on 2 cores; cached)")
     return Check("C++ compiler", WARN, "no C++ compiler: the decode linear and SwiGLU fall back to MKL's packed matmul "
                  "and torch's ops (slower), and no per-phase tensor memory (memory/peak_gib) is logged",
                  "install g++ (apt-get install g++), or set CXX to a C++ compiler")
@@ -242,11 +234,6 @@ def compiler_check(cxx: str | None) -> Check:
 def kernels_check() -> Check:
     """The doctor line for the native kernels' instruction-set variant (backends/cpu/isa.py, without torch: its
     capability estimated from the CPU's flags and ``ATEN_CPU_CAPABILITY``): which runs and why, or why none does."""
-    from portrl.device.checks import FAIL, OK, WARN, Check
-    from portrl.errors import UserError
-
-    from . import isa
-
     try:
         choice = isa.doctor_choice()
     except UserError as exc:

@@ -116,7 +116,7 @@ def bind_head(norm_w, eps, head_w, head_b, variant: str | None = None):
     return step
 
 
-#: a decode loop with more rows keeps its op-by-op layer (portrl/rollout/fast_decode.py reads this)
+#: a decode loop with more rows keeps its op-by-op layer (backends/cpu/decode_kernel.py reads this)
 decode_layer_fused.max_rows = ROWS_MAX  # type: ignore[attr-defined]
 #: one layer's weights bound once for a decode loop's steps (portrl.ops.decode_layer.bind_layer reads this)
 decode_layer_fused.bind = bind  # type: ignore[attr-defined]
