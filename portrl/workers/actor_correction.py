@@ -18,7 +18,7 @@ During the update, :func:`correction_stats_of` gives each micro-batch's partial 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import TYPE_CHECKING, Dict, Tuple
 
 import torch
 
@@ -26,22 +26,25 @@ from portrl.algo.rollout_correction import correction_stats, rejection_mask, rol
 from portrl.workers.batch import Batch
 from portrl.workers.training import all_reduce_sum
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
 #: the batch's response mask before rejection sampling (:func:`apply_rejection`), read by the rollout-gap metrics
 UNREJECTED_MASK = "response_mask_unrejected"
 
 
-def rejection_on(cfg: Any) -> bool:
+def rejection_on(cfg: PortRLConfig) -> bool:
     """Whether rollout correction rejects tokens (``rollout_rs`` or ``rollout_token_veto_threshold`` set)."""
     rc = cfg.algorithm.rollout_correction
-    return rc.get("rollout_rs") is not None or rc.get("rollout_token_veto_threshold") is not None
+    return rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
 
 
-def _normalize_on(cfg: Any) -> bool:
+def _normalize_on(cfg: PortRLConfig) -> bool:
     rc = cfg.algorithm.rollout_correction
-    return bool(rc.get("rollout_is")) and bool(rc.get("rollout_is_batch_normalize", False))
+    return bool(rc.rollout_is) and bool(rc.rollout_is_batch_normalize)
 
 
-def proximal_before_update(cfg: Any) -> bool:
+def proximal_before_update(cfg: PortRLConfig) -> bool:
     """Whether the update needs ``old_log_probs`` before it starts (rejection, or batch-normalised IS weights)."""
     return rejection_on(cfg) or _normalize_on(cfg)
 
@@ -52,7 +55,7 @@ def _need_log_probs(batch: Batch, what: str) -> None:
             raise ValueError(f"algorithm.rollout_correction.{what} needs {key} in the batch, and this one has none")
 
 
-def apply_rejection(cfg: Any, batch: Batch) -> Batch:
+def apply_rejection(cfg: PortRLConfig, batch: Batch) -> Batch:
     """``batch`` (not copied) when nothing is rejected; else a shallow copy whose ``response_mask`` is multiplied by
     the rejection mask (:func:`portrl.algo.rollout_correction.rejection_mask`), the mask before it kept as
     ``UNREJECTED_MASK``. A batch without ``old_log_probs`` or ``rollout_log_probs`` is a ValueError."""
@@ -69,7 +72,7 @@ def apply_rejection(cfg: Any, batch: Batch) -> Batch:
     return out
 
 
-def normalize_is_weights(cfg: Any, batch: Batch, world_size: int) -> Tuple[Batch, Dict[str, float]]:
+def normalize_is_weights(cfg: PortRLConfig, batch: Batch, world_size: int) -> Tuple[Batch, Dict[str, float]]:
     """verl's ``rollout_is_batch_normalize``: ``(batch, {})`` when off; else a shallow copy holding
     ``rollout_is_weights``, the truncated IS weights at ``rollout_is`` divided by their mean over the response
     tokens (``token``) or over the responses (``sequence``: one weight each) of every rank's rows, on the mask
@@ -95,7 +98,7 @@ def normalize_is_weights(cfg: Any, batch: Batch, world_size: int) -> Tuple[Batch
     return out, {"rollout_corr/rollout_is_batch_norm_factor": factor}
 
 
-def correction_stats_of(cfg: Any, micro: Batch, old: torch.Tensor) -> Dict[str, float]:
+def correction_stats_of(cfg: PortRLConfig, micro: Batch, old: torch.Tensor) -> Dict[str, float]:
     """The ``rollout_corr/*`` partial statistics of ``micro`` (:func:`portrl.algo.rollout_correction.
     correction_stats`): proximal ``old`` against its ``rollout_log_probs``, IS weights at ``rollout_is`` (token
     level when it is off), on the mask before rejection."""
@@ -103,4 +106,4 @@ def correction_stats_of(cfg: Any, micro: Batch, old: torch.Tensor) -> Dict[str, 
     mask = micro.tensors["response_mask"]
     return correction_stats(old, micro.tensors["rollout_log_probs"], micro.get(UNREJECTED_MASK, mask), mask,
                             str(rc.rollout_is or "token"), float(rc.rollout_is_threshold),
-                            rc.get("rollout_token_veto_threshold"))
+                            rc.rollout_token_veto_threshold)

@@ -13,13 +13,16 @@ Rollout correction's rejection sampling has masked the rejected tokens out of ``
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
 from portrl.algo import agg_loss, algorithm_spec, kl_penalty, positive_lm_loss
 from portrl.workers.actor_correction import rejection_on
 from portrl.workers.batch import Batch
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 ADDITIVE_METRICS = frozenset({"actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/positive_lm_loss"})
 
@@ -32,7 +35,7 @@ def _prefixed(metrics: Mapping[str, Any]) -> Dict[str, float]:
     return {(k if "/" in k else f"actor/{k}"): _scalar(v) for k, v in metrics.items()}
 
 
-def actor_loss(cfg: Any, micro: Batch, logp: torch.Tensor, entropy: Optional[torch.Tensor],
+def actor_loss(cfg: PortRLConfig, micro: Batch, logp: torch.Tensor, entropy: Optional[torch.Tensor],
                info: Mapping[str, Any], use_old: bool) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Loss and ``actor/*`` metrics of one micro-batch (tensors on the training device)."""
     a = cfg.actor

@@ -10,7 +10,7 @@ q_proj.weight``), which is what a rollout engine built from the base checkpoint 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, Tuple
 
 import torch
 from torch import nn
@@ -21,16 +21,20 @@ from portrl.models.hf_types import HFModule
 from portrl.models.loader import model_class
 from portrl.models.multimodal import vision_tower
 
+if TYPE_CHECKING:
+    from portrl.config.schema import ActorConfig, PortRLConfig
+
 PEFT_INSTALL = "pip install 'peft>=0.13'"
 ALL_LINEAR = "all-linear"  # lora_target_modules: [all-linear] adapts every linear layer but the output head
 
 
-def apply_lora(model: nn.Module, cfg: Any) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: PortRLConfig | ActorConfig) -> nn.Module:
     """``model`` with LoRA adapters of ``actor.lora_rank`` / ``lora_alpha`` on ``actor.lora_target_modules``
     (a peft ``PeftModel``; only the adapters train). ``cfg`` is the run config (or its ``actor`` group).
     ``[all-linear]`` (verl's default) adapts every linear layer but the output head; a vision-language model's
     vision tower is excluded (its language model is adapted)."""
-    actor = cfg.actor if hasattr(cfg, "actor") else cfg
+    either: Any = cfg  # told apart by whether it has an actor group
+    actor: ActorConfig = either.actor if hasattr(either, "actor") else either
     targets: str | list[str]  # a list of module names, or peft's shorthand (below)
     rank, alpha, targets = int(actor.lora_rank), int(actor.lora_alpha), list(actor.lora_target_modules)
     if rank <= 0:

@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 from portrl import process_env
 from portrl.workers import ray_watchdog
 
-if TYPE_CHECKING:  # the Ray layer names the Backend type only in annotations
+if TYPE_CHECKING:  # the Ray layer names the Backend and config types only in annotations
+    from portrl.config.schema import PortRLConfig
     from portrl.device.backend import Backend
 
 log = logging.getLogger(__name__)
 
 
-def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    node = cfg
+def _cfg_get(cfg: PortRLConfig, dotted: str, default: Any = None) -> Any:
+    node: Any = cfg  # a walk by name: a section may be absent (a worker's masked copy)
     for part in dotted.split("."):
         if node is None:
             return default
@@ -44,7 +45,7 @@ def _cfg_get(cfg: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
-def worker_env(cfg: Any, backend: Backend, *, share_devices: bool = False) -> Dict[str, str]:
+def worker_env(cfg: PortRLConfig, backend: Backend, *, share_devices: bool = False) -> Dict[str, str]:
     """Environment variables of every worker: the variables torch reads before it loads, as they are in effect
     here with ``device.env`` on top (``portrl.process_env.current``: a wait policy there drops the default spin
     count), ``backend.env_presets(trainer.deterministic)``, then ``device.env`` (the user's, wins), then the Ray
@@ -58,7 +59,7 @@ def worker_env(cfg: Any, backend: Backend, *, share_devices: bool = False) -> Di
     return env
 
 
-def init_ray(cfg: Any, backend: Backend, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
+def init_ray(cfg: PortRLConfig, backend: Backend, *, num_cpus: Optional[int] = None, num_gpus: Optional[int] = None,
              resources: Optional[Dict[str, float]] = None) -> None:
     """Start a local Ray on 127.0.0.1, or join ``trainer.ray_address`` (a cluster built with ``ray start`` on
     each node). No dashboard unless ``trainer.ray_dashboard`` (then bound to 127.0.0.1). Every worker of the

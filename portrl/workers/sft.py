@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,9 @@ from portrl.workers.batch import Batch, build_rollout_batch
 from portrl.workers.master_weights import MasterWeights
 from portrl.workers.training import all_reduce_sum, build_lr_scheduler, build_optimizer
 from portrl.workers.update_loop import LoopSettings, Trainable, run_update
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 Row = Union[Mapping[str, Any], Any]
 
@@ -55,7 +58,7 @@ def encode_sft_rows(tokenizer: Any, rows: Sequence[Row]) -> List[tuple]:
     return out
 
 
-def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
+def run_sft(cfg: PortRLConfig, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row], steps: int, lr: float,
             batch_size: int, *, device: Optional[torch.device] = None, world_size: int = 1, rank: int = 0,
             seed: int = 0, log_every: int = 0, grad_clip: float = 1.0, forward: Optional[Any] = None,
             schedule_steps: Optional[int] = None, stop: Optional[Callable[[int], bool]] = None,
@@ -136,7 +139,7 @@ def run_sft(cfg: Any, model: torch.nn.Module, tokenizer: Any, rows: Sequence[Row
                     answer_p if answer_p is not None and answer_p >= target_answer_p else None)
 
 
-def _model_options(cfg: Any, target_answer_p: Optional[float]) -> tuple:
+def _model_options(cfg: PortRLConfig, target_answer_p: Optional[float]) -> tuple:
     """``(packed, chunk_size, target_answer_p)`` from ``cfg.model`` (None: packed, no chunks, the given target)."""
     if cfg is None:
         return True, None, target_answer_p
