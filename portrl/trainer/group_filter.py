@@ -18,7 +18,7 @@ step trains on the groups that passed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,13 +27,16 @@ from portrl.algo.implicit_prm import accuracy_band_keep, untruncated_keep
 from portrl.trainer.advantage_phase import seq_metric
 from portrl.workers.batch import Batch, response_lengths
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
-def group_filter_enabled(cfg: Any) -> bool:
+
+def group_filter_enabled(cfg: PortRLConfig) -> bool:
     """Whether any group filter is on (the trainer then samples until enough groups pass)."""
     return bool(cfg.algorithm.filter_groups.enable or cfg.data.filter_accuracy or cfg.data.filter_truncate)
 
 
-def keep_groups(cfg: Any, batch: Batch) -> torch.Tensor:
+def keep_groups(cfg: PortRLConfig, batch: Batch) -> torch.Tensor:
     """A bool ``(B,)`` mask of the rows whose prompt group passes every filter that is on."""
     uid, d = batch.meta["uid"], cfg.data
     keep = torch.ones(len(batch), dtype=torch.bool)

@@ -41,6 +41,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from portrl.agent.tools.config import load_tool_config
 from portrl.algo import critic_enabled, implicit_prm_enabled
 from portrl.data.schema import check_row
 from portrl.data.validate import count_fitting_prompts, read_verl_files
@@ -95,8 +96,6 @@ def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> No
     _check_reward(cfg, first)
     tools: dict = {}
     if command in (TRAIN, EVAL) and cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tool_config_path:
-        from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
-
         tools = load_tool_config(str(cfg.rollout.multi_turn.tool_config_path))  # the files its tools read too
     check_remote_code_rows(cfg, [*train_rows, *val_rows])  # assert tests need the local sandbox
     check_sandbox(cfg, sandbox_users(cfg, [*train_rows, *val_rows], tools))  # a program through it, once

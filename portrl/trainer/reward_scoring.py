@@ -22,7 +22,7 @@ portrl.rewards.manager); a reward model does not.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
 import torch
 
@@ -32,6 +32,9 @@ from portrl.rewards.manager import place_turn_rewards, turn_extra_infos
 from portrl.trainer.reward_model_scorer import RewardModelScorer
 from portrl.workers.batch import Batch, response_lengths, response_valid_mask
 from portrl.workers.setup import worker_backend
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 
 def decode_responses(tokenizer: Any, batch: Batch) -> List[str]:
@@ -57,7 +60,7 @@ def _code_kwargs(code: Any, sandbox: Any = None) -> dict:
 class RewardScorer:
     """Rule rewards by ``data_source`` (plus custom function and overlong shaping), or a reward model."""
 
-    def __init__(self, cfg: Any, tokenizer: Any):
+    def __init__(self, cfg: PortRLConfig, tokenizer: Any):
         self.cfg, self.tokenizer = cfg, tokenizer
         r = cfg.reward
         self.rm: RewardModelScorer | None = None
@@ -72,8 +75,8 @@ class RewardScorer:
                 overlong_buffer={"enable": bool(ob.enable), "len": int(ob.len),
                                  "penalty_factor": float(ob.penalty_factor)},
                 max_response_length=int(cfg.data.max_response_length), num_workers=int(r.num_workers),
-                timeout_s=r.get("timeout_s"), on_timeout=str(r.get("on_timeout") or "error"),
-                reward_kwargs=None if r.custom.path else _code_kwargs(r.get("code"), cfg.get("sandbox")))
+                timeout_s=r.timeout_s, on_timeout=str(r.on_timeout or "error"),
+                reward_kwargs=None if r.custom.path else _code_kwargs(r.code, cfg.sandbox))
 
     def _load_reward_model(self, path: str) -> None:
         self.rm = RewardModelScorer(path, worker_backend(self.cfg))

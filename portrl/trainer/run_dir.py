@@ -40,11 +40,14 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from portrl import outputs
 from portrl.trainer.checkpoint import CheckpointError, CheckpointManager, _load_manifest, check_compatible
 from portrl.trainer.run_identity import RUN_FILE, identity_diff, read_run_record, run_identity, write_run_record
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ def _refuse(out_dir: Path, why: str, resume: str) -> CheckpointError:
         f"{out_dir.name}.old-<time> and start a new run")
 
 
-def prepare_run_dir(cfg: Any, out_dir: Path, ckpt: CheckpointManager, identity: Dict[str, Any],
+def prepare_run_dir(cfg: PortRLConfig, out_dir: Path, ckpt: CheckpointManager, identity: Dict[str, Any],
                     own_run_id: Optional[str] = None, dry_run: bool = False) -> Tuple[Optional[Path], Dict[str, Any]]:
     """``(checkpoint to resume from or None, the run record)`` (see the module docstring). Raises CheckpointError.
     ``dry_run``: only the refusals, changing nothing and reading manifests without checksums (see
@@ -228,7 +231,7 @@ def _check_newest_manifest(ckpt: CheckpointManager, resume: str, identity: Dict[
         return
 
 
-def check_run_dir(cfg: Any) -> None:
+def check_run_dir(cfg: PortRLConfig) -> None:
     """What :func:`prepare_run_dir` would refuse for ``cfg`` (another run's folder, ``resume=off`` into a run, an
     old-format or foreign checkpoint, a bad ``trainer.on_existing_run``), found before any model loads: nothing
     is changed and no checksum is computed (``fit()`` verifies them). Raises CheckpointError."""

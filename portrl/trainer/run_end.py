@@ -19,7 +19,7 @@ is an internal error, re-raised as it is.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from portrl.agent.tools.base import ToolUnusable
 from portrl.errors import RunFailed, RunStopped
@@ -31,11 +31,14 @@ from portrl.trainer.interrupts import stopped_message
 from portrl.trainer.storage_faults import storage_error, storage_stopped_message
 from portrl.workers.group import WorkerDiedError
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
 
 class EndingRun(Protocol):
     """What :func:`run_failure` reads of a run whose loop raised (an RLTrainer is one)."""
 
-    cfg: Any
+    cfg: PortRLConfig
     global_step: int  # the last step that finished
     ckpt: CheckpointManager
 
