@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def _cfg_get(cfg: PortRLConfig, dotted: str, default: Any = None) -> Any:
-    node: Any = cfg  # a walk by name: a section may be absent (a worker's masked copy)
+    node: Any = cfg  # a walk by name: a key a partial config lacks reads as the default
     for part in dotted.split("."):
         if node is None:
             return default
