@@ -12,7 +12,7 @@
 // One task per (row, KV head): the group's keys and values are read from memory once and stay in L1 / L2 for its
 // H / KV query heads, where torch's batched matmul, mask, softmax and matmul make four dispatches (at one query per
 // head, mostly set-up) and small GEMMs. Keys may be stored one row of D per key, or transposed, one row of L per
-// head dimension (unit stride along L: the decoder's CPU cache, portrl/rollout/fast_decode.py): then the scores of
+// head dimension (unit stride along L: the decoder's CPU cache, backends/cpu/decode_kernel.py): then the scores of
 // Vec::size() keys accumulate in one vector with no horizontal sums, which is what makes this kernel fast. Values
 // are one row of D per key; the weighted sum holds the output row in registers. A row whose keys are all hidden
 // gives NaN, as torch's softmax does. The output is allocated (B, 1, H, D) and returned as its (B, H, 1, D)
