@@ -197,7 +197,7 @@ class CPUBackend(Backend):
     def decode_kernel(self) -> DecodeKernel:
         """The cache in the layout of this backend's decode kernels, and the parts of a step they run
         (backends/cpu/decode_kernel.py)."""
-        from portrl.backends.cpu.decode_kernel import CPUDecodeKernel  # imports torch: the doctor must not
+        from portrl.backends.cpu.decode_kernel import CPUDecodeKernel  # noqa: PLC0415  (torch; the doctor's start)
 
         return CPUDecodeKernel()
 

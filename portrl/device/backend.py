@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
 
+from portrl.device.profiler import TorchStepProfiler
 from portrl.device.split import ComputeSplit
 from portrl.device.versions import CompatRow, package_version
 
@@ -248,7 +249,7 @@ class Backend:
     def decode_kernel(self) -> DecodeKernel:
         """The fast decoder's KV cache layout and capabilities on this backend (portrl/device/decode_kernel.py): the
         plain-torch one unless the backend has its own."""
-        from portrl.device.decode_kernel import DecodeKernel  # imports torch (module docstring: lazily)
+        from portrl.device.decode_kernel import DecodeKernel  # noqa: PLC0415  (torch, lazily: module docstring)
 
         return DecodeKernel()
 
@@ -317,8 +318,6 @@ class Backend:
     def step_profiler(self, trace_dir: str | os.PathLike, name: str) -> AbstractContextManager:
         """A context manager that records the work inside it and writes the trace as ``<trace_dir>/<name>.json``
         (portrl.device.profiler.TorchStepProfiler); a vendor whose profiler is its own overrides this."""
-        from portrl.device.profiler import TorchStepProfiler
-
         return TorchStepProfiler(trace_dir, name, self.profiler_activities)
 
     def range_push(self, name: str) -> None:
