@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import portrl
+
 COMMAND = "python -m portrl.error_catalog > docs/reference/errors.md"
 BASE = "UserError"
 #: the error of the config checks' problem lines, all raised together as one ConfigError (portrl/config/checks.py)
@@ -46,8 +48,6 @@ class Message:
 def _roots() -> List[Path]:
     """The package folders to read: portrl and the backends installed as portrl.backends (a folder of its own in a
     checkout, linked in by setup.py)."""
-    import portrl  # noqa: PLC0415
-
     roots = [Path(portrl.__file__).resolve().parent]
     backends = Path(importlib.import_module("portrl.backends").__file__ or "").resolve().parent
     if roots[0] not in backends.parents:

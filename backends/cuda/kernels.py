@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from portrl.backends import triton as triton_kernels
 from portrl.backends.cpu.kernels import attention_varlen_sdpa
 from portrl.device.backend import KernelRegistry, import_optional, module_available
 from portrl.ops.attention import check_varlen_inputs
@@ -55,8 +56,6 @@ def needs(module: str, install: str):
 
 def register(registry: KernelRegistry) -> None:
     """Register the NVIDIA implementations (and the shared Triton kernels) into ``portrl.ops.registry``."""
-    from portrl.backends import triton as triton_kernels
-
     registry.register("attention_varlen", "flash_attn3", flash_attn3_varlen, needs("flash_attn_interface", FA3_INSTALL))
     registry.register("attention_varlen", "flash_attn", flash_attn_varlen, needs("flash_attn", FA2_INSTALL))
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)

@@ -31,12 +31,11 @@ from portrl.backends.npu.versions import (
 )
 from portrl.device.backend import (Backend, KernelRegistry, ProbeResult, module_available, torch_memory_available,
                                    torch_memory_stats)
+from portrl.device.checks import FAIL, OK, WARN, Check
 from portrl.device.versions import package_version
 
-if TYPE_CHECKING:  # torch and checks.py are imported where they are used
+if TYPE_CHECKING:  # torch is imported where it is used
     import torch
-
-    from portrl.device.checks import Check
 
 # one compatibility row (torch 2.10.0, torch-npu 2.10.0.post4, CANN 9.1.0), as docs/backends/ascend.md installs it (in the
 # portrl checkout); it ends the message, so that it can be copied as it stands
@@ -209,8 +208,6 @@ class NPUBackend(Backend):
 
     # --- doctor ---------------------------------------------------------------------------------
     def doctor_checks(self) -> list[Check]:
-        from portrl.device.checks import FAIL, OK, Check
-
         versions = self.installed_versions()
         npu = versions.get("torch-npu")
         if npu is None:
@@ -229,8 +226,6 @@ class NPUBackend(Backend):
 
     def host_checks(self) -> list[Check]:
         """An installed torch_npu is imported by ``import torch``; without a device that import fails."""
-        from portrl.device.checks import OK, WARN, Check
-
         if package_version("torch-npu") is None:
             return []
         autoload = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")

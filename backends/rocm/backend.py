@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import TYPE_CHECKING
 
 from portrl.backends.cuda.backend import WSL_GPU_NODE, CUDABackend
 from portrl.backends.rocm import env as env_tables
 from portrl.device.backend import KernelRegistry, ProbeResult, module_available
+from portrl.device.checks import FAIL, OK, WARN, Check, version_satisfies
 from portrl.device.versions import CompatRow, package_version
-
-if TYPE_CHECKING:  # checks.py is imported where a check is made
-    from portrl.device.checks import Check
 
 # the command of a compatibility row (torch 2.9.0 wheels for ROCm 6.4), as docs/backends/amd.md spells it
 TORCH_ROCM_INSTALL = ('of one compatibility row (torch 2.9.0, ROCm 6.4): '
@@ -215,8 +212,6 @@ class ROCmBackend(CUDABackend):
 
     # --- doctor ---------------------------------------------------------------------------------
     def doctor_checks(self) -> list[Check]:
-        from portrl.device.checks import FAIL, OK, WARN, Check, version_satisfies
-
         checks = super().doctor_checks()
         hip, rocr = os.environ.get("HIP_VISIBLE_DEVICES"), os.environ.get("ROCR_VISIBLE_DEVICES")
         if hip is not None and rocr is not None:

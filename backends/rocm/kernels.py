@@ -10,6 +10,7 @@ tested on CPU; numerics and speed need MI300 hardware.
 
 from __future__ import annotations
 
+from portrl.backends import triton as triton_kernels
 from portrl.backends.cpu.kernels import attention_varlen_sdpa
 from portrl.backends.cuda.kernels import FA2_INSTALL, FLASH_DTYPES, flash_attn_varlen, needs, varlen_args
 from portrl.device.backend import KernelRegistry, import_optional
@@ -31,8 +32,6 @@ def aiter_varlen(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=None, causa
 
 def register(registry: KernelRegistry) -> None:
     """Register the ROCm implementations (and the shared Triton kernels) into ``portrl.ops.registry``."""
-    from portrl.backends import triton as triton_kernels
-
     registry.register("attention_varlen", "aiter", aiter_varlen, needs("aiter", AITER_INSTALL))
     registry.register("attention_varlen", "flash_attn", flash_attn_varlen, needs("flash_attn", FA2_INSTALL))
     registry.register("attention_varlen", "sdpa", attention_varlen_sdpa)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List
 
+from portrl.agent.interactions import load_interaction_config
+from portrl.agent.parsers import get_parser
+from portrl.agent.tools.config import load_tool_config
 from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES
 from portrl.errors import UserError
 
@@ -40,15 +43,10 @@ def check_multi_turn(cfg: PortRLConfig) -> List[str]:
             problems.append(f"rollout.multi_turn.{key}={getattr(m, key)!r} is not one of {', '.join(map(repr, valid))}")
     if not bool(m.enable):
         return problems
-    from portrl.agent.parsers import get_parser  # noqa: PLC0415  (the agent package only where it is used)
-    from portrl.agent.tools.config import load_tool_config  # noqa: PLC0415
-
     try:
         get_parser(str(m.format))
     except UserError as exc:
         problems.append(str(exc))
-    from portrl.agent.interactions import load_interaction_config  # noqa: PLC0415
-
     for path, load in ((m.tool_config_path, lambda p: load_tool_config(p, open_files=False)),
                        (m.interaction_config_path, load_interaction_config)):
         if path:

@@ -27,9 +27,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterable, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, List, Mapping, Optional, Sequence
 
 from portrl.errors import UserError
+from portrl.rewards import sandbox
+from portrl.rewards.code import CODE_SOURCES, judged_in_own_sandbox
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +50,9 @@ class SandboxUnusable(UserError):
     isolation and ``sandbox.allow_unisolated`` is not set); the message says why and how to fix it."""
 
 
-def sandbox_users(cfg: Any, rows: Iterable[Sequence[Any]], tools: Optional[Mapping[str, Any]] = None) -> List[str]:
+def sandbox_users(cfg: PortRLConfig, rows: Iterable[Sequence[Any]], tools: Optional[Mapping[str, Any]] = None) -> List[str]:
     """What in this run needs the local sandbox, in words (module docstring); [] when nothing does. ``rows``: the
     run's data rows (data_source second); ``tools``: the multi-turn tools (name -> Tool) the run builds."""
-    from portrl.rewards.code import CODE_SOURCES  # noqa: PLC0415
-
     users = []
     r = cfg.reward
     if not r.custom.path and not r.model_path and not r.code.sandbox_fusion_url:
@@ -62,13 +65,11 @@ def sandbox_users(cfg: Any, rows: Iterable[Sequence[Any]], tools: Optional[Mappi
     return users
 
 
-def check_remote_code_rows(cfg: Any, rows: Iterable[Sequence[Any]]) -> None:
+def check_remote_code_rows(cfg: PortRLConfig, rows: Iterable[Sequence[Any]]) -> None:
     """With ``reward.code.sandbox_fusion_url`` (and the rule rewards scoring), a code row with assert- or
     check()-style tests is a UserError naming the row: its test is judged in a sandbox of its own beside the
     program's (portrl/rewards/code_judge.py), which a SandboxFusion service cannot run. ``rows``: (messages,
     data_source, ground truth, extra_info)."""
-    from portrl.rewards.code import CODE_SOURCES, judged_in_own_sandbox  # noqa: PLC0415
-
     r = cfg.reward
     if r.custom.path or r.model_path or not r.code.sandbox_fusion_url:
         return
@@ -80,26 +81,18 @@ def check_remote_code_rows(cfg: Any, rows: Iterable[Sequence[Any]]) -> None:
                             "or drop reward.code.sandbox_fusion_url to use the local sandbox")
 
 
-def check_sandbox(cfg: Any, users: List[str]) -> None:
+def check_sandbox(cfg: PortRLConfig, users: List[str]) -> None:
     """The start-up check for ``users`` (:func:`sandbox_users`; nothing to check when empty): SandboxUnusable
     (a UserError, one line) when the sandbox cannot run them here (module docstring)."""
     global _note
     _note = None
     if not users:
         return
-    from portrl.rewards.sandbox import (  # noqa: PLC0415
-        SandboxError,
-        SandboxLimits,
-        SandboxUnisolated,
-        exposed_packages,
-        run_program,
-    )
-
     who = " and ".join(users)
     s = cfg.sandbox
     packages = tuple(str(p) for p in s.packages)
     try:
-        _, missing = exposed_packages(packages)
+        _, missing = sandbox.exposed_packages(packages)
     except ValueError as exc:  # a name the config checks let through (portrl.config.checks.check_sandbox)
         raise SandboxUnusable(f"sandbox.packages: {_one_line(exc)}") from None
     if missing:
@@ -107,12 +100,12 @@ def check_sandbox(cfg: Any, users: List[str]) -> None:
                               f"interpreter ({sys.prefix}) or cannot be bound into the sandbox (a namespace package "
                               f"spread over several folders); install it there, or drop it from sandbox.packages "
                               f"(needed by {who})")
-    limits = SandboxLimits(timeout_s=PROBE_TIMEOUT_S, allow_unisolated=bool(s.allow_unisolated), packages=packages)
+    limits = sandbox.SandboxLimits(timeout_s=PROBE_TIMEOUT_S, allow_unisolated=bool(s.allow_unisolated), packages=packages)
     try:
-        result = run_program(PROBE_SOURCE, "", limits)
-    except SandboxUnisolated as exc:
+        result = sandbox.run_program(PROBE_SOURCE, "", limits)
+    except sandbox.SandboxUnisolated as exc:
         raise SandboxUnusable(f"{_one_line(exc)} (needed by {who})") from None
-    except SandboxError as exc:
+    except sandbox.SandboxError as exc:
         raise SandboxUnusable(f"the code sandbox cannot start a program here, and {who} needs it: {_one_line(exc)}; "
                               "fix that (docs/code-rl.md, 'The start-up check' says what each cause needs)") from None
     if result.status != "ok" or result.stdout.strip() != PROBE_OUTPUT:

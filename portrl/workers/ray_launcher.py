@@ -25,6 +25,7 @@ from portrl.workers.parallel import find_free_port, init_distributed
 from portrl.workers.placement import group_pinning
 from portrl.workers.ray_calls import wait_results
 from portrl.workers.ray_env import ResourcePool, init_ray, local_device_index, worker_env
+from portrl.workers.setup import pin_process
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
@@ -77,8 +78,6 @@ class WorkerHost:
             os.environ["LOCAL_RANK"] = str(index)
             self.backend.set_device(index)
         if cores is not None:  # before the worker's threads and torch's thread pool start
-            from portrl.workers.setup import pin_process  # transformers and the models: in the worker only
-
             pin_process(cores)
         if self.world_size > 1:
             init_distributed(self.backend, self.rank, self.world_size, master_addr, master_port)

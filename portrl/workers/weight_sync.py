@@ -28,6 +28,7 @@ from portrl.device.weight_transport import (Meta, SyncHeader, SyncStats, Transpo
                                             choose_transport, element_size, plan_buckets, raw_bytes)
 from portrl.workers.parallel import is_loopback, loopback_store
 from portrl.workers.ray_calls import wait_results
+from portrl.workers.ray_launcher import LISTENER
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
@@ -161,7 +162,5 @@ class WeightSyncLink:
     def start_listeners(self) -> None:
         """From now on each rollout worker receives every sync in a thread of its own while it generates
         (``WorkerHost.listen_for_weights``; portrl.workers.partial_rollout.StagedWeights)."""
-        from portrl.workers.ray_launcher import LISTENER
-
         self.listeners = [(self.rollout, r, a.listen_for_weights.options(concurrency_group=LISTENER).remote())
                           for r, a in enumerate(self.rollout.launcher.actors)]
