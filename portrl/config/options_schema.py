@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Tuple
 
 from omegaconf import OmegaConf
 
-from portrl.algo.options import SECTIONS
+from portrl.algo.options import SECTIONS, out_of_range, placements, range_text
 from portrl.config.presets import ConfigError
 from portrl.config.schema import PortRLConfig
 
@@ -34,9 +34,6 @@ Declaration = Tuple[str, str, dataclasses.Field, Any]
 
 def declared() -> List[Declaration]:
     """Every option declaration of the registered algorithms (plugins loaded first), each at its node."""
-    import portrl.algo  # noqa: F401,PLC0415  (importing the package registers the built-ins)
-    from portrl.algo.options import placements  # noqa: PLC0415
-
     return [(p.owner, p.node, p.field, p.type) for p in placements()]
 
 
@@ -151,8 +148,6 @@ def default_config() -> Any:
 
 def check_declared_ranges(cfg) -> List[str]:
     """Every declared option of ``cfg`` outside its declared range or choices, one line each, naming its owner."""
-    from portrl.algo.options import out_of_range, range_text  # noqa: PLC0415
-
     problems = []
     for section, keys in merged_options(declared()).items():
         node = OmegaConf.select(cfg, section)

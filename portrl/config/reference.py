@@ -32,8 +32,15 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 from omegaconf.base import Container
 
+from portrl.algo import registered
+from portrl.algo.options import range_text, rule
+from portrl.config import checks
 from portrl.config.checks import _Problems
 from portrl.config.keys import type_name
+from portrl.config.options_schema import declared, default_config, run_schema
+from portrl.config.reference_text import DESCRIPTIONS, RULES_ELSEWHERE, VERL_NAMES
+from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES
+from portrl.config.schema_trainer import MODES, STALE_SAMPLES
 
 #: the page's command, printed in its header
 COMMAND = "python -m portrl.config.reference > docs/reference/configuration.md"
@@ -90,9 +97,6 @@ def _declaring_class(cls: type, name: str) -> type:
 
 
 def _description(cls: type, f: dataclasses.Field, key: str) -> str:
-    from portrl.algo.options import rule  # noqa: PLC0415
-    from portrl.config.reference_text import DESCRIPTIONS  # noqa: PLC0415
-
     owner = _declaring_class(cls, f.name)
     return (_comments(owner).get(f.name) or rule(f).get("doc") or DESCRIPTIONS.get(f"{owner.__name__}.{f.name}")
             or DESCRIPTIONS.get(key, ""))
@@ -127,15 +131,6 @@ class _RangeRecorder(_Problems):
 
 def _valid_values() -> Dict[str, str]:
     """Key -> its valid values in words, from the checks of portrl/config (see the module's docstring)."""
-    from portrl.algo import registered  # noqa: PLC0415
-    from portrl.config import checks  # noqa: PLC0415
-    from portrl.config.options_schema import declared  # noqa: PLC0415
-    from portrl.config.reference_text import RULES_ELSEWHERE  # noqa: PLC0415
-    from portrl.config.options_schema import default_config  # noqa: PLC0415
-    from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES  # noqa: PLC0415
-    from portrl.config.schema_trainer import MODES, STALE_SAMPLES  # noqa: PLC0415
-    from portrl.algo.options import range_text  # noqa: PLC0415
-
     def one_of(names) -> str:
         return "one of " + ", ".join(_show(n) for n in names)
 
@@ -164,9 +159,6 @@ def _valid_values() -> Dict[str, str]:
 
 def entries() -> List[Entry]:
     """Every leaf key of the run schema, in the schema's order."""
-    from portrl.config.options_schema import run_schema  # noqa: PLC0415
-    from portrl.config.reference_text import VERL_NAMES  # noqa: PLC0415
-
     valid = _valid_values()
     out: List[Entry] = []
 
