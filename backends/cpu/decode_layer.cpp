@@ -28,6 +28,7 @@
 #include "op_namespace.h"
 #include "attention_heads.h"
 #include "rows_tiles.h"
+#include "layer_rows.h"
 #include "spin_pool.h"
 
 #include <atomic>
@@ -35,7 +36,6 @@
 
 namespace {
 
-using VecF = at::vec::Vectorized<float>;
 // a layer with fewer weight floats stays on the calling thread. 2^16 (256 KiB), not 2^19: the small benchmark
 // model's layers (1 MiB, 32 rows) on both threads made its GRPO step 0.096-0.099 -> 0.085-0.090 s (vs_trl.py,
 // alternating), most of it in the update that follows: a vCPU left idle through the decode is slow to wake on a VM
@@ -77,12 +77,6 @@ struct Phase {
   }
 };
 
-float* scratch(int64_t n) {  // a per-thread buffer of at least n floats
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  return buf.data();
-}
-
 // Where a linear's input goes: row-major (dot tiles) or transposed into (K, stride) (lane tiles, rows_tiles.h), and
 // the phase items that fill it. Transposed, an item is a block of 16 rows (x cols columns), computed row-major into
 // a scratch block and transposed in registers (rows::transpose_block): each thread writes whole cache lines. (Rows
@@ -113,44 +107,6 @@ struct Input {
     fn(b, c0, w, x + b * K + c0);
   }
 };
-
-// out = x / sqrt(mean(x^2) + eps) * w
-void rms_row(const float* x, const float* w, int64_t n, float eps, float* out) {
-  VecF acc(0.f);
-  int64_t i = 0;
-  for (; i + VecF::size() <= n; i += VecF::size()) {
-    const VecF v = VecF::loadu(x + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float ss = at::vec::vec_reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, acc);
-  for (; i < n; ++i) ss += x[i] * x[i];
-  const VecF r(1.f / std::sqrt(ss / static_cast<float>(n) + eps));
-  for (i = 0; i + VecF::size() <= n; i += VecF::size()) (VecF::loadu(x + i) * r * VecF::loadu(w + i)).store(out + i);
-  const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (; i < n; ++i) out[i] = x[i] * rs * w[i];
-}
-
-// out = silu(g) * u, the formula of swiglu.cpp
-void swiglu_row(const float* g, const float* u, int64_t n, float* out) {
-  const VecF one(1.f);
-  int64_t i = 0;
-  for (; i + VecF::size() <= n; i += VecF::size()) {
-    const VecF gv = VecF::loadu(g + i);
-    (gv * (one / (one + gv.neg().exp())) * VecF::loadu(u + i)).store(out + i);
-  }
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
-// out[h * os + d * ds] = t[d] cos[d] + t[(d + D/2) mod D] sin[d] for each of `heads` heads of D (t: heads x D)
-void rope_heads(const float* t, int64_t heads, int64_t D, const float* cos, const float* sin, float* out, int64_t os,
-                int64_t ds = 1) {
-  const int64_t half = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* th = t + h * D;
-    float* oh = out + h * os;
-    for (int64_t d = 0; d < D; ++d) oh[d * ds] = th[d] * cos[d] + th[d < half ? d + half : d - half] * sin[d];
-  }
-}
 
 void check(const at::Tensor& t, const char* name, bool contiguous = true) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && (!contiguous || t.is_contiguous()),
@@ -278,15 +234,14 @@ void decode_layer(
   at::Tensor h_in = input(Hd, plan), a_in = input(H * D, plan_o), s_in = input(I, plan_d);
   at::Tensor q = at::empty({M, H * D}, opts), attn = at::empty({M, H * D}, opts);
   const Input hin{h_in.data_ptr<float>(), Hd, plan, M, Hd}, act{s_in.data_ptr<float>(), I, plan_d, M, SWIGLU_COLS};
-  float *xp = x.data_ptr<float>(), *qp = q.data_ptr<float>(), *attnp = attn.data_ptr<float>(),
-        *kp = k_store.data_ptr<float>(), *vp = v_cache.data_ptr<float>(), *ain = a_in.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *attnp = attn.data_ptr<float>(), *ain = a_in.data_ptr<float>();
   const float *w1 = ln1.data_ptr<float>(), *w2 = ln2.data_ptr<float>(), *cp = cos.data_ptr<float>(),
               *sp = sin.data_ptr<float>();
-  const bool* hid = hidden.data_ptr<bool>();
-  const int64_t hs0 = hidden.stride(0);
-  const int64_t ks0 = k_store.stride(0), ks1 = k_store.stride(1), ks2 = k_store.stride(2);
-  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2), rep = H / KV;
-  const float sc = static_cast<float>(scale);
+  const Attention at{H, KV, D, L, start, q.data_ptr<float>(), k_store.data_ptr<float>(), v_cache.data_ptr<float>(),
+                     attnp, hidden.data_ptr<bool>(), k_store.stride(0), k_store.stride(1), k_store.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), hidden.stride(0),
+                     static_cast<float>(scale)};
+  const int64_t rep = H / KV;
   // attention items: (row, KV head), or (16-row block, KV head) when o's input is transposed (whole cache lines)
   const int64_t arows = plan_o.lanes ? rows::LANES : 1, ablocks = (M + arows - 1) / arows;
 
@@ -302,23 +257,10 @@ void decode_layer(
   auto body = [&] {
     p[0].run([&](int64_t it) { hin.fill(it, norm(w1, eps1)); });
     p[1].run([&](int64_t it) { qkv_l.item(it, hin.x, M, qkvp, bq, nullptr); });
-    p[2].run([&](int64_t m) {  // rope; the new key and value into the cache at slot `start`
-      const float* r = qkvp + m * Nqkv;
-      rope_heads(r, H, D, cp + m * D, sp + m * D, qp + m * H * D, D);
-      rope_heads(r + H * D, KV, D, cp + m * D, sp + m * D, kp + m * ks0 + start, ks1, ks2);
-      for (int64_t g = 0; g < KV; ++g)
-        std::copy(r + (H + KV + g) * D, r + (H + KV + g + 1) * D, vp + m * vs0 + g * vs1 + start * vs2);
-    });
+    p[2].run([&](int64_t m) { at.store(m, qkvp + m * Nqkv, cp + m * D, sp + m * D); });  // rope, the cache
     p[3].run([&](int64_t t) {  // the query heads of one KV head, for one row or a block of rows
       const int64_t g = t % KV, m0 = t / KV * arows, n = std::min(arows, M - m0);
-      float* scores = scratch(attn::RMAX * L);
-      for (int64_t m = m0; m < m0 + n; ++m)
-        for (int64_t r0 = 0; r0 < rep; r0 += attn::RMAX) {
-          const int R = static_cast<int>(std::min<int64_t>(attn::RMAX, rep - r0));
-          const int64_t h = g * rep + r0;
-          attn::HEADS[R](qp + m * H * D + h * D, D, kp + m * ks0 + g * ks1, ks2, true, vp + m * vs0 + g * vs1, vs2,
-                         hid + m * hs0, L, D, sc, scores, attnp + m * H * D + h * D, D);
-        }
+      at.heads(g, m0, n);
 #if defined(__AVX512F__)
       if (plan_o.lanes) {
         const int64_t c0 = g * rep * D;

@@ -1,7 +1,7 @@
 """``logprobs_entropy`` in vocabulary blocks: the implementation ``vocab_blocks`` (pure torch, any device).
 
 The native op (portrl/ops/logprobs.py) cuts the *rows*: each chunk of ~110 rows multiplies the whole (V, H)
-head, a skinny matmul (about 130 GFLOP/s on 2 CPU cores where a square one runs 300) that streams the head
+head, a skinny matmul (on a CPU well under a square one's FLOP rate: docs/performance.md) that streams the head
 once per chunk, and its weight gradient adds into all of (V, H) once per chunk. This one cuts the
 *vocabulary*: every block of ``Vb`` head rows meets all ``R`` rows of a row block at once (``R x H`` by
 ``H x Vb``, both large), and each block of the weight gradient is written once per row block.
