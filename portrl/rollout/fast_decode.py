@@ -6,7 +6,7 @@ path runs the same arithmetic from the module's own parameters (no copy: trainin
 seen at once) with one preallocated KV cache per generate call:
 
 * q/k/v projections fused into one matmul and gate/up into another (given to the backend's
-  ``linear_prepacked`` as parts: the CPU kernel reads them where they are, other implementations concatenate
+  ``linear_prepacked`` as parts: an implementation may read them where they are, the native one concatenates
   them once per :meth:`FastDecoder.start`, i.e. once per generate call, so they follow training);
 * rotary cos/sin computed once for every position of the call by the model's own rotary module
   (so every rope variant the model supports is honoured);
@@ -56,7 +56,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = None) -> Optional["FastDecoder"]:
     """A :class:`FastDecoder` over ``model`` when its architecture is reproduced exactly, else None.
 
-    ``backend`` (a Backend, a name, or None for the current one) chooses the ``linear_prepacked`` op."""
+    ``backend`` (a Backend, a name, or None for the current one) chooses the ops and gives the decode kernel."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return None
