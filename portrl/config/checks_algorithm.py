@@ -83,11 +83,11 @@ def _options_apply(cfg) -> list[str]:
     chosen |= {("policy_loss", POLICY_LOSSES.resolve(str(loss_mode)))} if spec.objective.uses_policy_loss else set()
     problems = []
     for key, (default, takers) in _option_takers().items():
-        value = OmegaConf.select(cfg, key)
+        value = OmegaConf.select(cfg, key, default=default)  # missing: a config composed before a declaration
         if value != default and not chosen & set(takers):
             shown = "null" if default is None else repr(default)
-            problems.append(f"{key} {_applies_to(cfg, spec, takers)}: its value {value!r} would be ignored (leave it "
-                            f"at its default, {shown}, or choose one of those)")
+            problems.append(f"{key} only applies to {_takers(cfg, spec, takers)}: its value {value!r} would be ignored "
+                            f"(leave it at its default, {shown}, or choose one of those)")
     return problems
 
 
@@ -107,9 +107,9 @@ _WHAT = {"adv_estimator": ("estimators", "algorithm.adv_estimator"), "objective"
          "policy_loss": ("policy losses", "actor.policy_loss.loss_mode")}
 
 
-def _applies_to(cfg, spec: AlgorithmSpec, takers: list[tuple[str, str]]) -> str:
-    """``only applies to the estimators that take it (gae, vcppo_gae), not 'grpo'``: per kind of taker, the ones
-    that take it and the chosen one (or that the objective uses none of that kind)."""
+def _takers(cfg, spec: AlgorithmSpec, takers: list[tuple[str, str]]) -> str:
+    """``the estimators that take it (gae, vcppo_gae), not 'grpo'``: per kind of taker, the ones that take it and
+    the chosen one (or that the objective uses none of that kind)."""
     parts = []
     for kind, (plural, key) in _WHAT.items():
         names = sorted({n for k, n in takers if k == kind})
@@ -120,7 +120,7 @@ def _applies_to(cfg, spec: AlgorithmSpec, takers: list[tuple[str, str]]) -> str:
         not_chosen = f"and algorithm.objective={spec.objective.name!r} uses none" if unused \
             else f"not {OmegaConf.select(cfg, key)!r}"
         parts.append(f"the {plural} that take it ({', '.join(names)}), {not_chosen}")
-    return "only applies to " + "; or to ".join(parts) if parts else "is taken by no registered algorithm"
+    return "; or to ".join(parts) or "the algorithms that take it (none is registered)"
 
 
 def _algorithm_options(cfg) -> list[str]:
