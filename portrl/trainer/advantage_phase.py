@@ -8,16 +8,21 @@ The advantages are the resolved algorithm record's (``portrl.algo.spec.algorithm
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 
 from portrl.algo import algorithm_spec, apply_kl_penalty
-from portrl.workers.actor import old_log_probs_needed
+from portrl.workers.actor import ActorRolloutWorker, old_log_probs_needed
 from portrl.workers.batch import Batch
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+    from portrl.workers.group import WorkerGroup
 
-def old_policy_phase(cfg: Any, actor: Any, batch: Batch, timer: Any) -> Dict[str, float]:
+
+def old_policy_phase(cfg: PortRLConfig, actor: WorkerGroup[ActorRolloutWorker], batch: Batch,
+                     timer: Any) -> Dict[str, float]:
     """``old_log_probs`` of ``batch``: the rollout engine's in verl's bypass mode
     (``algorithm.rollout_correction.bypass_mode``), else the actor's forward where the loss needs it
     (portrl.workers.actor.old_log_probs_needed); ``actor/entropy_old`` when that forward ran."""
@@ -30,14 +35,14 @@ def old_policy_phase(cfg: Any, actor: Any, batch: Batch, timer: Any) -> Dict[str
     if not old_log_probs_needed(cfg, len(batch)):
         return {}
     with timer("old_log_prob"):
-        old = actor.concat("compute_log_probs", batch)
+        old = actor.concat(ActorRolloutWorker.compute_log_probs, batch)
         ent = old.pop("entropys")
         batch.union(old)
         mask = batch.tensors["response_mask"]
         return {"actor/entropy_old": float((ent * mask).sum() / mask.sum().clamp(min=1))}
 
 
-def apply_reward_kl(cfg: Any, batch: Batch, kl_ctrl: Any) -> Dict[str, float]:
+def apply_reward_kl(cfg: PortRLConfig, batch: Batch, kl_ctrl: Any) -> Dict[str, float]:
     """``token_level_rewards`` = scores, minus ``beta * KL(old || ref)`` when ``use_kl_in_reward``."""
     if not cfg.algorithm.use_kl_in_reward:
         batch["token_level_rewards"] = batch.tensors["token_level_scores"]
@@ -49,7 +54,7 @@ def apply_reward_kl(cfg: Any, batch: Batch, kl_ctrl: Any) -> Dict[str, float]:
     return dict(m)
 
 
-def compute_batch_advantages(cfg: Any, batch: Batch) -> Dict[str, float]:
+def compute_batch_advantages(cfg: PortRLConfig, batch: Batch) -> Dict[str, float]:
     """Fill ``advantages``/``returns`` (or the objective's tensors, e.g. DPO's pairs) in ``batch``; returns
     metrics. The prompt uid is the group index; ``rollout.n`` the group size."""
     spec = algorithm_spec(cfg.algorithm)
@@ -73,7 +78,7 @@ def numeric_reward_extras(batch: Batch) -> Dict[str, torch.Tensor]:
     return out
 
 
-def seq_metric(cfg: Any, batch: Batch) -> torch.Tensor:
+def seq_metric(cfg: PortRLConfig, batch: Batch) -> torch.Tensor:
     """The per-row value DAPO dynamic sampling filters on (``algorithm.filter_groups.metric``)."""
     name = str(cfg.algorithm.filter_groups.metric)
     if name == "acc":

@@ -140,12 +140,22 @@ def set_aside(ckpt: Any, bad_from: int) -> List[str]:
     return moved
 
 
+class ChecksWeights(Protocol):
+    """What :func:`nonfinite_roles` asks of a trained worker (portrl.workers.trained_model.TrainedModelWorker)."""
+
+    def weights_finite(self) -> bool: ...
+
+
 class TrainedRoles(Protocol):
     """What :func:`nonfinite_roles` reads of a run (an RLTrainer is one): its trained worker groups, None where the
     run has no such role (``prm``: PRIME's phase, whose ``group`` is the implicit PRM's workers)."""
 
-    actor: WorkerGroup
-    critic: Optional[WorkerGroup]
+    @property
+    def actor(self) -> WorkerGroup[ChecksWeights]: ...
+
+    @property
+    def critic(self) -> Optional[WorkerGroup[ChecksWeights]]: ...
+
     prm: Optional[Any]
 
 
@@ -155,7 +165,8 @@ def nonfinite_roles(trainer: TrainedRoles) -> List[str]:
     prm = trainer.prm
     groups = (("actor", trainer.actor), ("critic", trainer.critic),
               ("reward_model", prm.group if prm is not None else None))
-    return [role for role, group in groups if group is not None and not all(group.gather("weights_finite"))]
+    return [role for role, group in groups
+            if group is not None and not all(group.gather(ChecksWeights.weights_finite))]
 
 
 __all__ = ["DivergenceWatch", "TrainingDiverged", "diverged_stop", "logits_stop", "nonfinite_roles", "set_aside"]

@@ -7,7 +7,7 @@ uninterrupted run samples.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
@@ -18,10 +18,21 @@ from portrl.trainer.group_filter import group_filter_enabled, keep_groups
 from portrl.trainer.metrics import Timer
 from portrl.workers.batch import Batch, concat_rollouts
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+    from portrl.workers.group import WorkerGroup
+
 log = logging.getLogger(__name__)
 
 
-def sampling_params(cfg: Any, seed: int, greedy: bool = False) -> Dict[str, Any]:
+class Generates(Protocol):
+    """What the workers a run generates on answer (the colocated actor, or separated rollout workers): the worker
+    class of its generation group, ``WorkerGroup[Generates]``."""
+
+    def generate_from(self, prompts: Batch, sampling: Mapping[str, Any]) -> Batch: ...
+
+
+def sampling_params(cfg: PortRLConfig, seed: int, greedy: bool = False) -> Dict[str, Any]:
     """The sampling settings of a training batch (``rollout``), or with ``greedy`` of validation
     (``rollout.val_kwargs``); ``seed`` seeds the engine's sampling."""
     r = cfg.rollout.val_kwargs if greedy else cfg.rollout
@@ -29,12 +40,12 @@ def sampling_params(cfg: Any, seed: int, greedy: bool = False) -> Dict[str, Any]
             "max_new_tokens": int(cfg.data.max_response_length), "seed": seed}
 
 
-def generation_seed(cfg: Any, step: int, k: int) -> int:
+def generation_seed(cfg: PortRLConfig, step: int, k: int) -> int:
     """The seed of generation batch ``k`` of ``step`` (validation: step 10**6 + step; baselines: k 500+)."""
     return (int(cfg.trainer.seed) * 1_000_003 + step * 1009 + k) % (2**62)
 
 
-def run_dataset(cfg: Any, files: List[str], tokenizer: Any, processor: Any, shuffle: bool, seed: int) -> Any:
+def run_dataset(cfg: PortRLConfig, files: List[str], tokenizer: Any, processor: Any, shuffle: bool, seed: int) -> Any:
     """The RLDataset of ``files`` with the run's ``data`` settings; with ``rollout.multi_turn.enable`` the prompts
     list the run's tools where the chat template does (their schemas from ``tool_config_path``)."""
     d = cfg.data
@@ -60,7 +71,8 @@ class StepGeneration:
     ``records_forward`` False) with requests of ``pipeline`` (portrl/trainer/rollout_pipeline.py: generated at the
     step, or ahead of it in the asynchronous modes) and rewards from ``reward``."""
 
-    def __init__(self, cfg: Any, gen: Any, reward: Any, tokenizer: Any, pipeline: Any, records_forward: bool):
+    def __init__(self, cfg: PortRLConfig, gen: WorkerGroup[Generates], reward: Any, tokenizer: Any, pipeline: Any,
+                 records_forward: bool):
         self.cfg, self.gen, self.reward, self.tokenizer = cfg, gen, reward, tokenizer
         self.pipeline, self.records_forward = pipeline, records_forward
 
@@ -110,6 +122,6 @@ class StepGeneration:
     def greedy_baselines(self, prompts: Batch, step: int, k: int) -> torch.Tensor:
         """ReMax: the reward of each prompt's greedy response, repeated for its n samples."""
         greedy = dict(sampling_params(self.cfg, generation_seed(self.cfg, step, 500 + k)), n=1, temperature=0.0)
-        g = self.gen.concat("generate_from", prompts, greedy)
+        g = self.gen.concat(Generates.generate_from, prompts, greedy)
         scores = self.reward.compute_reward(g).tensors["seq_scores"]
         return scores.repeat_interleave(int(self.cfg.rollout.n))

@@ -30,7 +30,7 @@ normalisation), ``reward_model/raw_reward`` (mean summed log-ratio), ``reward_mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Protocol
 
 import torch
 
@@ -38,25 +38,31 @@ from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
 from portrl.device.backend import Backend
 from portrl.trainer.metrics import Timer
+from portrl.trainer.resources import settled_num_workers
 from portrl.workers.batch import Batch
 from portrl.workers.group import WorkerGroup
 from portrl.workers.implicit_prm import ImplicitPRMWorker
 from portrl.workers.prm_modes import prm_mode
+from portrl.workers.trained_model import TrainedModelWorker
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+    from portrl.workers.actor import ActorRolloutWorker
 
 
 class PolicyRun(Protocol):
     """What :meth:`PrimePhase.run` reads of the run (an RLTrainer is one): the actor group, for its time limit and
     the warm-started policy's weights."""
 
-    actor: WorkerGroup
+    actor: WorkerGroup[ActorRolloutWorker]
 
 
 class PrimePhase:
     """The implicit PRM's worker group and its step (:meth:`run`); its state goes into the run's checkpoints."""
 
-    def __init__(self, cfg: Any, backend: Backend):
+    def __init__(self, cfg: PortRLConfig, backend: Backend):
         self.cfg = cfg
-        self.group = WorkerGroup(ImplicitPRMWorker, cfg, int(cfg.trainer.num_workers), backend)
+        self.group = WorkerGroup(ImplicitPRMWorker, cfg, settled_num_workers(cfg), backend)
         rm = cfg.reward_model.model
         warm = bool(cfg.model.sft_warm_start)
         self.into_model, self.into_ref = warm and rm.path is None, warm and rm.ref_path is None
@@ -67,8 +73,8 @@ class PrimePhase:
         rm = self.cfg.reward_model
         self.group.timeout_s = trainer.actor.timeout_s  # the same time limit as the actor's calls
         if self.pending_policy:
-            weights = trainer.actor.rank0("state_dict")["model"]
-            self.group.run("start_from_policy", weights, self.into_model, self.into_ref)
+            weights = trainer.actor.rank0(TrainedModelWorker.state_dict)["model"]
+            self.group.run(ImplicitPRMWorker.start_from_policy, weights, self.into_model, self.into_ref)
             self.pending_policy = False
         mode = prm_mode(rm.model)  # the update and loss records (portrl/workers/prm_modes.py)
         m: Dict[str, float] = {}
@@ -78,7 +84,7 @@ class PrimePhase:
                 if mode.loss.needs_prior_scores:  # the dpo loss: each row against its group as scored before
                     assert q is not None  # needs_prior_scores implies scores_before_update
                     batch["prm_dpo_others"] = prm_dpo_others(q.sum(-1), batch.tensors["acc"].float(), batch.meta["uid"])
-                m.update(self.group.metrics("update_rm", batch))
+                m.update(self.group.metrics(ImplicitPRMWorker.update_rm, batch))
             if mode.update.score_last:
                 q = self._score(batch)
         assert q is not None  # every update mode scores first or last (portrl/workers/prm_modes.py)
@@ -95,7 +101,7 @@ class PrimePhase:
 
     def _score(self, batch: Batch) -> torch.Tensor:
         """``log π_rm − log π_ref`` ``(B,T)`` of the PRM as it is now, over all its workers."""
-        return self.group.concat("compute_log_ratio", batch).tensors["implicit_log_ratio"]
+        return self.group.concat(ImplicitPRMWorker.compute_log_ratio, batch).tensors["implicit_log_ratio"]
 
     def loaded_from_checkpoint(self) -> None:
         """The PRM workers were loaded from a checkpoint (``prm``, written and read like the actor's by
@@ -103,6 +109,6 @@ class PrimePhase:
         self.pending_policy = False
 
 
-def build_prime_phase(cfg: Any, backend: Backend) -> Optional[PrimePhase]:
+def build_prime_phase(cfg: PortRLConfig, backend: Backend) -> Optional[PrimePhase]:
     """The phase when the run has an implicit PRM (``reward_model.enable``, or the algorithm's record), else None."""
     return PrimePhase(cfg, backend) if implicit_prm_enabled(cfg) else None

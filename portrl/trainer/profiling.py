@@ -20,10 +20,14 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional
+
+from portrl.workers.profiled import ProfiledWorker
 
 if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
     from portrl.device.backend import Backend
+    from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +35,8 @@ log = logging.getLogger(__name__)
 class StepProfiling:
     """``groups`` returns the run's worker groups by role (None for a role the run has not)."""
 
-    def __init__(self, cfg: Any, backend: Backend, out_dir: Path, groups: Callable[[], Mapping[str, Any]]):
+    def __init__(self, cfg: PortRLConfig, backend: Backend, out_dir: Path,
+                 groups: Callable[[], Mapping[str, Optional[WorkerGroup[ProfiledWorker]]]]):
         self.steps = frozenset(int(s) for s in (cfg.trainer.profile.steps or ()))
         self.backend, self.out_dir, self.groups = backend, Path(out_dir), groups
 
@@ -47,12 +52,12 @@ class StepProfiling:
         trace_dir = self.out_dir / "profile" / f"step_{step}"
         remote = {role: g for role, g in self.groups().items() if g is not None and getattr(g, "use_ray", False)}
         for role, group in remote.items():
-            group.run("profile_start", str(trace_dir), role)
+            group.run(ProfiledWorker.profile_start, str(trace_dir), role)
         try:
             with self.backend.step_profiler(trace_dir, "driver"):
                 yield
         finally:
             for group in remote.values():
-                group.run("profile_stop")
+                group.run(ProfiledWorker.profile_stop)
         log.info("step %d profiled: %s (%s)", step, trace_dir, ", ".join(
             ["driver"] + [f"{role} x{g.num_workers}" for role, g in remote.items()]))

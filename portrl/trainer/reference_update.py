@@ -14,19 +14,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from portrl.workers.actor import ActorRolloutWorker
+
 if TYPE_CHECKING:  # annotations only
+    from portrl.config.schema import PortRLConfig
     from portrl.workers.group import WorkerGroup
 
 
 class ReferenceRun(Protocol):
     """What :func:`refresh_reference` reads of a run (an :class:`portrl.trainer.rl_trainer.RLTrainer` is one)."""
 
-    cfg: Any
+    cfg: PortRLConfig
     use_ref: bool  # the run has a reference policy
-    actor: WorkerGroup
+    actor: WorkerGroup[ActorRolloutWorker]
 
 
-def reference_update_due(cfg: Any, step: int) -> bool:
+def reference_update_due(cfg: PortRLConfig, step: int) -> bool:
     """Whether step ``step`` starts by copying the policy into the reference."""
     freq = int(cfg.trainer.ref_update_freq)
     return freq > 0 and step % freq == 0
@@ -38,4 +41,4 @@ def refresh_reference(trainer: ReferenceRun, step: int, timer: Any) -> None:
     ``timing_s/ref_update``)."""
     if trainer.use_ref and reference_update_due(trainer.cfg, step):
         with timer("ref_update"):
-            trainer.actor.run("update_reference")
+            trainer.actor.run(ActorRolloutWorker.update_reference)

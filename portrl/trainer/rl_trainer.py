@@ -165,10 +165,10 @@ class RLTrainer:
             m.update(old_policy_phase(cfg, self.actor, batch, timer))  # old log-probs (or the rollout's)
             if self.use_ref:
                 with timer("ref"):
-                    batch.union(self.actor.concat("compute_ref_log_probs", batch))
+                    batch.union(self.actor.concat(ActorRolloutWorker.compute_ref_log_probs, batch))
             if self.critic is not None:
                 with timer("values"):
-                    batch.union(self.critic.concat("compute_values", batch))
+                    batch.union(self.critic.concat(CriticWorker.compute_values, batch))
             m.update(self.prm.run(self, batch, timer) if self.prm is not None else {})  # PRIME: implicit rewards
             with timer("adv"):
                 m.update(apply_reward_kl(cfg, batch, self.kl_ctrl))
@@ -180,10 +180,10 @@ class RLTrainer:
                                                                  seed=generation_seed(cfg, step, 700)))
             if self.critic is not None:
                 with timer("update_critic"):
-                    m.update(self.critic.metrics("update_critic", batch))
+                    m.update(self.critic.metrics(CriticWorker.update_critic, batch))
             if step > int(cfg.critic.warmup_steps) or self.critic is None:
                 with timer("update_actor"):
-                    m.update(self.actor.metrics("update_actor", batch))
+                    m.update(self.actor.metrics(ActorRolloutWorker.update_actor, batch))
                 with timer("sync"):
                     m.update(self.sync_weights(step))
         elapsed = time.perf_counter() - t0
@@ -207,7 +207,7 @@ class RLTrainer:
         self.sent_version = version
         if self.weight_link is not None:
             return sync_metrics(self.weight_link.sync(version))
-        self.actor.run("sync_weights")
+        self.actor.run(ActorRolloutWorker.sync_weights)
         return {}
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -254,11 +254,11 @@ class RLTrainer:
                                  f"(data.name={cfg.data.name}, data.train_files empty); run `portrl sft` first")
             if t.val_before_train and self.val_prompts is not None:
                 summary["val_before"] = self.validate(-1).get("val/acc/mean")  # the untrained model
-            sft = self.actor.metrics("run_sft", rows, int(cfg.model.sft_steps), float(cfg.model.sft_lr),
-                                     int(cfg.model.sft_batch_size))
+            sft = self.actor.metrics(ActorRolloutWorker.run_sft, rows, int(cfg.model.sft_steps),
+                                     float(cfg.model.sft_lr), int(cfg.model.sft_batch_size))
             summary.update(sft)
         if self.use_ref and resume is None:
-            self.actor.run("init_reference")
+            self.actor.run(ActorRolloutWorker.init_reference)
         if self.weight_link is not None:  # separated rollout workers start from the resumed / warm-started policy
             if self.pipeline.plan.overlaps:
                 self.weight_link.start_listeners()  # they receive each version while they generate
@@ -355,7 +355,7 @@ class RLTrainer:
     def _finish(self, summary: Dict[str, Any], started: float, earlier: List[Dict[str, Any]]) -> Dict[str, Any]:
         t = self.cfg.trainer
         if t.export_hf:
-            summary["export_dir"] = self.actor.rank0("export_hf", str(self.out_dir / "hf_model"))
+            summary["export_dir"] = self.actor.rank0(ActorRolloutWorker.export_hf, str(self.out_dir / "hf_model"))
         if t.plot:
             try:
                 summary["plots"] = [str(p) for p in plot_run(str(self.out_dir))]

@@ -33,11 +33,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, Optional, Tuple
 
-from portrl.trainer.generation import generation_seed, sampling_params
+from portrl.trainer.generation import Generates, generation_seed, sampling_params
 from portrl.workers.batch import Batch
 from portrl.workers.partial_rollout import staleness_metrics
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+    from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class AsyncPlan:
         return self.mode != "sync"
 
 
-def async_plan(cfg: Any) -> AsyncPlan:
+def async_plan(cfg: PortRLConfig) -> AsyncPlan:
     """The :class:`AsyncPlan` of ``cfg.trainer.mode`` and ``cfg.async_training``."""
     mode = str(cfg.trainer.mode)
     if mode == "sync":
@@ -88,7 +92,8 @@ class RolloutPipeline:
     """Generation requests of one run on ``gen`` (a WorkerGroup of rollout workers, or the colocated actor in sync
     mode): ``draw()`` gives the next prompt Batch, ``data_state()`` the dataset's position."""
 
-    def __init__(self, cfg: Any, gen: Any, draw: Callable[[], Batch], data_state: Callable[[], Dict[str, Any]]):
+    def __init__(self, cfg: PortRLConfig, gen: WorkerGroup[Generates], draw: Callable[[], Batch],
+                 data_state: Callable[[], Dict[str, Any]]):
         self.cfg, self.gen, self.draw, self.dataset_state = cfg, gen, draw, data_state
         self.plan = async_plan(cfg)
         self.queue: Deque[Request] = deque()
@@ -105,7 +110,7 @@ class RolloutPipeline:
             state, prompts, index = again.data_state, again.prompts, again.index
         sampling = sampling_params(self.cfg, generation_seed(self.cfg, for_step, j))
         kwargs = dict(extra, min_version=version) if self.plan.overlaps else dict(extra)
-        call = self.gen.submit("generate_from", prompts, sampling, **kwargs)
+        call = self.gen.submit(Generates.generate_from, prompts, sampling, **kwargs)
         return Request((for_step, j), prompts, state, index, version, call)
 
     def take(self, step: int, version: int, extra: Optional[Dict[str, Any]] = None) -> Tuple[Batch, Batch, int]:

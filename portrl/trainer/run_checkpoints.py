@@ -39,10 +39,14 @@ from portrl.trainer.checkpoint import MANIFEST, REFERENCE, CheckpointManager, Un
     reference_pin, sha256_file, unusable
 from portrl.trainer.checkpoint_io import ShardedState, StateFormatError, is_sharded, load_state, save_state
 from portrl.trainer.reference_repair import restore_reference
-from portrl.trainer.run_identity import MODEL_KEYS, apply_lr, fingerprint, run_identity
+from portrl.trainer.run_identity import MODEL_KEYS, fingerprint, run_identity
+from portrl.workers.actor import ActorRolloutWorker
+from portrl.workers.trained_model import TrainedModelWorker
 from portrl.workers.training import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # annotations only
+    from portrl.config.schema import PortRLConfig
+    from portrl.workers.critic import CriticWorker
     from portrl.workers.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -83,10 +87,10 @@ class CheckpointedRun(Protocol):
     (``load_state_dict``; ``data_position()`` is what a checkpoint keeps: before the requests still in flight in the
     asynchronous modes) and ``restart_data()`` after it is restored, the adaptive KL controller or None."""
 
-    cfg: Any
+    cfg: PortRLConfig
     global_step: int
-    actor: WorkerGroup
-    critic: Optional[WorkerGroup]
+    actor: WorkerGroup[ActorRolloutWorker]
+    critic: Optional[WorkerGroup[CriticWorker]]
     prm: Optional[Any]
     use_ref: bool
     reference_copy: ReferenceCopy
@@ -106,9 +110,10 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
     groups = [(name, group) for name, group in (("actor", trainer.actor), ("critic", trainer.critic),
                                                 ("prm", _prm_group(trainer))) if group is not None]
     # FSDP2 over several ranks: every rank writes its own shard in write(); otherwise rank 0's gathered state
-    states = {name: None if group.rank0("sharded_checkpoint") else group.rank0("state_dict") for name, group in groups}
+    states = {name: None if group.rank0(TrainedModelWorker.sharded_checkpoint) else
+              group.rank0(TrainedModelWorker.state_dict) for name, group in groups}
     actor = states["actor"]
-    ref = trainer.actor.rank0("reference_state") if actor is None else actor.pop("ref", None)
+    ref = trainer.actor.rank0(ActorRolloutWorker.reference_state) if actor is None else actor.pop("ref", None)
     own_ref = ref is not None and int(trainer.cfg.trainer.ref_update_freq) > 0  # SPIN: the reference moves
     if own_ref:
         meta[OWN_REFERENCE] = True
@@ -121,22 +126,22 @@ def save_run_checkpoint(trainer: CheckpointedRun) -> Path:
         for name, group in groups:
             group_state = states[name]
             if group_state is None:
-                group.run("save_shard", str(path.resolve()), name)  # <path>/<name>/rank_<r>.*, by each rank
+                group.run(TrainedModelWorker.save_shard, str(path.resolve()), name)  # <path>/<name>/rank_<r>.*
             else:
                 save_state(path, name, group_state)
         save_state(path, "trainer", state)
-        if own_ref:
+        if own_ref and ref is not None:  # own_ref says it is
             save_state(path, "ref", ref)
 
     return trainer.ckpt.save(trainer.global_step, write, meta)
 
 
-def _prm_group(trainer: CheckpointedRun) -> Optional[WorkerGroup]:
+def _prm_group(trainer: CheckpointedRun) -> Optional[WorkerGroup[TrainedModelWorker]]:
     """The workers of PRIME's implicit PRM (portrl/trainer/prime_phase.py), None when the run has none."""
     return None if trainer.prm is None else trainer.prm.group
 
 
-def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bool]:
+def _worker_state(path: Path, name: str, group: WorkerGroup[TrainedModelWorker]) -> Tuple[Dict[str, Any], bool]:
     """``(state, by_rank)`` of worker state ``name`` in checkpoint ``path`` for ``group``: the whole state (one
     file pair, or shards joined for a group that does not shard), or, for a sharded group and shards
     (``by_rank``), its JSON part alone: every rank then reads its own rows (``load_shard``), from a checkpoint
@@ -145,7 +150,7 @@ def _worker_state(path: Path, name: str, group: Any) -> Tuple[Dict[str, Any], bo
     if not is_sharded(path, name):
         return load_state(path, name), False
     shards = ShardedState(path, name)  # checks that the shards are one complete set
-    if group.rank0("sharded_checkpoint"):
+    if group.rank0(TrainedModelWorker.sharded_checkpoint):
         state = shards.load(tensors=False)
         state.pop("ref", None)
         return state, True
@@ -163,10 +168,11 @@ def _restore_reference(trainer: CheckpointedRun, path: Path, manifest: Dict[str,
         return
 
     def write(folder: Path) -> None:
-        ref = trainer.actor.rank0("reference_state")  # a trainer that ran fit() before holds the run's reference
+        ref = trainer.actor.rank0(ActorRolloutWorker.reference_state)  # held by a trainer that ran fit() before
         if ref is None:
-            trainer.actor.run("init_reference")  # what fit() freezes on a fresh start without a warm start
-            ref = trainer.actor.rank0("reference_state")
+            trainer.actor.run(ActorRolloutWorker.init_reference)  # what fit() freezes on a fresh start (no warm start)
+            ref = trainer.actor.rank0(ActorRolloutWorker.reference_state)
+        assert ref is not None  # init_reference froze one
         save_state(folder, "ref", ref)  # as save_run_checkpoint writes it
 
     sft = bool(getattr(trainer.cfg.model, "sft_warm_start", False))
@@ -187,12 +193,13 @@ def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool 
     if use_ref:
         _restore_reference(trainer, path, manifest)
     ref_meta = manifest["meta"].get("reference")
+    prm_group = _prm_group(trainer)
     try:
         actor, actor_by_rank = _worker_state(path, "actor", trainer.actor)
         critic, critic_by_rank = _worker_state(path, "critic", trainer.critic) \
             if trainer.critic is not None and not policy_only else (None, False)
-        prm, prm_by_rank = _worker_state(path, "prm", _prm_group(trainer)) \
-            if _prm_group(trainer) is not None and not policy_only else (None, False)
+        prm, prm_by_rank = _worker_state(path, "prm", prm_group) \
+            if prm_group is not None and not policy_only else (None, False)
         state = None if policy_only else load_state(path, "trainer")
         if use_ref and ref_meta is not None:  # the run's reference, written once (save_run_checkpoint)
             actor["ref"] = load_state(path.parent / ref_meta["dir"], "ref")
@@ -205,26 +212,23 @@ def load_run_checkpoint(trainer: CheckpointedRun, path: Path, policy_only: bool 
     ckpt = getattr(trainer, "ckpt", None)
     if ref_meta is not None and ckpt is not None and path.parent.resolve() == ckpt.root.resolve():
         trainer.reference_copy.remember(ckpt.root, ref_meta)  # resumed in place: no need to write it again
-    for name, group, worker_state, by_rank, optim, key in (
-            ("actor", trainer.actor, actor, actor_by_rank, trainer.cfg.actor.optim, "actor.optim.lr"),
-            ("critic", trainer.critic, critic, critic_by_rank, trainer.cfg.critic.optim, "critic.optim.lr"),
-            ("prm", _prm_group(trainer), prm, prm_by_rank, trainer.cfg.reward_model.model.optim,
-             "reward_model.model.optim.lr")):
+    groups: Tuple[Tuple[str, Optional[WorkerGroup[TrainedModelWorker]], Optional[Dict[str, Any]], bool, str], ...] = (
+        ("actor", trainer.actor, actor, actor_by_rank, "actor.optim.lr"),
+        ("critic", trainer.critic, critic, critic_by_rank, "critic.optim.lr"),
+        ("prm", prm_group, prm, prm_by_rank, "reward_model.model.optim.lr"))
+    for name, group, worker_state, by_rank, key in groups:
         if worker_state is None:
             continue
         assert group is not None  # a state was read above only for a group the run has
+        # the model restores itself: a learning rate changed since the checkpoint rescales its schedule (the note)
         with _fitting(path, f"its {name} state"):
-            note = apply_lr(worker_state, float(optim.lr), key)
-            if by_rank:  # each rank reads its own rows; the driver's part: the (rescaled) schedule, the reference
-                extra = {"scheduler": worker_state["scheduler"],
-                         "optimizer": {"param_groups": worker_state["optimizer"]["param_groups"]}}
-                if "ref" in worker_state:
-                    extra["ref"] = worker_state["ref"]
-                group.run("load_shard", str(path.resolve()), name, extra)  # a Ray worker's cwd may differ
+            if by_rank:  # each rank reads its own rows; the driver's part: the reference
+                extra = {"ref": worker_state["ref"]} if "ref" in worker_state else {}
+                note = group.rank0(TrainedModelWorker.load_shard, str(path.resolve()), name, extra)  # a Ray cwd differs
             else:
-                group.run("load_state_dict", worker_state)
+                note = group.rank0(TrainedModelWorker.load_state_dict, worker_state)
         if note and not policy_only:
-            log.warning("%s", note)
+            log.warning("%s %s", key, note)
     if prm is not None:
         assert trainer.prm is not None  # its state was read above for its group
         trainer.prm.loaded_from_checkpoint()

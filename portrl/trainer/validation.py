@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -20,10 +20,13 @@ from portrl.progress import activity
 from portrl.trainer.sandbox_check import unisolated_note
 from portrl.workers.batch import Batch, response_lengths
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
 log = logging.getLogger(__name__)
 
 
-def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: Any) -> Optional[Batch]:
+def validation_prompts(cfg: PortRLConfig, files: List[str], tokenizer: Any, processor: Any) -> Optional[Batch]:
     """The validation prompts of ``files`` (at most ``data.max_val_samples``, in file order); None without files
     or when no validation runs (``trainer.test_freq`` <= 0 and no ``trainer.val_before_train``)."""
     if not files or int(cfg.trainer.test_freq) <= 0 and not cfg.trainer.val_before_train:
@@ -34,7 +37,7 @@ def validation_prompts(cfg: Any, files: List[str], tokenizer: Any, processor: An
     return prompt_batch(next(ds.batches(ds.num_rows))).slice(0, n)
 
 
-def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: int,
+def validate(cfg: PortRLConfig, gen: Any, reward: Any, prompts: Optional[Batch], step: int,
              extra: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
     """``val/*`` metrics of ``prompts`` generated on ``gen`` and scored by ``reward`` in chunks of
     ``data.val_batch_size`` (with multi-turn rollouts also ``val/agent/*``); {} without prompts. ``extra``: keyword
@@ -49,6 +52,7 @@ def validate(cfg: Any, gen: Any, reward: Any, prompts: Optional[Batch], step: in
     with activity("validation") as shown:  # the console shows it while it runs (portrl.progress)
         for i, chunk in enumerate(chunks):
             shown[2] = f"{i * int(size)}/{len(prompts)} prompts done" if len(chunks) > 1 else ""
+            # by name: the stand-in groups of tests/test_agent_traces.py compare it (Generates.generate_from)
             b = gen.concat("generate_from", chunk, sampling_params(cfg, generation_seed(cfg, 10**6 + step, i),
                                                                   greedy=True), **(extra or {}))
             r = reward.compute_reward(b)

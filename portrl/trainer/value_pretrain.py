@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple
 from portrl.algo import explained_variance
 from portrl.trainer.advantage_phase import compute_batch_advantages
 from portrl.trainer.metrics import Timer
+from portrl.workers.critic import CriticWorker
 
 if TYPE_CHECKING:  # annotations only
+    from portrl.config.schema import PortRLConfig
     from portrl.workers.batch import Batch
     from portrl.workers.group import WorkerGroup
 
@@ -46,7 +48,7 @@ class Rollout(Protocol):
     def __call__(self, step: int, timer: Timer, for_update: bool = True) -> Tuple[Optional[Batch], Any]: ...
 
 
-def pretrain_critic(cfg: Any, critic: WorkerGroup, rollout: Rollout) -> Dict[str, float]:
+def pretrain_critic(cfg: PortRLConfig, critic: WorkerGroup[CriticWorker], rollout: Rollout) -> Dict[str, float]:
     """Run value pretraining of ``critic`` (the run's critic group) on batches of ``rollout`` (the run's own,
     pretraining step ``k`` as step ``-k``), as ``cfg`` says. Returns ``critic/pretrain_steps``,
     ``critic/pretrain_ev`` (the window's mean explained variance at the end, NaN when no batch had varying
@@ -60,14 +62,14 @@ def pretrain_critic(cfg: Any, critic: WorkerGroup, rollout: Rollout) -> Dict[str
         batch, _ = rollout(-k, Timer(), for_update=False)
         if batch is None:  # dynamic sampling kept no group
             continue
-        batch.union(critic.concat("compute_values", batch))
+        batch.union(critic.concat(CriticWorker.compute_values, batch))
         batch["token_level_rewards"] = batch.tensors["token_level_scores"]
         compute_batch_advantages(cfg, batch)
         t = batch.tensors
         ev = float(explained_variance(t["returns"], t["values"], t["response_mask"]))
         if math.isfinite(ev):
             recent.append(ev)
-        critic.metrics("update_critic", batch, advance_schedule=False)
+        critic.metrics(CriticWorker.update_critic, batch, advance_schedule=False)
         mean = _mean(recent)
         if k % LOG_EVERY == 0:
             log.info("value pretraining: step %d/%d, explained variance %.3f (mean of the last %d batches)",

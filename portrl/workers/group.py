@@ -232,11 +232,15 @@ class WorkerGroup(Generic[W]):
         self._all = [True] * self.num_workers
         self._none = [False] * self.num_workers
         self._first = [True] + [False] * (self.num_workers - 1)
+        self._names: Dict[Callable[..., Any] | str, str] = {}  # method -> the name it is dispatched by (method_name)
 
     # ------------------------------------------------------------------------------ dispatch
     def _execute(self, method: Callable[..., Any] | str, args: tuple, kwargs: dict, reply: List[bool]) -> List[Any]:
+        name = self._names.get(method)  # the hot path: one lookup
+        if name is None:
+            name = self._names[method] = method_name(self.worker_cls, method)
         per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
-        return self.launcher.execute(method_name(self.worker_cls, method), per_rank, reply)
+        return self.launcher.execute(name, per_rank, reply)
 
     @overload
     def gather(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> List[R]: ...

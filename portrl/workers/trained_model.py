@@ -22,7 +22,7 @@ worker answers (``weights_finite``, ``state_dict``, ``load_state_dict``, ``shard
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,11 +32,14 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_train_state, train_state
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.profiled import ProfiledWorker
-from portrl.workers.training import build_lr_scheduler, build_optimizer, shares_prompts
+from portrl.workers.training import build_lr_scheduler, build_optimizer, rescale_lr, shares_prompts
 from portrl.workers.update_loop import LoopSettings, LossFn, Trainable, mini_batch_rows, run_update
 
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
 
-def model_strategy(cfg: Any, backend: Backend, world_size: int) -> str:
+
+def model_strategy(cfg: PortRLConfig, backend: Backend, world_size: int) -> str:
     """The data-parallel strategy of a trained model: ``actor.strategy`` resolved for ``backend``
     (portrl.workers.parallel.resolve_strategy) with several workers, ``none`` with one."""
     return resolve_strategy(str(cfg.actor.strategy), backend) if world_size > 1 else "none"
@@ -51,7 +54,7 @@ class TrainedModel:
     forward)`` instead of the module itself (with several workers). ``cfg`` supplies ``trainer.total_steps`` (the
     schedule's length) and the loop settings' sections (actor, rollout, data, model)."""
 
-    def __init__(self, cfg: Any, module: torch.nn.Module, *, backend: Backend, device: torch.device, dtype: str,
+    def __init__(self, cfg: PortRLConfig, module: torch.nn.Module, *, backend: Backend, device: torch.device, dtype: str,
                  strategy: str, optim: Mapping[str, Any], rank: int = 0, world_size: int = 1,
                  forward: Optional[Callable[..., Any]] = None):
         self.cfg, self.module, self.device, self.dtype = cfg, module, device, dtype
@@ -105,10 +108,15 @@ class TrainedModel:
         model_sd, optim_sd = train_state(self.module, self.optimizer, self.master, sharded=sharded)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
-    def load(self, state: Mapping[str, Any], sharded: bool = False) -> None:
-        """The inverse of :meth:`state` (the other keys of ``state`` are left alone)."""
+    def load(self, state: Mapping[str, Any], sharded: bool = False) -> Optional[str]:
+        """The inverse of :meth:`state` (the other keys of ``state`` are left alone). A schedule saved with another
+        base learning rate than ``optim.lr`` continues from its step with ``optim.lr``: the state's schedule and
+        optimizer groups are rescaled first, in place (:func:`~portrl.workers.training.rescale_lr`); returns that
+        note (``"changed since the checkpoint (...)"``), None when the rate is the saved one."""
+        note = rescale_lr(state, float(self.optim["lr"]))
         load_train_state(self.module, self.optimizer, self.master, state["model"], state["optimizer"], sharded)
         self.scheduler.load_state_dict(state["scheduler"])
+        return note
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> Tuple[List[str], List[str]]:
         """Full tensors keyed by the module's names into the module (under FSDP2 each rank keeps its rows), then the
@@ -116,7 +124,7 @@ class TrainedModel:
         unexpected)`` names. Under FSDP2 every rank calls it."""
         if self.sharded:
             # not at the top: this module takes ~0.8 s to import and only FSDP2 needs it (portrl.workers.parallel)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: PLC0415  (FSDP: only in a sharded run)
 
             keys = set_model_state_dict(self.module, dict(weights),
                                         options=StateDictOptions(full_state_dict=True, strict=False))
@@ -185,11 +193,14 @@ class TrainedModelWorker(ProfiledWorker):
         workers (a collective under FSDP2: every rank calls it; each gets it all)."""
         return {**self.trained.state(), **self.extra_state(sharded=False)}
 
-    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> Optional[str]:
         """The inverse of :meth:`state_dict` (every rank gets the same full state); ``sharded``: of
-        :meth:`load_shard` (this rank's DTensor shards)."""
-        self.trained.load(state, sharded)
+        :meth:`load_shard` (this rank's DTensor shards). The model restores itself: a learning rate changed since
+        the state was saved rescales its schedule (:meth:`TrainedModel.load`), and the note saying so is
+        returned (None when unchanged)."""
+        note = self.trained.load(state, sharded)
         self.load_extra_state(state)
+        return note
 
     def save_shard(self, directory: str, name: str) -> None:
         """This rank's part of the state, written by this rank with nothing gathered:
@@ -197,7 +208,7 @@ class TrainedModelWorker(ProfiledWorker):
         state = {**self.trained.state(sharded=True), **self.extra_state(sharded=True)}
         save_shard(directory, name, state, self.rank, self.world_size)
 
-    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> None:
+    def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> Optional[str]:
         """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
-        that replace the saved ones (a rescaled learning-rate schedule, a reference). Every rank calls it."""
-        self.load_state_dict(self.trained.read_shard(directory, name, extra), sharded=True)
+        that replace the saved ones (a reference). Every rank calls it. Returns :meth:`load_state_dict`'s note."""
+        return self.load_state_dict(self.trained.read_shard(directory, name, extra), sharded=True)

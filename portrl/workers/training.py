@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch
 from portrl.algo.rollout_correction import correction_metrics
 from portrl.workers.batch import Batch
 from portrl.workers.parallel import clip_grad_norm  # plain and DTensor (FSDP2) gradients alike
+
+if TYPE_CHECKING:
+    from portrl.config.schema import ActorConfig, ModelConfig, PortRLConfig
 
 SCHEDULERS = ("constant", "cosine", "linear")
 
@@ -55,8 +58,8 @@ def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
     ``load_state_dict`` (torch's own rules for the step counter's dtype and device): the first step then updates
     bit for bit as it would have. Allocated with the model, the moments take their place in memory before the
     first rollout's buffers; created at the end of the first update they took the freed buffers' place, and the
-    second step's rollout allocated ~2 GiB afresh (Qwen2.5-0.5B on the CPU: 24 s of decode against 13 s in the
-    steps after; benchmarks/RESULTS.md). For a new optimizer: any state it held is replaced."""
+    second step's rollout allocated ~2 GiB afresh and decoded slower (docs/performance.md). For a new optimizer: any
+    state it held is replaced."""
     sd = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     ids = [i for group in sd["param_groups"] for i in group["params"]]
@@ -109,6 +112,27 @@ def build_lr_scheduler(optimizer, optim_cfg: Mapping[str, Any], total_steps: int
         optimizer, lambda s: lr_multiplier(s, total_steps, warmup, sched, m))
 
 
+def rescale_lr(state: Mapping[str, Any], lr: float) -> Optional[str]:
+    """A trained model's state (``{"optimizer": {"param_groups"}, "scheduler": {"base_lrs", "_last_lr"}}``) saved
+    with another base learning rate than ``lr``, rescaled in place so that the schedule continues from the saved
+    step with base ``lr``. Returns what changed, ``"changed since the checkpoint (<old> -> <lr>): ..."`` (the
+    caller puts the config key in front), None when nothing did."""
+    sched = state.get("scheduler") or {}
+    base = [float(b) for b in sched.get("base_lrs", [])]
+    lr = float(lr)
+    if not base or all(b == lr for b in base):
+        return None
+    for i, group in enumerate(state.get("optimizer", {}).get("param_groups", [])):
+        old = base[min(i, len(base) - 1)]
+        group["lr"] = float(group.get("lr", old)) * lr / old if old else lr
+        group["initial_lr"] = lr
+    if isinstance(sched.get("_last_lr"), list):
+        sched["_last_lr"] = [float(v) * lr / b if b else lr for v, b in zip(sched["_last_lr"], base)]
+    sched["base_lrs"] = [lr] * len(base)
+    return (f"changed since the checkpoint ({base[0]:g} -> {lr:g}): the learning-rate schedule continues "
+            f"from step {sched.get('last_epoch', '?')} with the new base rate")
+
+
 def dist_active(world_size: int) -> bool:
     return world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -137,7 +161,7 @@ def global_counts(response_mask: torch.Tensor, world_size: int) -> Tuple[int, in
     return int(tokens), int(seqs)
 
 
-def shares_prompts(model_cfg: Any) -> bool:
+def shares_prompts(model_cfg: ModelConfig) -> bool:
     """Whether packed training forwards run each distinct prompt of a micro-batch once (``model`` config section)."""
     return bool(model_cfg.use_packing) and bool(model_cfg.share_prompts)
 
@@ -193,7 +217,7 @@ def split_micro_batches(batch: Batch, micro_size: int, max_tokens: Optional[int]
     return out
 
 
-def inference_micro_batches(batch: Batch, actor_cfg: Any, world_size: int, shared_prompts: bool = False) -> List[Batch]:
+def inference_micro_batches(batch: Batch, actor_cfg: ActorConfig, world_size: int, shared_prompts: bool = False) -> List[Batch]:
     """``batch`` cut for a no-grad forward (log-probs, values): micro-batches of at most
     ``4 * actor_cfg.ppo_micro_batch_size_per_device`` rows and ``actor_cfg.max_tokens_per_micro_batch`` tokens
     (:func:`split_micro_batches`, with ``shared_prompts``; ``actor_cfg`` is the ``actor`` config section), then
