@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from portrl.device import get_backend, resolve_backend
 from portrl.device.backend import Backend
-from portrl.device.decode_kernel import KVCache
+from portrl.device.decode_kernel import DecodeKernel, KVCache
 from portrl.models.forward_tape import ForwardTape, tape_widths
 from portrl.models.hf_types import HFModule
 from portrl.ops import select
@@ -101,8 +101,11 @@ class FastDecoder:
         self.layers: list = []
         self.head: Any = None
         self.tape: Any = None  # a portrl.models.forward_tape.ForwardTape while recording
-        backend = backend if isinstance(backend, Backend) else get_backend(backend) if backend else resolve_backend()
-        self.kernel = backend.decode_kernel()  # the cache's layout, and what the backend runs its own way
+        if backend is None or isinstance(backend, str):
+            backend = get_backend(backend) if backend else resolve_backend()
+        # the cache's layout, and what the backend runs its own way (an object that is no Backend may have none)
+        own_kernel = getattr(backend, "decode_kernel", None)
+        self.kernel = own_kernel() if own_kernel is not None else DecodeKernel()
         self.cache: Optional[KVCache] = None  # one generate call's (start allocates it, release drops it)
         self._last_tape: Any = None  # the previous recording, whose buffers the next one reuses
         self.linear_impl, self._prepack = select("linear_prepacked", backend=backend)
