@@ -149,7 +149,7 @@ class CPUBackend(Backend):
 
     def supports_bf16(self) -> bool:
         """Native bfloat16 arithmetic: x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension. Without it torch
-        emulates bf16 matmuls (measured on an AVX2 host: a 896x4864 linear 7x slower than in float32)."""
+        emulates bf16 matmuls, several times slower than float32 (docs/performance.md)."""
         return bool(native_bf16_features())
 
     def supported_dtypes(self) -> tuple[str, ...]:
@@ -185,12 +185,12 @@ class CPUBackend(Backend):
         return options
 
     def register_kernels(self, registry: KernelRegistry) -> None:
-        from portrl.backends.cpu.kernels import register
+        from portrl.backends.cpu.kernels import register  # noqa: PLC0415  (torch: the doctor runs without it)
 
         register(registry)
 
     def kernel_preferences(self) -> dict[str, tuple[str, ...]]:
-        from portrl.backends.cpu.kernels import PREFERENCES
+        from portrl.backends.cpu.kernels import PREFERENCES  # noqa: PLC0415  (torch: the doctor runs without it)
 
         return dict(PREFERENCES)
 

@@ -2,14 +2,13 @@
 
 By default glibc maps every allocation over 32 MiB on its own and unmaps it on free, so each large tensor of a
 step (activations, gathered rows, gradients) is fresh memory whose pages the kernel must fault in and zero
-again; with huge pages on a VM that first touch cost 16-635 ms for the same 2 x 47 MB call (the fused SwiGLU
-backward of a 0.5B update; 17 ms in reused memory). :func:`keep_freed` makes the heap hold freed memory instead
-(``mallopt(M_MMAP_MAX, 0)``: every allocation from the heap; ``mallopt(M_TRIM_THRESHOLD, -1)``: its top is never
-given back, however large; a threshold of 2^31 - 1 still gave back a top over 2 GiB, as a 0.5B step's freed
-recording is, and the next rollout faulted ~2 GiB in again: 3-6 s of a ~43 s step), the CPU counterpart of a GPU's
-caching allocator; :func:`release_kept` is that cache's ``empty_cache`` (``malloc_trim(0)``: every whole free page of
-every arena back to the kernel), and :func:`kept_free_bytes` is what it holds free (glibc's ``mallinfo2().fordblks``),
-counted as available memory.
+again, which with huge pages on a VM costs far more than reusing memory (docs/performance.md).
+:func:`keep_freed` makes the heap hold freed memory instead (``mallopt(M_MMAP_MAX, 0)``: every allocation from the
+heap; ``mallopt(M_TRIM_THRESHOLD, -1)``: its top is never given back, however large; a threshold of 2^31 - 1 still
+gave back a top over 2 GiB, as a 0.5B step's freed recording is, for the next rollout to fault in again), the CPU
+counterpart of a GPU's caching allocator; :func:`release_kept` is that cache's ``empty_cache`` (``malloc_trim(0)``:
+every whole free page of every arena back to the kernel), and :func:`kept_free_bytes` is what it holds free
+(glibc's ``mallinfo2().fordblks``), counted as available memory.
 
 The process's resident size cannot tell one phase's peak from another's (its high-water mark can only be reset
 through /proc/self/clear_refs, which also resets the ``ru_maxrss`` that ``time -v`` and the benchmarks read; and
@@ -18,9 +17,7 @@ live tensor bytes (backends/cpu/counting_allocator.cpp, built by the host's C++ 
 tensor, so that a freed tensor's chunk fits the next one of its size, its pages already faulted in):
 :func:`tensor_bytes` is then what a GPU's ``memory_allocated`` / ``max_memory_allocated`` are. Without a
 compiler there is no count; off glibc (musl, macOS) or with ``PORTRL_KEEP_FREED_MEMORY=0`` nothing is kept.
-
-Measured on the 2-core VM (benchmarks/RESULTS.md, runs P and Q, arms alternating): a 0.5B GRPO step 60.9-64.4 ->
-48.1-50.1 s (the update about 35 -> 20 s), peak RSS 13.46 -> 13.22-13.33 GB.
+(What keeping freed memory saved a 0.5B GRPO step: docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -59,9 +56,9 @@ def count_tensors() -> bool:
     global _counting
     if _counting:
         return True
-    import torch
+    import torch  # noqa: PLC0415  (torch: the doctor runs without it)
 
-    from . import native_build
+    from . import native_build  # noqa: PLC0415  (native_build imports torch: the doctor runs without it)
 
     if native_build.compiler() is None:
         log.info("no per-phase tensor memory: no C++ compiler to build backends/cpu/counting_allocator.cpp")
@@ -91,7 +88,7 @@ def tensor_bytes() -> tuple[int, int] | None:
     """(live, peak) bytes of the tensors allocated since :func:`count_tensors`; None without the count."""
     if not _counting:
         return None
-    import torch
+    import torch  # noqa: PLC0415  (torch: the doctor runs without it)
 
     live, peak = torch.ops.portrl_cpu_memory.stats()
     return int(live), int(peak)
@@ -100,7 +97,7 @@ def tensor_bytes() -> tuple[int, int] | None:
 def reset_tensor_peak() -> None:
     """Restart the peak of :func:`tensor_bytes` from the live bytes now."""
     if _counting:
-        import torch
+        import torch  # noqa: PLC0415  (torch: the doctor runs without it)
 
         torch.ops.portrl_cpu_memory.reset_peak()
 
@@ -136,12 +133,10 @@ def kept_free_bytes() -> int:
 
 
 #: the fewest free bytes the heap must hold for :func:`release_kept` to trim it. Below this the pages handed back
-#: are faulted in again by the next step at more cost than they free (benchmarks/RESULTS.md, runs U-V and Y): the
-#: small benchmark configuration (~30 MiB free at each rollout) trimmed at every rollout faulted 5,000-7,600 pages
-#: a step against 400-900 untrimmed, 0.14-0.19 s a step against 0.11-0.13; the medium one (150-270 MiB free)
-#: 20,000-30,000 against ~0, its update 0.77-1.07 s against 0.52-0.65, for 4 % less peak RSS (1054 vs 1097-1102
-#: MiB). No step of a run calls it any more (the hf engine stopped emptying the cache before each rollout,
-#: portrl/rollout/hf_engine.py): it serves an explicit ``Backend.empty_cache``.
+#: are faulted in again by the next step at more cost than they free (the small and medium benchmark configurations
+#: hold ~30 and 150-270 MiB free at a rollout: docs/performance.md). No step of a run calls it any more (the hf
+#: engine stopped emptying the cache before each rollout, portrl/rollout/hf_engine.py): it serves an explicit
+#: ``Backend.empty_cache``.
 RELEASE_MIN_BYTES = 512 << 20
 
 

@@ -40,9 +40,8 @@ NAMES = {"avx512": "AVX-512", "avx2": "AVX2+FMA"}
 TORCH_ALLOWS = {"avx512": ("AVX512",), "avx2": ("AVX512", "AVX2")}
 #: CPUs (``vendor_id``, ``cpu family`` of /proc/cpuinfo) that run AVX-512 on 256-bit units, each 512-bit
 #: instruction in two passes, where ``auto`` prefers the AVX2 variant: AMD family 25 (Zen 4; Zen 3, the same
-#: family, has no AVX-512). Measured on a 2-core Zen 4 (benchmarks/RESULTS.md, "AVX2 kernel variant"): the AVX2
-#: variant's Qwen2.5-0.5B decode step 137-140 ms against 145-147, the medium model's generate call 368 against
-#: 379-387 ms, the small one's and the fused SwiGLU's level. Zen 5 (family 26) has 512-bit units.
+#: family, has no AVX-512), where the AVX2 variant was as fast or faster (docs/performance.md). Zen 5 (family 26)
+#: has 512-bit units.
 HALF_WIDTH_AVX512 = frozenset({("AuthenticAMD", 25)})
 
 log = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ def chosen() -> Choice:
 @lru_cache(maxsize=16)
 def _chosen(wanted: str, cxx: str | None, path: str | None) -> Choice:
     """:func:`chosen`'s choice, once per ``PORTRL_CPU_ISA`` / ``CXX`` / ``PATH`` (a process asks per call)."""
-    import torch
+    import torch  # noqa: PLC0415  (torch: the doctor runs without it)
 
     return choose(cpu_flags(), platform.machine(), torch.backends.cpu.get_cpu_capability(), wanted,
                   compiler() is not None, cpu_identity())

@@ -144,7 +144,7 @@ def _cpu_identity() -> str:
 
 
 def _command(cxx: str, source: Path, output: Path, variant: str | None = None) -> list[str]:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # noqa: PLC0415  (torch: the doctor runs without it)
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [cxx, *flags(variant), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",

@@ -48,7 +48,7 @@ def available() -> bool | str:
     if interpreting():
         return True
     try:
-        from triton.runtime import driver
+        from triton.runtime import driver  # noqa: PLC0415  (optional dependency: triton)
 
         driver.active  # noqa: B018 - raises when Triton finds no GPU driver
     except Exception as exc:  # Triton raises RuntimeError (no driver) or ImportError (broken install)
@@ -58,8 +58,8 @@ def available() -> bool | str:
 
 def register(registry) -> None:
     """Register the Triton implementations ("triton") of logprobs_entropy and rms_norm."""
-    from portrl.backends.triton.logprobs import logprobs_entropy_triton
-    from portrl.backends.triton.rms_norm import rms_norm_triton
+    from portrl.backends.triton.logprobs import logprobs_entropy_triton  # noqa: PLC0415  (torch and Triton: only when the kernels are registered)
+    from portrl.backends.triton.rms_norm import rms_norm_triton  # noqa: PLC0415  (torch and Triton: only when the kernels are registered)
 
     registry.register("logprobs_entropy", "triton", logprobs_entropy_triton, available)
     registry.register("rms_norm", "triton", rms_norm_triton, available)

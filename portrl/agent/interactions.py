@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from portrl.errors import UserError
+from portrl.rewards.registry import compute_score
 
 BUILTIN_INTERACTIONS = {"reward_feedback": "portrl.agent.interactions:RewardFeedback"}
 
@@ -59,8 +60,6 @@ class RewardFeedback(Interaction):
         self.feedback, self.threshold = str(feedback), float(threshold)
 
     def respond(self, messages: List[Dict[str, Any]], kwargs: Dict[str, Any]) -> InteractionReply:
-        from portrl.rewards.registry import compute_score  # noqa: PLC0415  (the rewards only where scored)
-
         answer = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
         result = compute_score(str(kwargs.get("data_source", "")), answer, kwargs.get("ground_truth", ""), kwargs)
         score = float(result["score"] if isinstance(result, dict) else result)

@@ -33,7 +33,7 @@ import typing
 from functools import lru_cache
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from portrl.algo.registry import POLICY_LOSSES
+from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES, POLICY_LOSSES, load_plugins
 
 SECTIONS = ("algorithm", "actor", "actor.policy_loss")
 _META = "portrl_option"
@@ -220,7 +220,6 @@ def placements() -> List[Placed]:
 def _placed() -> Tuple[List[Placed], List[Placed]]:
     """(every declaration unscoped, every declaration placed), recomputed only when what is registered changes."""
     import portrl.algo  # noqa: F401,PLC0415  (importing the package registers the built-ins)
-    from portrl.algo.registry import ADV_ESTIMATORS, OBJECTIVES, load_plugins  # noqa: PLC0415
 
     load_plugins()
     key = (tuple(ADV_ESTIMATORS._fns.items()), tuple(OBJECTIVES._fns.items()), tuple(POLICY_LOSS_OPTIONS.items()))

@@ -153,7 +153,7 @@ def get_registry(kind: str) -> Registry:
 
 def registered(kind: str, include_aliases: bool = False) -> List[str]:
     """Sorted canonical names registered under ``kind`` (aliases appended if asked), plugins included."""
-    import portrl.algo  # noqa: F401  (importing the package fills the registries; it imports this module: lazy)
+    import portrl.algo  # noqa: F401,PLC0415  (the package fills the registries; it imports this module)
 
     load_plugins()
 

@@ -17,6 +17,7 @@ TRL's ``cispo`` (upper cap only), ``vespo`` and ``luspo`` are different objectiv
 
 from __future__ import annotations
 
+import portrl.algo.aggregation  # noqa: F401  (registers the aliases' targets)
 from portrl.algo.registry import LOSS_AGG_MODES
 
 TRL_LOSS_TYPE_TO_AGG_MODE = {
@@ -29,8 +30,6 @@ TRL_LOSS_TYPE_TO_AGG_MODE = {
 
 def register_trl_aliases() -> None:
     """Register TRL names as aliases in the ``loss_agg_mode`` registry (idempotent)."""
-    import portrl.algo.aggregation  # noqa: F401  (the targets must be registered first)
-
     for alias, target in TRL_LOSS_TYPE_TO_AGG_MODE.items():
         LOSS_AGG_MODES.alias(alias, target)
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = importlib.import_module(f"portrl.cli.{COMMANDS[args.command][0]}")
     # here, not at the top: the worker layer is imported only once a command runs (`portrl --help` stays fast)
-    from portrl.workers.ray_calls import WorkerDiedError
+    from portrl.workers.ray_calls import WorkerDiedError  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     try:
         return int(module.run(args) or 0)

@@ -36,14 +36,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.config.presets import GROUPS, list_presets
+    from portrl.config.presets import GROUPS, list_presets  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.action == "list":
         for group in GROUPS:
             print(f"{group}: {', '.join(list_presets(group))}")
         return 0
     opts = _options_parser().parse_intermixed_args(args.rest)  # before the import: `config show --help` stays fast
-    from portrl.config.composition import compose, key_origins, to_yaml
+    from portrl.config.composition import compose, key_origins, to_yaml  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     cfg = compose(device=opts.device, preset=opts.preset, config_file=opts.config,
                   overrides=opts.overrides, check=not opts.no_check)

@@ -30,8 +30,8 @@ _KIND_WORDS = {"backend": "backend", "rollout_engine": "rollout engine", "algori
 
 def _broken_rows() -> list[dict]:
     # lazy: the rollout and algorithm packages import torch, which only this part of the command needs
-    from portrl.algo.registry import load_plugins
-    from portrl.rollout import broken_engines
+    from portrl.algo.registry import load_plugins  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.rollout import broken_engines  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     groups = {"backend": broken_backends(), "rollout_engine": broken_engines(), "algorithm": load_plugins()}
     return [{"kind": kind, "name": name, "usable": False, "plugin": b.value, "error": b.error, "reason": b.message}

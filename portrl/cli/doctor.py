@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
 def collect_checks(backend: Backend, all_backends) -> list:
     """Every doctor check for ``backend``; ``all_backends`` contribute their host-wide traps."""
     from portrl.device.checks import FAIL, OK, Check, compat_check, constraint_check, declared_requirement_checks, \
-        ray_isolation_check
+        ray_isolation_check  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     result = backend.probe()
     if result.usable:
@@ -54,8 +54,8 @@ def collect_checks(backend: Backend, all_backends) -> list:
 
 
 def run(args) -> int:
-    from portrl.device import all_backends, resolve_backend
-    from portrl.device.checks import FAIL
+    from portrl.device import all_backends, resolve_backend  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.device.checks import FAIL  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     backend = resolve_backend(args.device, require_usable=False)  # an unknown name: BackendError, exit 2
     if not args.json:  # the first line before the checks run (a package metadata scan takes a moment)

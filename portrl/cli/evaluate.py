@@ -65,7 +65,7 @@ def evaluation_config(cfg):
 def checkpoint_model(path: str) -> Dict[str, Any]:
     """The model keys (``model.*``, ``actor.lora_rank``) of the run identity checkpoint ``path`` records; {} when
     ``path`` is no readable checkpoint (the preflight then says what is wrong with it)."""
-    from portrl.trainer.run_identity import MODEL_KEYS
+    from portrl.trainer.run_identity import MODEL_KEYS  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     try:
         manifest = json.loads((Path(path).expanduser() / "manifest.json").read_text())
@@ -80,7 +80,7 @@ def checkpoint_overrides(saved: Dict[str, Any], user_keys: frozenset) -> list[st
     """``key=value`` overrides that give a run the model of a checkpoint (``saved``: :func:`checkpoint_model`),
     except the keys in ``user_keys`` (set on the command line, which wins). The built-in tiny model
     (``model.path`` ``<tiny>``) keeps ``model.path`` unset and gets its ``model.tiny.*``."""
-    from portrl.trainer.run_identity import TINY
+    from portrl.trainer.run_identity import TINY  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     out = []
     for key, value in sorted(saved.items()):
@@ -95,7 +95,7 @@ def checkpoint_overrides(saved: Dict[str, Any], user_keys: frozenset) -> list[st
 def check_checkpoint_model(cfg, checkpoint: str, saved: Dict[str, Any]) -> None:
     """UserError when ``cfg`` names another model than the one checkpoint ``checkpoint`` was trained from (its
     ``saved`` model keys), or when that model is no longer where the checkpoint says."""
-    from portrl.trainer.run_identity import MODEL_KEYS, TINY, identity_diff, run_identity
+    from portrl.trainer.run_identity import MODEL_KEYS, TINY, identity_diff, run_identity  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if not saved:
         return
@@ -140,18 +140,18 @@ def progress_chunk(cfg) -> int:
 
 def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "Accuracy of a model on a dataset.", EXTRA), args.rest)  # --help exits
-    from portrl.device import check_cli_device, config_backend
+    from portrl.device import check_cli_device, config_backend  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     check_cli_device(opts.device, opts.overrides, preset=opts.preset, config_file=opts.config)  # before torch loads
-    from portrl.config.composition import explicit_keys
+    from portrl.config.composition import explicit_keys  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     extra = list(EVAL_OVERRIDES) + ([f"model.path={opts.model}"] if opts.model else [])
     given = compose_from(opts, extra)  # bad input: a UserError (portrl.cli.main)
     config_backend(given)  # a device that is not here: one line before the model and trainer modules load
-    from portrl.models.loader import check_model_dir
-    from portrl.trainer import RLTrainer
-    from portrl.trainer.preflight import EVAL, preflight
-    from portrl.trainer.resources import settle_config
+    from portrl.models.loader import check_model_dir  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer import RLTrainer  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.preflight import EVAL, preflight  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.resources import settle_config  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if opts.model:
         check_model_dir(opts.model, "--model")  # named as the user gave it (it becomes model.path)
@@ -177,7 +177,7 @@ def run(args) -> int:
     try:
         metrics = trainer.validate(trainer.global_step)
     except Exception as exc:  # a tool whose sandbox stopped working: one line, as a training run ends with
-        from portrl.trainer.run_end import tool_unusable
+        from portrl.trainer.run_end import tool_unusable  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
         unusable = tool_unusable(exc)
         if unusable is None:

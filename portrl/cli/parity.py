@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _backend(name):
     """The backend named by ``--device`` (else $PORTRL_DEVICE, else detection); unknown or unusable: BackendError."""
-    from portrl.device import resolve_backend
+    from portrl.device import resolve_backend  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     return resolve_backend(name)
 
@@ -96,9 +96,9 @@ def _reading(fn, *args, **kwargs):
 
 
 def _ops(args) -> int:
-    from portrl.parity.ops_cases import SIZES
-    from portrl.parity.report import write_json
-    from portrl.parity.runner import GROUPS, run_ops_parity
+    from portrl.parity.ops_cases import SIZES  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.report import write_json  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.runner import GROUPS, run_ops_parity  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.size not in SIZES:
         raise UserError(f"unknown parity size {args.size!r} (--size); valid: {', '.join(SIZES)}")
@@ -116,7 +116,7 @@ def _ops(args) -> int:
 
 
 def _record(args) -> int:
-    from portrl.parity.golden import record_golden
+    from portrl.parity.golden import record_golden  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     out = claim(args.output, "--output", args.on_existing)
     out = record_golden(out, _backend(args.device), seed=args.seed)
@@ -125,8 +125,8 @@ def _record(args) -> int:
 
 
 def _replay(args) -> int:
-    from portrl.parity.golden import read_golden, replay_golden
-    from portrl.parity.report import write_json
+    from portrl.parity.golden import read_golden, replay_golden  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.report import write_json  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.report:
         claim(args.report, "--report", args.on_existing)
@@ -142,8 +142,8 @@ def _replay(args) -> int:
 
 
 def _e2e(args) -> int:
-    from portrl.parity.e2e import build_envelope, check_run, default_envelope_path
-    from portrl.parity.report import write_json
+    from portrl.parity.e2e import build_envelope, check_run, default_envelope_path  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.report import write_json  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.report and not args.rebuild_envelope:
         claim(args.report, "--report", args.on_existing)
@@ -165,8 +165,8 @@ def _e2e(args) -> int:
 
 
 def _rollout(args) -> int:
-    from portrl.parity.report import write_json
-    from portrl.parity.rollout_gap import golden_of, golden_path, run_rollout_gap
+    from portrl.parity.report import write_json  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.rollout_gap import golden_of, golden_path, run_rollout_gap  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.report:
         claim(args.report, "--report", args.on_existing)
@@ -195,8 +195,8 @@ def _rollout(args) -> int:
 
 
 def _compare(args) -> int:
-    from portrl.parity.compare import compare_files
-    from portrl.parity.report import write_json, write_text
+    from portrl.parity.compare import compare_files  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.report import write_json, write_text  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if args.output:
         for path in (args.output, Path(args.output).with_suffix(".json")):
@@ -212,7 +212,7 @@ def _compare(args) -> int:
 
 def _check_envelope(path: Path) -> None:
     """The envelope exists, is JSON and was measured with this portrl's run settings (before any run starts)."""
-    from portrl.parity.e2e import RUN_OVERRIDES
+    from portrl.parity.e2e import RUN_OVERRIDES  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     if not path.is_file():
         raise FileNotFoundError(f"no envelope at {str(path)!r}: build one with `portrl parity e2e --rebuild-envelope`")

@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from portrl.trainer.plot import plot_run
+    from portrl.trainer.plot import plot_run  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     metrics = Path(args.run_dir) / "metrics.jsonl"
     if not metrics.is_file():

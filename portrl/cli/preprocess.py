@@ -46,9 +46,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
-    from portrl.data.preprocess import preprocess
+    from portrl.data.preprocess import preprocess  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     # bad input: DataError (a UserError)
     paths = preprocess(args.task, args.output_dir, input_path=args.input, test_input=args.test_input,

@@ -40,7 +40,7 @@ def parse_run_options(parser: argparse.ArgumentParser, rest: list[str]) -> argpa
 
 def compose_from(opts: argparse.Namespace, extra_overrides: Sequence[str] = ()):
     """The composed, validated config of a command line (ConfigError on bad input)."""
-    from portrl.config import compose
+    from portrl.config import compose  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     return compose(device=opts.device, preset=opts.preset, config_file=opts.config,
                    overrides=[*opts.overrides, *extra_overrides])

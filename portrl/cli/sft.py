@@ -44,15 +44,15 @@ def add_arguments(parser) -> None:
 
 def _rows(cfg, tokenizer, files):
     if files:
-        from portrl.data import SFTDataset
+        from portrl.data import SFTDataset  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
         ds = SFTDataset(files, tokenizer, max_length=int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length))
         return [ds[i] for i in range(len(ds))]
-    from portrl.trainer.resources import builtin_sft_rows
+    from portrl.trainer.resources import builtin_sft_rows  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     rows = builtin_sft_rows(cfg)
     if rows is None:
-        from portrl.tasks import names_where
+        from portrl.tasks import names_where  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
         raise UserError(f"--train-files is required for data.name={cfg.data.name!r} (only "
                         f"{names_where(lambda t: t.sft_rows is not None)} is generated); give parquet files with "
@@ -73,7 +73,7 @@ def _check_options(opts) -> None:
     if opts.batch_size is not None and opts.batch_size < 1:
         raise UserError(f"--batch-size {opts.batch_size} must be >= 1")
     if opts.train_files:
-        from portrl.data.validate import check_sft_file
+        from portrl.data.validate import check_sft_file  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
         for f in opts.train_files:
             check_sft_file(f, "--train-files")
@@ -81,17 +81,17 @@ def _check_options(opts) -> None:
 
 def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "Supervised fine-tuning, packed.", EXTRA), args.rest)  # --help exits
-    from portrl.device import check_cli_device
+    from portrl.device import check_cli_device  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     check_cli_device(opts.device, opts.overrides, preset=opts.preset, config_file=opts.config)  # before torch loads
-    from portrl.models import load_causal_lm, load_tokenizer
-    from portrl.models.export import export_pretrained
-    from portrl.tasks import builtin_sft_task
-    from portrl.trainer import run_sft
-    from portrl.trainer.preflight import SFT, preflight
-    from portrl.trainer.resources import resolve_model_path
-    from portrl.workers.master_weights import MasterWeights, load_dtype
-    from portrl.workers.setup import resolve_dtype, setup_process, use_gradient_checkpointing, worker_backend
+    from portrl.models import load_causal_lm, load_tokenizer  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.models.export import export_pretrained  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.tasks import builtin_sft_task  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer import run_sft  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.preflight import SFT, preflight  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.resources import resolve_model_path  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.workers.master_weights import MasterWeights, load_dtype  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.workers.setup import resolve_dtype, setup_process, use_gradient_checkpointing, worker_backend  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     cfg = compose_from(opts)  # bad input here and below: a UserError, printed as one line by portrl.cli.main
     _check_options(opts)

@@ -60,13 +60,13 @@ def format_summary(summary: dict) -> str:
 
 def run(args) -> int:
     opts = parse_run_options(options_parser(PROG, "RL post-training."), args.rest)  # --help exits here
-    from portrl.device import check_cli_device
+    from portrl.device import check_cli_device  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     check_cli_device(opts.device, opts.overrides, preset=opts.preset, config_file=opts.config)  # before torch loads
     cfg = compose_from(opts)  # bad input: a UserError, printed as one line by portrl.cli.main
-    from portrl.trainer import run_training  # after the config: a config error is reported without loading these
-    from portrl.trainer.preflight import TRAIN, preflight
-    from portrl.trainer.resources import settle_config
+    from portrl.trainer import run_training  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.preflight import TRAIN, preflight  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.resources import settle_config  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     preflight(cfg, TRAIN)  # everything that can be checked before a model loads
     summary = run_training(settle_config(cfg))  # resources resolved, then read-only

@@ -51,7 +51,7 @@ def load_preset(group: str, name: str) -> dict[str, Any]:
 
     An unknown name is a :class:`ConfigError` listing the presets of the group.
     """
-    import yaml  # here, not at the top: `portrl config list` imports this module and reads only file names
+    import yaml  # noqa: PLC0415  (CLI start-up: `portrl config list` reads only file names)
 
     if _is_path(name):
         text = Path(name).expanduser().read_text()

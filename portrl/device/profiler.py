@@ -22,7 +22,7 @@ class TorchStepProfiler:
         self._prof: Any = None
 
     def __enter__(self) -> "TorchStepProfiler":
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415  (torch: the doctor runs without it)
 
         acts = [ProfilerActivity.CPU] + [getattr(ProfilerActivity, a) for a in self.activities]
         self._prof = profile(activities=acts)

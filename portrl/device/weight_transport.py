@@ -42,11 +42,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from portrl.errors import UserError
 
 if TYPE_CHECKING:
-    import torch
-
     from portrl.device.backend import Backend
 
 SYNC_MODES = ("full", "bucketed", "delta")
@@ -81,8 +81,6 @@ class SyncHeader:
 
 
 def element_size(dtype: str) -> int:
-    import torch
-
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
@@ -134,16 +132,12 @@ def bucket_cap(meta: Sequence[Meta], bucket_bytes: int) -> int:
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as a flat uint8 tensor (any dtype, any shape, 0-d included)."""
-    import torch
-
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same_bytes(sent: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes equal ``sent`` (a host uint8 copy), compared as the widest integers that divide them
     (``equal`` on int64 words runs 5-14x faster than byte by byte)."""
-    import torch
-
     raw = raw_bytes(t).cpu()
     if raw.numel() != sent.numel():
         return False

@@ -46,7 +46,7 @@ def _mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mas
                    attention_mask=None, **kwargs):
     """The mask our attention function expects: None or a 2-D padding mask when there is no cache offset,
     the SDPA 4-D mask otherwise (decoding)."""
-    from transformers.masking_utils import causal_mask_function, flash_attention_mask, sdpa_mask  # see docstring
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask, sdpa_mask  # noqa: PLC0415  (transformers: only where a model is built)
 
     mask_function = mask_function or causal_mask_function
     if q_length == kv_length:
@@ -79,7 +79,7 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
             raise ValueError(f"portrl varlen attention has no logit softcap; got {softcap}")
         batch, _, seq, _ = query.shape
         if key.shape[2] != seq or (attention_mask is not None and attention_mask.dim() == 4):
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # see module docstring
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415  (transformers: only where a model is built)
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, sliding_window=sliding_window, is_causal=is_causal,
@@ -129,8 +129,8 @@ def attention_name(backend_name: str, impl_name: str) -> str:
 
 def register_attention(backend_name: str, impl_name: str, varlen_fn: Callable) -> str:
     """Register ``varlen_fn`` with transformers; return the ``attn_implementation`` name to load models with."""
-    from transformers import AttentionInterface  # see module docstring
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface  # noqa: PLC0415  (transformers: only where a model is built)
+    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415  (transformers: only where a model is built)
 
     name = attention_name(backend_name, impl_name)
     AttentionInterface.register(name, make_attention_forward(varlen_fn))

@@ -224,7 +224,7 @@ def replay_hidden_states(base: HFModule, tape: ForwardTape, layout: Any, slots: 
     each layer keeps only its input: its forward is the tape's ``x + o + down`` (:func:`_checkpointed_layer`) and
     the whole layer replays in backward, so neither pass runs the layer's matmuls."""
     # lazy: transformers.modeling_utils takes seconds to import, and the checks before a run load no model
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415  (transformers: only where a model is built)
 
     attention = ALL_ATTENTION_FUNCTIONS[base.config._attn_implementation]
     ids, positions = layout.flat_ids, layout.position_ids

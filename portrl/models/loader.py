@@ -22,6 +22,7 @@ from portrl.errors import UserError
 from portrl.models.attention import register_attention
 from portrl.models.multimodal import is_vision_language
 from portrl.models.processor import load_vl_processor
+from portrl.models.tiny_vl import DEFAULT_DIR as TINY_VL_DIR
 from portrl.ops.registry import _resolve_backend, select
 
 if TYPE_CHECKING:
@@ -45,8 +46,6 @@ def check_model_dir(path, key: str = "model path", *, config: bool = True, token
     files (``tokenizer``); ModelDirError naming ``key`` (e.g. ``model.path``) and what is missing otherwise."""
     p = Path(path).expanduser()
     if not p.exists():
-        from portrl.models.tiny_vl import DEFAULT_DIR as TINY_VL_DIR  # here: tiny_vl loads the processors' stack
-
         hint = ("model=tiny-vl reads it there: build it first with `python -m portrl.models.write_tiny_vl`"
                 if p == Path(TINY_VL_DIR).expanduser() else DOWNLOAD_HINT)
         raise ModelDirError(f"{key} {str(p)!r} does not exist ({hint})")
@@ -137,7 +136,7 @@ def model_class(config):
     (Qwen2-VL, Qwen2.5-VL), else ``AutoModelForCausalLM``."""
     # here, not at the top: the model classes load transformers' modeling stack (~2 s), which the checks of
     # portrl.trainer.preflight (check_model_dir, load_tokenizer) must not wait for
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415  (transformers: only where a model is built)
 
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 

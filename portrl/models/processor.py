@@ -32,7 +32,7 @@ def _processor_class(path: Path):
             if cls_name and hasattr(transformers, cls_name):
                 return getattr(transformers, cls_name)
     # lazy: the processor mapping loads transformers' processing stack (image libraries), see load_vl_processor
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES  # noqa: PLC0415  (transformers: only where a model is built)
 
     model_type = AutoConfig.from_pretrained(str(path), local_files_only=True).model_type
     cls_name = PROCESSOR_MAPPING_NAMES.get(model_type)
@@ -67,8 +67,8 @@ def load_vl_processor(path):
     """``AutoProcessor.from_pretrained(path)`` (local files), or without torchvision the same processor class built
     from its image processor, tokenizer and chat template with no video processor."""
     # lazy: transformers' processing stack loads image libraries that text runs never need
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers.utils import is_torchvision_available
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer  # noqa: PLC0415  (transformers: only where a model is built)
+    from transformers.utils import is_torchvision_available  # noqa: PLC0415  (transformers: only where a model is built)
 
     p = Path(path)
     cls = None if is_torchvision_available() else _processor_class(p)

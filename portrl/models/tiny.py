@@ -27,7 +27,7 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
     """
     # here, not at the top: the model class loads transformers' modeling stack (~2 s); portrl.trainer.preflight
     # imports this package to check a run's inputs before any model is built
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415  (transformers: only where a model is built)
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -71,7 +71,7 @@ def write_tiny_model(out_dir, *, vocab="arith", hidden_size: int = 64, num_layer
 @contextmanager
 def _no_progress_bars() -> Iterator[None]:
     """transformers' progress bars ("Writing model shards") off for the block, as they were after it."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415  (transformers: only where a model is built)
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

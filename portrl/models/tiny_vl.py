@@ -62,7 +62,7 @@ TINY_MAX_PIXELS = 112 * 112
 
 def _vl_config(family: str, tok, *, hidden_size, num_layers, num_heads, num_kv_heads, vision_hidden_size,
                vision_depth, vision_heads, initializer_range):
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # lazy: transformers' modeling configs (see below)
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # noqa: PLC0415  (transformers: only where a model is built)
 
     head_dim = hidden_size // num_heads
     # the three multimodal rotary sections (temporal, height, width) split head_dim / 2 frequencies, as 16/24/24
@@ -106,9 +106,9 @@ def build_tiny_vl_processor(family: str = "qwen2_5_vl", tokenizer=None):
     """The processor of :func:`write_tiny_vl_model`: ``tokenizer`` (a tokenizer object, or a name of
     :data:`TOKENIZERS`; default Qwen2.5's), Qwen2-VL's image processor with 56x56..112x112 pixel bounds and the
     Qwen-VL chat template (on the processor and the tokenizer; for ``"bytes"`` without the default system prompt)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor  # lazy: image-processing stack
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.utils import is_torchvision_available
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor  # noqa: PLC0415  (transformers: only where a model is built)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: PLC0415  (transformers: only where a model is built)
+    from transformers.utils import is_torchvision_available  # noqa: PLC0415  (transformers: only where a model is built)
 
     if family not in VL_FAMILIES:
         raise ValueError(f"unknown vision-language family {family!r}; valid: {', '.join(VL_FAMILIES)}")
@@ -121,7 +121,7 @@ def build_tiny_vl_processor(family: str = "qwen2_5_vl", tokenizer=None):
     if not is_torchvision_available():  # no video processor classes then (portrl/models/processor.py)
         return _without_video(cls)(image_processor=images, tokenizer=tok, video_processor=None,
                                    chat_template=template)
-    from transformers import Qwen2VLVideoProcessor
+    from transformers import Qwen2VLVideoProcessor  # noqa: PLC0415  (transformers: only where a model is built)
 
     return cls(image_processor=images, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
                chat_template=template)
@@ -141,7 +141,7 @@ def write_tiny_vl_model(out_dir, *, family: str = "qwen2_5_vl", hidden_size: int
     """
     # here, not at the top: the model classes load transformers' modeling stack (~2 s); portrl.trainer.preflight
     # imports this package to check a run's inputs before any model is built
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration  # noqa: PLC0415  (transformers: only where a model is built)
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:

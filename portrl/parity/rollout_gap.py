@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -42,8 +43,6 @@ RUN_OVERRIDES = (
 
 def golden_path() -> Path:
     """The CPU goldens, a data file of the cpu backend package."""
-    from importlib.resources import files
-
     return Path(str(files("portrl.backends.cpu").joinpath("rollout_gap_golden.json")))
 
 

@@ -28,7 +28,7 @@ def math_verify_equiv(prediction: str, ground_truth: str) -> bool:
 
     Its timeouts use SIGALRM, which only the main thread may set, so elsewhere they are off.
     """
-    from math_verify import parse, verify  # optional (the `math` extra): callers check math_verify_available()
+    from math_verify import parse, verify  # noqa: PLC0415  (optional dependency: math-verify)
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:

@@ -14,6 +14,7 @@ folder; its ``exposed_packages`` says which names a program can import.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import keyword
 import os
@@ -91,6 +92,4 @@ def _companions(name: str, folder: str) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def _distributions() -> Mapping[str, list[str]]:
-    import importlib.metadata  # noqa: PLC0415 - only for a package whose .libs folder is named differently
-
     return importlib.metadata.packages_distributions()

@@ -145,8 +145,8 @@ def _sympy_expr(text: str):
         letters.add(word)
     if len(letters) > 2:
         return None
-    import sympy  # optional (comes with torch): callers check sympy_available()
-    from sympy.parsing import sympy_parser
+    import sympy  # noqa: PLC0415  (sympy: only for symbolic answers)
+    from sympy.parsing import sympy_parser  # noqa: PLC0415  (sympy: only for symbolic answers)
 
     local = {name: sympy.Symbol(name) for name in letters}  # "E", "I", "N", "S" stay plain symbols
     local.update({"ln": sympy.log, "pi": sympy.pi})
@@ -160,8 +160,8 @@ def _sympy_expr(text: str):
 
 
 def _checked_parse(text: str, local: dict, transformations: tuple):
-    import sympy  # optional, see _sympy_expr
-    from sympy.parsing import sympy_parser
+    import sympy  # noqa: PLC0415  (sympy: only for symbolic answers)
+    from sympy.parsing import sympy_parser  # noqa: PLC0415  (sympy: only for symbolic answers)
 
     tree = sympy_parser.parse_expr(text, local_dict=local, transformations=transformations, evaluate=False)
     if not isinstance(tree, sympy.Expr):
@@ -187,7 +187,7 @@ def sympy_equal(a: str, b: str, numeric_tol: float | None = None) -> bool:
     ea, eb = _sympy_expr(ta), _sympy_expr(tb)
     if ea is None or eb is None:
         return False
-    import sympy  # optional, see above
+    import sympy  # noqa: PLC0415  (sympy: only for symbolic answers)
 
     try:
         with warnings.catch_warnings():

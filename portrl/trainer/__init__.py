@@ -8,6 +8,8 @@ Names are resolved lazily so importing the package does no work.
 
 from __future__ import annotations
 
+import importlib
+
 _EXPORTS = {
     "run_training": "portrl.trainer.rl_trainer",
     "RLTrainer": "portrl.trainer.rl_trainer",
@@ -20,7 +22,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'portrl.trainer' has no attribute {name!r}")

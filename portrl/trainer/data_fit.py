@@ -243,7 +243,7 @@ def fit_token_budget(cfg: PortRLConfig) -> None:
         return
     if count_parameters(str(path)) < AUTO_CHECKPOINTING_PARAMS:
         return
-    from transformers import AutoConfig  # here, not at the top: transformers takes seconds to import
+    from transformers import AutoConfig  # noqa: PLC0415  (transformers: only where a model is built)
 
     c = AutoConfig.from_pretrained(str(path), local_files_only=True)
     c = getattr(c, "text_config", None) or c

@@ -224,10 +224,10 @@ def plot_run(run_dir: str | os.PathLike, on_existing: str = "refuse",
     gets one line per panel not drawn (:func:`left_out`; default: an INFO log line)."""
     # matplotlib here, not at the top: its file-only Agg backend must be chosen before pyplot loads, and
     # importing this module (the trainer does) must not switch the backend of a notebook that imports portrl
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (matplotlib: only when a plot is drawn)
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415  (matplotlib: only when a plot is drawn)
 
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
@@ -278,7 +278,7 @@ def overview_figure(plt, panels: List[Panel], title: str):
 
 
 def _draw(ax, panel: Panel) -> None:
-    from matplotlib.ticker import MaxNLocator, ScalarFormatter  # pyplot is loaded by plot_run (see there)
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: PLC0415  (matplotlib: only when a plot is drawn)
 
     for s in panel.series:
         style: dict[str, object] = dict(STYLES[s.curve.style])

@@ -159,7 +159,7 @@ class Tracker:
 
     def _open_tensorboard(self):
         import_optional("tensorboard", INSTALL)  # the optional loggers (the `logging` extra) load only when chosen
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  (optional dependency: tensorboard)
 
         return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=self.resume_step + 1
                              if self.resume_step else None)

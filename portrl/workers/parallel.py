@@ -143,7 +143,7 @@ def fsdp_supported(backend: Backend) -> tuple[bool, str]:
     collective backend with all-gather-into-tensor and reduce-scatter-tensor (gloo has both in torch >= 2.6;
     the accelerator collectives always had them)."""
     try:  # here, not at the top: older torch has no fully_shard (that is the check), and it takes ~0.5 s to import
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401,PLC0415  (FSDP: only in a sharded run)
     except ImportError as exc:
         return False, f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard ({exc})"
     if backend.dist_backend == "gloo":
@@ -210,7 +210,7 @@ def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Opt
     if strategy == "ddp":
         ids = None if device.type == "cpu" else [device]
         return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # see fsdp_supported (checked above)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     mesh = init_device_mesh(device.type, (dp_world_size(),))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -290,7 +290,7 @@ def full_train_state(model: nn.Module, optimizer, full: bool = True) -> tuple:
     optimizer that has not stepped yet is saved as its hyperparameters only (torch's getter would initialise
     its state with a zero-gradient step, changing the next update)."""
     # here, not at the top: this module takes ~0.8 s to import and only checkpoints need it
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True)
     model_state: dict[str, Any]
@@ -307,7 +307,7 @@ def full_train_state(model: nn.Module, optimizer, full: bool = True) -> tuple:
 def shard_wrap(model: nn.Module):
     """``wrap(local, shape, dim)`` for ``portrl.state_files.ShardedState.load``: a loaded shard as a DTensor on
     the mesh of ``model``'s sharded parameters, as FSDP2 places them (``Shard(dim)``)."""
-    from torch.distributed.tensor import DTensor, Shard  # not at the top: see fsdp_supported
+    from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
 
@@ -329,7 +329,7 @@ def load_full_train_state(model: nn.Module, optimizer, model_state: dict, optim_
     a zero-gradient step (Adam's step count 1, changing the next update), so only the hyperparameters of its
     param groups are copied."""
     # not at the top: see full_train_state
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     require_trainable(model, model_state)
     # sharded: torch's loader would want the frozen parameters too; require_trainable has checked the layout

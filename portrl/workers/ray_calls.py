@@ -91,7 +91,7 @@ POLL_S = 1.0  # how often a wait checks that the local Ray is still running
 
 def local_ray_alive() -> bool:
     """False when this process started a local Ray whose own processes (raylet, GCS, ...) have exited."""
-    import ray
+    import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
     node = getattr(ray._private.worker, "_global_node", None)
     for procs in (getattr(node, "all_processes", None) or {}).values():
@@ -122,7 +122,7 @@ def wait_results(items: Sequence[tuple], timeout_s: Optional[float] = None, meth
     ``watch``: more ``(group, rank, ObjectRef)`` of calls that never return while their worker lives (a rollout
     worker's weight listener): not waited for, but one that ends (its worker died, or it raised) is raised the same
     way, and one that returns is an error."""
-    import ray
+    import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
     everything = list(items) + list(watch)
     pending = {ref: i for i, (_, _, ref) in enumerate(everything)}
@@ -173,7 +173,7 @@ def _dead_peer(items: Sequence[tuple], pending: dict, grace_s: float = PEER_GRAC
     """A WorkerDiedError for a worker among the ``pending`` calls that died, found within ``grace_s``, else None:
     when one rank's collective fails because a peer was killed (gloo's "Connection reset by peer"), the cause
     to report is the dead peer, not the survivor's error."""
-    import ray
+    import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
     if not pending:
         return None

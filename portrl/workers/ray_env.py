@@ -71,7 +71,7 @@ def init_ray(cfg: PortRLConfig, backend: Backend, *, num_cpus: Optional[int] = N
 
     ``num_cpus`` / ``num_gpus`` / ``resources`` size a *local* Ray only (tests; ignored when joining).
     """
-    import ray  # only where Ray is used (module docstring)
+    import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
     if ray.is_initialized():
         return
@@ -142,7 +142,7 @@ def _loopback_only() -> None:
     default on desktops). The variable reaches the processes Ray starts; the constant is set here because this
     process imported Ray already. Only for a local Ray: joining a cluster leaves both alone.
     """
-    from ray._private import ray_constants  # only where Ray is used (module docstring)
+    from ray._private import ray_constants  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
@@ -218,8 +218,8 @@ class ResourcePool:
     def create(self):
         """Reserve the bundles (waits up to ``timeout_s``; a pool that cannot fit is an error naming what it
         asked for and what the cluster has)."""
-        import ray  # only where Ray is used (module docstring)
-        from ray.util.placement_group import placement_group
+        import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
+        from ray.util.placement_group import placement_group  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         if self.placement_group is not None:
             return self.placement_group
@@ -236,13 +236,13 @@ class ResourcePool:
 
     def scheduling(self, rank: int):
         """The scheduling strategy that puts worker ``rank`` into bundle ``rank``."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # (module docstring)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         return PlacementGroupSchedulingStrategy(placement_group=self.create(), placement_group_bundle_index=rank,
                                                 placement_group_capture_child_tasks=True)
 
     def remove(self) -> None:
-        import ray  # only where Ray is used (module docstring)
+        import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)

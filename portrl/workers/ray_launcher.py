@@ -18,6 +18,8 @@ import os
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
+import torch
+
 from portrl.device.split import describe_cores
 from portrl.device.weight_transport import (TransportReceiver, TransportSender, make_receiver, make_sender,
                                             transport_spec)
@@ -49,7 +51,7 @@ class WorkerHost:
         self._sync: TransportSender | TransportReceiver | None = None
 
     def node_info(self) -> Dict[str, Any]:
-        import ray
+        import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         ctx = ray.get_runtime_context()
         res = self.backend.ray_resource
@@ -64,8 +66,6 @@ class WorkerHost:
     def compute_info(self) -> Dict[str, Any]:
         """Where this process computes now: ``cores`` (``os.sched_getaffinity(0)``, sorted; None where the
         platform does not say) and torch's intra-op ``threads``."""
-        import torch
-
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         return {"cores": cores, "threads": torch.get_num_threads()}
 
@@ -161,7 +161,7 @@ class RayLauncher:
     def start(self, worker_cls, cfg, worker_cfg, worker_kwargs: Mapping[str, Any]) -> None:
         """Start Ray (``cfg``: the run config, for the cluster and the workers' env), the actors, their process
         group, then the workers (built with ``worker_cfg``)."""
-        import ray
+        import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         group, backend, share = self.group, self.group.backend, self.share
         init_ray(cfg, backend)
@@ -223,7 +223,7 @@ class RayLauncher:
         """Kill the actors and release an own resource pool (idempotent)."""
         if not self.actors:
             return
-        import ray
+        import ray  # noqa: PLC0415  (ray: slow to import; only where Ray runs)
 
         for a in self.actors:
             try:

@@ -27,7 +27,7 @@ NO_MATCH = "No document matches the query."
 
 def _bm25s():
     try:
-        import bm25s
+        import bm25s  # noqa: PLC0415  (optional dependency: bm25s)
     except ImportError:
         raise UserError("the search tool needs the bm25s package, which is not installed; install it with "
                         "pip install 'portrl[agent]'") from None

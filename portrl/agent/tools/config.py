@@ -40,6 +40,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Mapping
 
@@ -67,8 +68,6 @@ def find_tool_config(path: "str | Path") -> Path:
     """The file ``path`` names: as given, else the wheel's copy of a relative ``configs/...`` path."""
     file = Path(path).expanduser()
     if not file.is_file() and not file.is_absolute() and file.parts[:1] == ("configs",) and len(file.parts) > 1:
-        from importlib import resources  # noqa: PLC0415
-
         packaged = resources.files("portrl.configs").joinpath(*file.parts[1:])
         if packaged.is_file():
             return Path(str(packaged))
