@@ -36,19 +36,19 @@
 
 namespace {
 
-// a layer with fewer weight floats stays on the calling thread. 2^16 (256 KiB), not 2^19: the small benchmark
-// model's layers (1 MiB, 32 rows) on both threads made its GRPO step 0.096-0.099 -> 0.085-0.090 s (vs_trl.py,
-// alternating), most of it in the update that follows: a vCPU left idle through the decode is slow to wake on a VM
+// a layer with fewer weight floats stays on the calling thread. 2^16 (256 KiB), not 2^19: a small model's 1 MiB
+// layers gain from both threads, most of it in the update that follows, since a vCPU left idle through the decode
+// is slow to wake on a VM (docs/performance.md)
 constexpr int64_t INLINE_FLOATS = 1 << 16;
 constexpr int64_t ITEM_FLOATS = 1 << 18;    // weight floats a tile item reads at least: long runs of each weight a
-                                            // thread (64 KiB items: the 0.5B layers 5 % slower)
+                                            // thread (smaller items were slower: docs/performance.md)
 constexpr int64_t SWIGLU_COLS = 512;       // columns a SwiGLU item (a multiple of 16)
 constexpr int SPINS = 1 << 12;              // pauses before a waiting thread yields its core
 
 // Items 0 .. total - 1, claimed one at a time by whichever thread asks; run() returns when all are done. The
 // calling thread claims from the front, the helpers from the back: with both on time each step, each thread gets
-// the same items step after step, so its share of the weights and caches stays in its own core's cache (the small
-// benchmark model's layer in the trainer 0.173-0.187 -> 0.166-0.172 ms; 10-15 % alone, benchmarks/RESULTS.md).
+// the same items step after step, so its share of the weights and caches stays in its own core's cache
+// (docs/performance.md).
 struct Phase {
   // items taken: the calling thread's from the front (low 32 bits), the helpers' from the back (high 32 bits)
   std::atomic<uint64_t> taken{0};

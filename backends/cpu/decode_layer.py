@@ -76,9 +76,8 @@ def bind(ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, eps1, eps2, scale,
          variant: str | None = None):
     """``decode_layer_fused`` with one layer's weights, as ``step(x, k_store, v_cache, cos, sin, hidden, start,
     out=None)`` (portrl.ops.decode_layer.bind_layer's contract). The weights are checked and the build resolved
-    here, once: a step checks only its own tensors (the small model's layer: ~10 us over the op itself, against ~25
-    us through :func:`decode_layer_fused`). A step with gradients on, or tensors the kernel does not serve, goes
-    through :func:`decode_layer_fused`."""
+    here, once: a step checks only its own tensors, a large part of a small layer's call (docs/performance.md). A
+    step with gradients on, or tensors the kernel does not serve, goes through :func:`decode_layer_fused`."""
     weights = (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w)
     tail = (eps1, eps2, scale, heads, kv_heads)
     flat = (ln1, *qkv_w, qkv_b, o_w, o_b, ln2, *gate_up_w, down_w)

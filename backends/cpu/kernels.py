@@ -23,8 +23,8 @@ from portrl.ops.layers import linear_prepacked, linear_weight_parts
 
 #: implementation names this module registers, best first (for the backend's kernel_preferences)
 PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacked": ("rows", "mkl", "native"),
-               # vocabulary blocks: large matmuls instead of ~110-row ones (portrl/ops/logprobs_vocab.py; at
-               # Qwen2.5's 151936-token head, 2048 tokens: forward + backward 19.5 -> 10.8 s on 2 cores)
+               # vocabulary blocks: large matmuls instead of ~110-row ones (portrl/ops/logprobs_vocab.py;
+               # docs/performance.md)
                "logprobs_entropy": ("vocab_blocks", "native"),
                # one pass forward and one backward instead of five (backends/cpu/swiglu.py)
                "swiglu": ("fused", "native"),
@@ -40,7 +40,7 @@ PREFERENCES = {"attention_varlen": ("sdpa", "eager", "native"), "linear_prepacke
 
 
 #: cost of one SDPA call beyond its math, in units of one query-key pair: about attention over 64 tokens
-#: (fitted to fwd+bwd timings on 2 cores, 8 query / 2 KV heads of 64: 16-128 sequences of 14-300 tokens)
+#: (fitted to fwd+bwd timings: docs/performance.md)
 CALL_COST = 64 * 64
 
 
@@ -52,16 +52,13 @@ def attention_varlen_sdpa(q, k, v, cu_seqlens, max_seqlen=None, softmax_scale=No
     Right padding is exact under a causal mask: a real query never sees the padding after it, and the
     padded queries' outputs are dropped (so their gradients are zero). The padded call does
     ``S * Lmax^2`` query-key pairs against ``sum(L_i^2)``, but saves ``S - 1`` calls; it is chosen when
-    ``S * Lmax^2 < sum(L_i^2 + CALL_COST)``. Measured (fwd+bwd, 2 threads): 32 sequences of 28-56
-    tokens, padded 0.68-0.85x the time of per-sequence calls; 16 of 142-284 tokens, per-sequence
-    calls 0.83x the padded one (which this rule picks).
+    ``S * Lmax^2 < sum(L_i^2 + CALL_COST)`` (short sequences pad, long ones go one by one:
+    docs/performance.md).
 
     ``gather`` and ``keep`` (``GATHERS``; a shared-prompt plan, portrl/models/prefix_sharing.py): the sequences are
     the rows ``gather`` of ``q``, ``k``, ``v`` and the result is the output's rows ``keep``. The padded call then takes
     its rows straight from ``q``, ``k``, ``v`` (the plan's gather and the padding's composed into one index, and the
-    two selections of the output into one): one gather a tensor and one backward scatter instead of two. Measured
-    (medium benchmark model, 32 sequences of 29-55 tokens from 8 shared prompts, 2 threads): fwd+bwd 7.3-7.8 ms
-    against 9.8-10.2 ms gathering twice.
+    two selections of the output into one): one gather a tensor and one backward scatter instead of two.
     """
     rows = gather.numel() if gather is not None else q.shape[0]
     scale, n_rep = check_varlen_inputs(q, k, v, cu_seqlens, softmax_scale, rows=rows)
@@ -149,9 +146,8 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
     """``x -> x @ weight^T + bias`` on a weight packed once for MKL's sgemm (``cblas_sgemm_pack``).
 
     An ordinary float32 matmul packs the weight into the kernel's blocked layout on every call; for a
-    decode step (a few rows times the whole weight) that packing is a large part of the call. Packing
-    once per generate call and reusing it for every step: 8.3 -> 5.4 ms per step of the medium
-    benchmark model's matmuls at 32 rows (2 threads), bit-identical results (same kernel). The packed
+    decode step (a few rows times the whole weight) that packing is a large part of the call, so it
+    packs once per generate call and reuses it for every step, with bit-identical results (same kernel). The packed
     weight serves only inputs of exactly ``rows`` rows; any other count (a prefill, a batch after
     finished rows were dropped) takes ``_mkl_linear``'s own fallback, the plain matmul on ``weight``.
     float32 on the CPU only; other dtypes or devices get the native op (``F.linear``).
@@ -166,9 +162,8 @@ def linear_prepacked_mkl(weight, bias=None, rows=None):
 
 
 #: most rows the row-tile kernel serves. From about 16 rows on a decode step is compute-bound (2 FLOPs per row and
-#: weight), and the kernel runs near the FLOP peak: on 2 Zen 4 threads 150-175 GFLOP/s at 16-256 rows for every
-#: Qwen2.5-0.5B shape (MKL's 4096^3 sgemm: 186), against F.linear's 0.5B layers 79 / 117 GFLOP/s at 32 / 64 rows
-#: and MKL's packed sgemm slower still (plus 30-80 ms of packing per call). The plain matmul draws level only
+#: weight), and the kernel runs near the FLOP peak, well above F.linear and MKL's packed sgemm (which also spends
+#: time packing each call's weights) at these shapes (docs/performance.md). The plain matmul draws level only
 #: from ~128 rows (the rows block of an input 4864 wide outgrows L2); a prefill of more rows takes F.linear
 ROWS_MAX = 64
 
@@ -194,13 +189,13 @@ def linear_prepacked_rows(weight, bias=None, rows=None, variant=None):
     then by FLOPs). The kernel computes straight from the row-major weights, so nothing is copied: no packed layout,
     and fused projections (``weight`` a sequence: q/k/v, gate/up) are not concatenated. Below 12 rows (and on AVX2)
     tiles of 3 output columns times 8 rows (4 on AVX2), each output a dot product across the lanes; from 12 rows on
-    AVX-512, the rows across the lanes and 16 output columns a tile (rows_linear.cpp says why). Qwen2.5-0.5B's
-    whole decode step of linears at 16 rows on 2 threads of an Intel Xeon: 100.5 ms (19.7 GB/s) against F.linear's
-    227 ms (``python benchmarks/rows_kernel_isa.py --model-pass``). For ``rows`` (the decode's row count) up to
-    ``ROWS_MAX``; fewer rows (finished sequences dropped) take the kernel too, more (a prefill) ``F.linear`` per
-    part, outputs concatenated. More decode rows, other dtypes and devices take the MKL implementation (and its rules).
-    Results equal ``F.linear`` up to float32 summation order. ``variant`` (``avx512`` / ``avx2``): that build of the
-    kernel, which this CPU must run (tests and benchmarks); None: the one backends/cpu/isa.py chooses.
+    AVX-512, the rows across the lanes and 16 output columns a tile (rows_linear.cpp says why; against
+    F.linear: docs/performance.md, ``python benchmarks/rows_kernel_isa.py --model-pass``). For ``rows`` (the
+    decode's row count) up to ``ROWS_MAX``; fewer rows (finished sequences dropped) take the kernel too, more (a
+    prefill) ``F.linear`` per part, outputs concatenated. More decode rows, other dtypes and devices take the MKL
+    implementation (and its rules). Results equal ``F.linear`` up to float32 summation order. ``variant``
+    (``avx512`` / ``avx2``): that build of the kernel, which this CPU must run (tests and benchmarks); None: the one
+    backends/cpu/isa.py chooses.
 
     The library is built on first use (~10 s, cached across processes: backends/cpu/native_build.py); if it
     cannot be built, one warning and MKL's packed linear serves instead.

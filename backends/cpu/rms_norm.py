@@ -4,8 +4,8 @@ chooses), for float32 CPU tensors; anything else takes the native op.
 
 Written as transformers' RMSNorm modules (and the native op) write it, torch runs five ops forward and nine backward
 (``pow``'s backward alone computes ``2 x^1 g`` through a general power); the update replays each layer's two norms
-and the final one (portrl/models/forward_tape.py). On the medium benchmark model's update (1140 tokens x 512, 2
-threads) a norm's forward and backward took ~2.5 ms that way.
+and the final one (portrl/models/forward_tape.py), so a small model's update pays for them many times
+(docs/performance.md).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ update's replay gives them: portrl/models/forward_tape.py); any other shape, dty
 
 torch runs the formula as five ops forward (two products, a negation, a concatenation, a sum) and about eight
 backward (the concatenation's and slices' gradients zero-fill full-size tensors). On a small model each of them is a
-parallel region of its own, and on a VM each waits 40-100 us for a thread that slept between two ops
-(benchmarks/RESULTS.md, session 31): the small benchmark model's update spent ~4 ms a step in the rotary of q and k.
+parallel region of its own, and on a VM each waits for a thread that slept between two ops (docs/performance.md).
 The gradient of cos and sin is not computed: they must not need one (the native op serves when they do).
 """
 

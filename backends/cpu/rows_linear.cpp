@@ -20,20 +20,13 @@
 // accumulator holds 16 rows' outputs of one column: no sum across lanes, and per k V vector loads for NT x V FMAs.
 // NT = 16 / 8 / 8 / 6 for V = 1..4; a whole 16 x 16 tile is transposed in registers and stored a row at a time. Each
 // weight row's line 64 floats (4 lines) ahead is prefetched into L1, once a line (LANE_PREFETCH): the NT rows are NT
-// short streams (K floats each) that the hardware prefetchers pick up late. benchmarks/decode_layer.py, three runs
-// alternating with and without: the medium model's 4 layers at 32 rows 5.6-6.2 -> 4.9-5.4 ms, Qwen2.5-0.5B's 24
-// at 16 rows 80-81 -> 74-79 ms. Tried and slower or no better: the next tile into L2 (0.5B 1.15x the time), each
-// row 32 or 128 floats ahead (128-1024 in an earlier round: 0.97-1.15x).
+// short streams (K floats each) that the hardware prefetchers pick up late (docs/performance.md, "Measurements
+// behind code comments", has the figures for this and for each choice below).
 //
-// Measured (2 threads, Intel Xeon with AVX-512; Qwen2.5-0.5B's 97 decode linears, 1.98 GB read from memory:
-// benchmarks/rows_kernel_isa.py --model-pass): lane tiles against dot tiles 0.87x the time at 16 rows (100.5 against
-// 114.7 ms, 19.7 GB/s), 0.89 at 32, 0.88 at 64, 1.0 at 12, 1.04 at 8 and 1.38 at 1 row (lanes computed for nothing).
-// An AVX2 build of lane tiles (8 lanes, NT 12 / 6 / 4 / 3, explicit broadcasts) took 1.12-1.16x its dot tiles' time
-// at 16-32 rows, so AVX2 keeps the dot tiles. At 16 rows they stream at 55 % of the AVX2 sgemm's FLOP rate (89 GFLOP/s
-// a core in cache at 4 rows, 79 at 16); K-chunked panels of several tiles, other tile shapes (4x3, 5x2, 6x2, 2x6) and
-// other prefetch distances were no faster (benchmarks/RESULTS.md, "The Intel Xeon held to AVX2"). Tiles are split
-// across torch's intra-op threads in contiguous runs. The dot tiles replaced a packed-panel kernel that needed a copy
-// of every weight (1.84 GB for the 0.5B) and 0.7 s of packing per generate call.
+// Lane tiles take less time than dot tiles from about 12 rows on (LANE_ROWS_FROM); below that, the lanes compute
+// rows that are not there. An AVX2 build of lane tiles (8 lanes, explicit broadcasts) was slower than its dot
+// tiles, so AVX2 keeps the dot tiles. Tiles are split across torch's intra-op threads in contiguous runs. The dot
+// tiles replaced a packed-panel kernel that needed a copy of every weight and packing per generate call.
 #include "op_namespace.h"
 #include "rows_tiles.h"
 

@@ -25,7 +25,7 @@ constexpr int64_t GRAIN = 1 << 16;     // weight floats per parallel task at lea
 #if defined(__AVX512F__)
 constexpr int RB = 8;
 constexpr int64_t LANES = 16;
-constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (the crossover measured above)
+constexpr int64_t LANE_ROWS_FROM = 12;  // lane tiles from this many rows (the crossover: rows_linear.cpp)
 using Vec = __m512;
 using Mask = __mmask16;
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -208,7 +208,7 @@ void lane_tile(const float* __restrict xT, int64_t stride, int64_t K, const floa
     wr[n] = w + std::min(n, nvalid - 1) * K;
     for (int v = 0; v < V; ++v) acc[n][v] = zero();
   }
-  constexpr int64_t KU = 8;  // k unrolled (16 lost: 1.05x the time of the dot tiles instead of 0.88x)
+  constexpr int64_t KU = 8;  // k unrolled (16 was slower: docs/performance.md)
   int64_t k = 0;
   for (; k + KU <= K; k += KU) {
     if (k % LANES == 0)  // each weight row's line LANE_PREFETCH floats ahead into L1, once a line (see rows_linear.cpp)

@@ -16,12 +16,8 @@
 // of microseconds apart; the step's sampling runs between the last call of one step and the first of the next),
 // yielding its core every YIELD_EVERY pauses to any thread that wants it (torch's OpenMP threads, another process),
 // then sleeps on a condition variable until a call wakes it. A second thread calling while a call runs runs fn alone;
-// a process forked from one with helpers starts its own at its first call.
-//
-// Measured on a 2-core Intel Xeon VM (benchmarks/RESULTS.md, session 27): the small benchmark model's GRPO step
-// 0.089-0.097 -> 0.078-0.084 s with its layers here instead of in an OpenMP region; windows of 100 and 300 us
-// gained less, 1000 and 3000 no more; two such runs sharing the 2 cores: 0.111-0.143 s a step each against
-// 0.115-0.127 with OpenMP (a longer OpenMP spin, GOMP_SPINCOUNT=10000, made that 0.21).
+// a process forked from one with helpers starts its own at its first call. (The spin window's and the pool's gain
+// against an OpenMP region, alone and with a second run on the same cores: docs/performance.md.)
 #pragma once
 
 #include <immintrin.h>

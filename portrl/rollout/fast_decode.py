@@ -81,7 +81,7 @@ def fast_decoder_for(model: torch.nn.Module, backend: Backend | str | None = Non
 
 
 #: fewest one-token steps for which the decode linears go through the backend's ``linear_prepacked`` op: an
-#: implementation that packs the weights once per call pays that back only over enough steps (the CPU's, measured:
+#: implementation that packs the weights once per call pays that back only over enough steps (the CPU's:
 #: docs/performance.md, the decode loop on the CPU)
 PREPACK_MIN_STEPS = 16
 
