@@ -1,4 +1,4 @@
-"""``portrl parity ops | record | replay | e2e | rollout | compare``: the cross-hardware parity harness.
+"""``portrl parity ops | record | replay | e2e | rollout | mesh | compare``: the cross-hardware parity harness.
 
 Exit status: 0 when every verdict is pass or warn, 1 when any fails, 2 for bad input (argparse's usage errors,
 and a device, golden, envelope or report that cannot be used: one line, portrl.errors.UserError).
@@ -71,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gap.add_argument("--rebuild-golden", action="store_true", help="write the measured gaps into the CPU goldens "
                      "(backends/cpu/rollout_gap_golden.json; cpu only; other engines' entries stay)")
     add_on_existing_argument(gap)
+
+    mesh = sub.add_parser("mesh", help="GRPO steps under tensor, sequence and data parallel meshes (CPU processes "
+                          "over gloo) against one rank")
+    mesh.add_argument("--case", action="append", help="only these meshes (repeatable; default: all of "
+                      "portrl.parity.mesh.CASES: tp2, sp2, tp2_fsdp2, sp2_fsdp2, sp4_gqa)")
+    mesh.add_argument("--report", default=None, help="JSON report to write")
+    mesh.add_argument("--work-dir", default=None, help="where the cases write (a temporary folder inside it)")
+    add_on_existing_argument(mesh)
 
     cmp_ = sub.add_parser("compare", help="Markdown cross-hardware matrix of ops reports")
     cmp_.add_argument("reports", nargs="+", help="reports from `portrl parity ops`")
@@ -194,6 +202,29 @@ def _rollout(args) -> int:
     return 1 if report["verdict"] == "fail" else 0
 
 
+def _mesh(args) -> int:
+    from portrl.parity.mesh import case_named, run_mesh_parity  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.parity.report import write_json  # noqa: PLC0415  (CLI start-up: loaded by the command)
+
+    cases = _reading(case_named, args.case)
+    if args.report:
+        claim(args.report, "--report", args.on_existing)
+    report = run_mesh_parity([c.name for c in cases], args.work_dir)
+    if args.report:
+        write_json(args.report, report, replace=False)
+    for c in report["cases"]:
+        if "error" in c:
+            print(f"  {c['verdict']:4s} {c['case']} ({c['world']} ranks): {c['error']}")
+            continue
+        print(f"  {c['verdict']:4s} {c['case']} ({c['world']} ranks): |dlogp| max {c['logp_max_abs']:.2g}, loss "
+              f"{c['loss_max_rel']:.2g}, grad norm {c['grad_norm_max_rel']:.2g}, parameters "
+              f"{c['param_norm_max_diff']:.2g}")
+    bounds = report["bounds"]
+    print(f"mesh parity ({report['steps']} GRPO steps vs one rank; bounds {bounds['logp_max_abs']:g} absolute on "
+          f"log-probs, {bounds['relative']:g} relative): {report['verdict']}")
+    return 1 if report["verdict"] == "fail" else 0
+
+
 def _compare(args) -> int:
     from portrl.parity.compare import compare_files  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.parity.report import write_json, write_text  # noqa: PLC0415  (CLI start-up: loaded by the command)
@@ -228,6 +259,6 @@ def _check_envelope(path: Path) -> None:
 
 def run(args) -> int:
     handlers = {"ops": _ops, "record": _record, "replay": _replay, "e2e": _e2e, "rollout": _rollout,
-                "compare": _compare}
+                "mesh": _mesh, "compare": _compare}
     return handlers[args.parity_command](args)
 

@@ -14,6 +14,9 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
 * a 2-D padding mask (``S == S_kv``): padding is removed, the rows become a packed batch, and the
   output is scattered back (padded positions get zeros);
 * ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
+* inside :func:`portrl.models.sequence_parallel.sequence_parallel` (a causal call without a mask): Ulysses
+  attention, the query/key/value of this rank's slice of the packed row exchanged for whole-row heads, attended
+  with the row's ``cu_seq_lens_q`` / ``max_length_q``, and exchanged back;
 * a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
   q/k/v are gathered into the plan's virtual sequences, attended, and each token keeps its own output (an
   implementation with a true ``GATHERS`` attribute takes the plan's ``gather`` and ``keep`` as keywords and
@@ -37,6 +40,7 @@ from typing import Callable
 import torch
 
 from portrl.models.prefix_sharing import PLAN_KWARG
+from portrl.models.sequence_parallel import active_group, expand_kv_heads, heads_to_sequence, sequence_to_heads
 from portrl.ops.attention import cu_seqlens_from_position_ids
 
 PREFIX = "portrl"
@@ -66,6 +70,23 @@ def _packed_bounds(batch: int, seq: int, kwargs: dict, device) -> tuple[torch.Te
     return torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device), seq
 
 
+def _sequence_parallel_attention(varlen_fn: Callable, query, key, value, scaling, kwargs: dict, group):
+    """Ulysses attention (portrl.models.sequence_parallel): this rank's tokens of every head in, this rank's heads
+    of every token attended with the whole packed row's bounds (``cu_seq_lens_q``, ``max_length_q``), and back.
+    Returns ``(B, S/sp, H, D)`` as the other routes do."""
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("max_length_q") is None:
+        raise ValueError("sequence parallel attention needs the packed row's cu_seq_lens_q and max_length_q "
+                         "(portrl.models.logprobs packs the rows and passes them)")
+    sp = torch.distributed.get_world_size(group)
+    q = sequence_to_heads(query, group)
+    k, v = (sequence_to_heads(expand_kv_heads(t, sp), group) for t in (key, value))
+    batch, heads, seq, dim = q.shape
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (q, k, v))
+    out = varlen_fn(q, k, v, kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"]), scaling, True)
+    out = heads_to_sequence(out.reshape(batch, seq, heads, dim).transpose(1, 2), group)
+    return out.transpose(1, 2)
+
+
 def make_attention_forward(varlen_fn: Callable) -> Callable:
     """A transformers attention function (module, query, key, value, attention_mask, ...) -> (out, None)
     backed by ``varlen_fn(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)``."""
@@ -88,6 +109,9 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
             raise ValueError(f"portrl varlen attention has no sliding window; layer window {sliding_window} < "
                              f"sequence length {seq} (disable use_sliding_window in the model config)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        group = active_group()
+        if group is not None and causal and attention_mask is None:
+            return _sequence_parallel_attention(varlen_fn, query, key, value, scaling, kwargs, group), None
         q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))
         if not causal and attention_mask is None:
             cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)

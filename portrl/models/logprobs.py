@@ -28,7 +28,10 @@ from portrl.models.attention import PREFIX
 from portrl.models import forward_tape
 from portrl.models.multimodal import is_vision_language, vl_response_hidden_states
 from portrl.models.prefix_sharing import PLAN_KWARG, plan_shared_prompts
+from portrl.models.sequence_parallel import SEQUENCE_GROUP_ATTR, gather_tokens, sequence_parallel, shard_tokens
+from portrl.models.tensor_parallel import vocab_shard
 from portrl.ops.attention import cu_seqlens_from_lengths
+from portrl.ops.logprobs_tp import vocab_parallel_logprobs_entropy
 from portrl.ops.logprobs import default_chunk_size, logprobs_entropy
 
 
@@ -99,6 +102,11 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
     if not bool(mask[:, length - T - 1:length - 1][resp_valid].all()):
         raise ValueError("every response token must follow an unmasked token (is the prompt left-padded and non-empty?)")
     layout = None
+    sp_group = getattr(base, SEQUENCE_GROUP_ATTR, None)
+    if sp_group is not None:
+        if not packed:
+            raise ValueError("sequence parallelism runs packed rows only (model.use_packing=true)")
+        return _sequence_parallel_hidden(base, input_ids, attention_mask, T, sp_group), resp_valid
     if packed and share_prompts and _reads_shared_plan(base):
         layout = plan_shared_prompts(input_ids, attention_mask, T)
     if layout is not None and tape is not None and tape.usable(base):
@@ -133,6 +141,22 @@ def response_hidden_states(base, input_ids: torch.Tensor, attention_mask: torch.
     return hidden[flat_index[:, length - T - 1:length - 1][resp_valid]], resp_valid
 
 
+def _sequence_parallel_hidden(base, input_ids, attention_mask, response_length: int, group) -> torch.Tensor:
+    """The packed layout of :func:`response_hidden_states` run as Ulysses sequence parallelism over ``group``
+    (portrl.models.sequence_parallel): this rank's slice of the packed row through the decoder, every rank's
+    slices gathered back into the whole row."""
+    flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
+    part = shard_tokens(flat_ids, position_ids, cu, max_len, group)
+    with sequence_parallel(group):
+        out = base(input_ids=part.input_ids[None], position_ids=part.position_ids[None], use_cache=False,
+                   cu_seq_lens_q=part.cu_seqlens, cu_seq_lens_k=part.cu_seqlens, max_length_q=part.max_len,
+                   max_length_k=part.max_len)
+    hidden = gather_tokens(out.last_hidden_state[0], group)
+    length = input_ids.shape[1]
+    resp_valid = attention_mask.bool()[:, length - response_length:]
+    return hidden[flat_index[:, length - response_length - 1:length - 1][resp_valid]]
+
+
 def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
                      temperature: float = 1.0, with_entropy: bool = False, packed: bool = True,
                      chunk_size: int | None = None, share_prompts: bool = True, tape=None,
@@ -165,7 +189,15 @@ def compute_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                                     share_prompts, tape)
     labels = input_ids[:, input_ids.shape[1] - resp_valid.shape[1]:][resp_valid]
     bias = getattr(head, "bias", None)
-    logp_v, ent_v = fn(hidden, head.weight, labels, temperature, bias, chunk_size)
+    shard = vocab_shard(head)
+    if shard is not None:  # tensor parallel: this rank's rows of the head, never the full logits
+        if with_sum_pi_squared:
+            raise ValueError("the optimal-token baseline's sum of squared probabilities is not computed under tensor "
+                             "parallelism (actor.tensor_parallel_size > 1)")
+        logp_v, ent_v = vocab_parallel_logprobs_entropy(hidden, shard.weight, labels, shard.vocab_start, shard.group,
+                                                        temperature, shard.bias, chunk_size)
+    else:
+        logp_v, ent_v = fn(hidden, head.weight, labels, temperature, bias, chunk_size)
     zeros = torch.zeros(resp_valid.shape, dtype=logp_v.dtype, device=logp_v.device)
     logp = zeros.index_put((resp_valid,), logp_v)
     entropy = zeros.index_put((resp_valid,), ent_v) if with_entropy else None

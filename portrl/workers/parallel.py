@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from portrl.workers.mesh import ParallelMesh, grad_norm_groups, parallelize
+
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
 
@@ -191,7 +193,7 @@ def _block_classes(model: nn.Module) -> set:
 
 
 def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Optional[torch.device] = None,
-               compute_dtype: Union[str, torch.dtype, None] = None) -> nn.Module:
+               compute_dtype: Union[str, torch.dtype, None] = None, mesh: Optional[ParallelMesh] = None) -> nn.Module:
     """The model wrapped for data parallelism over the default process group (see the module docstring).
 
     ``device``: where the model lives (default ``backend.device()``); the model is moved there first.
@@ -201,10 +203,13 @@ def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Opt
     FSDP2 shards in place and returns the same module object (now holding DTensors); DDP returns a wrapper
     whose ``.module`` is the model. A LoRA model (peft) is wrapped alike: its frozen base is sharded (and cast
     for compute) with the blocks that hold it; only the adapters get gradients.
+    ``mesh``: a data x sequence x tensor parallel mesh (portrl.workers.mesh); the strategy must then be ``fsdp``.
     """
     strategy = resolve_strategy(strategy, backend)
     device = device if device is not None else backend.device()
     model = model.to(device)
+    if mesh is not None and strategy != "fsdp":
+        raise ValueError(f"a mesh with tensor or sequence parallelism needs actor.strategy=fsdp, not {strategy!r}")
     if dp_world_size() == 1 or strategy == "none":
         return model
     if strategy == "ddp":
@@ -212,12 +217,16 @@ def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Opt
         return DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
 
-    mesh = init_device_mesh(device.type, (dp_world_size(),))
-    kwargs: dict[str, Any] = {"mesh": mesh}
     compute = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
+    policy = None
     if compute in (torch.bfloat16, torch.float16) and next(model.parameters()).dtype == torch.float32:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     blocks = _block_classes(model)
+    if mesh is not None:
+        return parallelize(model, mesh, blocks, policy)
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device.type, (dp_world_size(),))}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
     for m in model.modules():
         if type(m) in blocks:
             fully_shard(m, **kwargs)
@@ -242,10 +251,11 @@ def clip_grad_norm(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_nor
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
-    norm = float(total)
+    norms = []
+    for group in grad_norm_groups(grads):  # one group except under a tensor-parallel mesh
+        total = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norms.append(total.full_tensor() if hasattr(total, "full_tensor") else total)
+    norm = float(norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms)))
     coef = max_norm / (norm + 1e-6)
     if max_norm > 0 and math.isfinite(norm) and coef < 1.0:
         for g in grads:  # a python float scales plain tensors and DTensor shards alike

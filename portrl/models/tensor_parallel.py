@@ -1,0 +1,102 @@
+"""Tensor parallelism of a causal LM with torch's ``parallelize_module`` plans over the "tp" dimension of a mesh.
+
+Each decoder layer (Megatron's split, one all-reduce after attention and one after the MLP):
+
+* ``self_attn.q_proj`` / ``k_proj`` / ``v_proj``, ``mlp.gate_proj`` / ``up_proj``: column-wise (``ColwiseParallel``):
+  rank ``r`` holds output rows ``[r O/tp, (r+1) O/tp)`` of the weight (and bias), so it computes its own
+  ``H/tp`` query heads, ``Hkv/tp`` key/value heads and ``I/tp`` MLP channels from the replicated hidden state;
+* ``self_attn.o_proj``, ``mlp.down_proj``: row-wise (``RowwiseParallel``): the rank's input columns, partial sums
+  all-reduced into the replicated hidden state;
+* the token embedding: vocabulary-parallel (row-wise on ``nn.Embedding``: rank ``r`` holds token rows
+  ``[r V/tp, (r+1) V/tp)``, looks up the ids it owns, zeros elsewhere, all-reduced);
+* the LM head: the same vocabulary rows (column-wise on the head; a tied head is re-tied to the sharded
+  embedding). Its forward is never run in training: portrl.models.logprobs reads the rank's rows through
+  :func:`vocab_shard` and computes log-probs and entropy with portrl.ops.logprobs_tp, which never gathers the
+  full logits.
+
+Norms and the rotary embedding stay plain, replicated tensors: every rank computes them on the same input, so
+their gradients are equal on every rank without a collective (the column-wise layers' input gradient, a partial
+sum, is all-reduced by DTensor before it reaches them).
+
+Families (``config.model_type``): Qwen2 / Qwen2.5 (``qwen2``), Llama (``llama``), and the language model of
+Qwen2.5-VL (``qwen2_5_vl``: its vision tower stays replicated). Attention modules reshape with ``-1`` heads, so
+they run on the rank's heads unchanged. Sizes are checked before any model loads (portrl.device.mesh_shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+#: the model families (``config.model_type``) with a plan
+SUPPORTED = ("qwen2", "llama", "qwen2_5_vl")
+
+_LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+               "mlp.down_proj": "rowwise"}
+
+
+def _text_decoder(base: nn.Module) -> nn.Module:
+    """The text decoder (the module with ``embed_tokens`` and ``layers``) under a causal LM's base model."""
+    inner = getattr(base, "language_model", None)
+    return inner if isinstance(inner, nn.Module) else base
+
+
+def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
+    """Shard ``model`` (a causal LM, or peft's wrapper of one) in place over the 1-D device mesh ``tp_mesh`` with
+    the plan of the module docstring. A family outside :data:`SUPPORTED` is a ValueError naming them."""
+    # here, not at the top: DTensor's parallel styles load only in a sharded run (~0.5 s)
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415  (FSDP: only in a sharded run)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415  (FSDP: only in a sharded run)
+
+    inner: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(inner.config, "model_type", "")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"tensor parallelism has plans for {list(SUPPORTED)}, not model_type {model_type!r}")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    decoder: Any = _text_decoder(getattr(inner, inner.base_model_prefix))
+    for layer in decoder.layers:
+        parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in _LAYER_PLAN.items()})
+    head = inner.get_output_embeddings()
+    tied = head is not None and head.weight is decoder.embed_tokens.weight
+    parallelize_module(decoder.embed_tokens, tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if tied:
+        head.weight = decoder.embed_tokens.weight
+    elif head is not None:
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows ``[vocab_start, vocab_start + len(weight))`` of a vocabulary-parallel LM head (plain
+    tensors, differentiable back to the sharded parameters) and the tensor-parallel process group."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    vocab_start: int
+    group: Any
+
+
+def vocab_shard(head: Any) -> Optional[VocabShard]:
+    """The head's :class:`VocabShard` when its weight is a DTensor sharded on the vocabulary over a mesh dimension
+    named "tp" (:func:`apply_tensor_parallel`; inside FSDP2's forward the data-parallel dimension is gathered
+    already); None for a plain head."""
+    weight: Any = head.weight
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return None
+    dim = mesh.mesh_dim_names.index("tp")
+    placement = weight.placements[dim]
+    if not (placement.is_shard() and placement.dim == 0):
+        return None
+    if len(mesh.mesh_dim_names) > 1:
+        raise ValueError(f"the LM head is still sharded over {mesh.mesh_dim_names}: run log-probs inside the "
+                         "data-parallel wrapper's forward (portrl.workers.parallel.ForwardModule)")
+    local = weight.to_local()
+    bias = getattr(head, "bias", None)
+    bias = bias.to_local() if bias is not None and hasattr(bias, "to_local") else bias
+    return VocabShard(local, bias, mesh.get_local_rank(dim) * local.shape[0], mesh.get_group(dim))
