@@ -24,6 +24,34 @@ def _write_parquet(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
+#: model folders (config.json and the tiny tokenizer, no weights: the preflight reads only these) whose dimensions
+#: do not split over some mesh: Qwen2.5-0.5B's, a family without tensor-parallel plans, grouped-query heads that
+#: Ulysses cannot split, an MLP width and a vocabulary that tensor parallelism cannot
+MESH_MODELS = {
+    "qwen_0_5b": {"model_type": "qwen2", "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                  "intermediate_size": 4864},
+    "mistral": {"model_type": "mistral", "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32768,
+                "intermediate_size": 14336},
+    "kv6": {"model_type": "qwen2", "num_attention_heads": 12, "num_key_value_heads": 6, "vocab_size": 1024,
+            "intermediate_size": 384},
+    "mlp382": {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024,
+               "intermediate_size": 382},
+    "vocab1001": {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1001,
+                  "intermediate_size": 384},
+}
+
+
+def _mesh_model_dirs(tmp: Path, f: dict[str, str]) -> None:
+    from portrl.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("arith")
+    for name, config in MESH_MODELS.items():
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config))
+        tokenizer.save_pretrained(tmp / name)
+        f[f"{name}_model"] = str(tmp / name)
+
+
 def write_bad_inputs(tmp: Path) -> dict[str, str]:
     """Write every file into ``tmp``; returns placeholder name -> path (``tmp``: the folder itself)."""
     from portrl.data import make_arith_rows
@@ -33,6 +61,7 @@ def write_bad_inputs(tmp: Path) -> dict[str, str]:
     _data_files(tmp, rows, f)
     _text_files(tmp, f)
     _model_dirs(tmp, f)
+    _mesh_model_dirs(tmp, f)
     _reward_files(tmp, f)
     return f
 
@@ -87,6 +116,9 @@ def _text_files(tmp: Path, f: dict[str, str]) -> None:
     (tmp / "oc_env.yaml").write_text("trainer:\n  project_name: ${oc.decode:${oc.env:HOME}}\n")
     f["oc_env_yaml"] = str(tmp / "oc_env.yaml")
     (tmp / "npu.yaml").write_text("device:\n  name: npu\n")
+    (tmp / "verl_sp.yaml").write_text("actor:\n  sequence_parallel_size: 2\nactor_rollout_ref:\n  actor:\n"
+                                      "    ulysses_sequence_parallel_size: 4\n")
+    f["verl_sp_yaml"] = str(tmp / "verl_sp.yaml")
     f["npu_yaml"] = str(tmp / "npu.yaml")
     (tmp / "bad_tool_schema.yaml").write_text("tools:\n  - name: calculator\n    tool_schema: {type: function, "
                                                "function: {name: calc, parameters: {type: array}}}\n")

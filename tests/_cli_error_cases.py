@@ -241,4 +241,62 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("sandbox-fusion-assert-rows", ["train", "data=code", "data.train_files=[{code_train}]",
                                     "data.val_files=[{code_test}]", "reward.code.sandbox_fusion_url=http://127.0.0.1:9"],
      "has assert- or check()-style code tests, which are judged in a sandbox beside the program's", {}),
+    # ---------------------------------------------------------------- device meshes (tensor, sequence, FSDP sizes;
+    # the config's checks, then the preflight's with the model's config.json: portrl/trainer/mesh_check.py)
+    ("mesh-tp-zero", ["train", "actor.tensor_parallel_size=0"], "actor.tensor_parallel_size=0 must be >= 1", {}),
+    ("mesh-sp-negative", ["train", "critic.sequence_parallel_size=-1"],
+     "critic.sequence_parallel_size=-1 must be >= 1", {}),
+    ("mesh-fsdp-zero", ["train", "actor.fsdp_size=0"], "actor.fsdp_size=0 must be -1 (shard over all data x sequence",
+     {}),
+    ("mesh-tp-auto-workers", ["train", "actor.tensor_parallel_size=2"],
+     "= 2 does not divide trainer.num_workers=1; the product must be one of 1 (trainer.num_workers=null is 1 here", {}),
+    ("mesh-tp-sp-workers", ["train", "trainer.num_workers=4", "actor.tensor_parallel_size=3"],
+     "actor.tensor_parallel_size=3 x actor.sequence_parallel_size=1 = 3 does not divide trainer.num_workers=4; the "
+     "product must be one of 1, 2, 4", {}),
+    ("mesh-fsdp-size", ["train", "trainer.num_workers=8", "actor.sequence_parallel_size=2", "actor.fsdp_size=3"],
+     "actor.fsdp_size=3 must divide the 8 data x sequence ranks (trainer.num_workers=8 / actor.tensor_parallel_size=1) "
+     "and hold whole sequence-parallel groups (actor.sequence_parallel_size=2); valid: -1 (all 8), 2, 4, 8", {}),
+    ("mesh-critic-workers", ["train", "algorithm=ppo", "trainer.num_workers=2", "critic.sequence_parallel_size=4"],
+     "critic.sequence_parallel_size=4 = 4 does not divide trainer.num_workers=2", {}),
+    ("mesh-prm-workers", ["train", "algorithm=prime", "trainer.num_workers=3", "reward_model.model.tensor_parallel_size=2"],
+     "reward_model.model.tensor_parallel_size=2 x reward_model.model.sequence_parallel_size=1 = 2 does not divide", {}),
+    ("mesh-sp-no-packing", ["train", "actor.sequence_parallel_size=2", "model.use_packing=false"],
+     "actor.sequence_parallel_size=2 splits packed sequences over its ranks, which needs model.use_packing=true", {}),
+    ("mesh-tp-tiny-heads", ["train", "trainer.num_workers=3", "actor.tensor_parallel_size=3"],
+     "the built-in tiny model (model.path empty) does not split over the actor's mesh: actor.tensor_parallel_size=3 "
+     "does not divide the model's 4 attention heads; valid: 1, 2, 4", {}),
+    ("mesh-tp-heads", ["train", "model.path={qwen_0_5b_model}", "trainer.num_workers=6", "actor.tensor_parallel_size=3"],
+     "actor.tensor_parallel_size=3 does not divide the model's 14 attention heads; valid: 1, 2, 7, 14; valid for every "
+     "split dimension: 1, 2", {}),
+    ("mesh-tp-kv-heads", ["train", "model.path={qwen_0_5b_model}", "trainer.num_workers=7",
+                          "actor.tensor_parallel_size=7"],
+     "actor.tensor_parallel_size=7 does not divide the model's 2 key/value heads; valid: 1, 2", {}),
+    ("mesh-tp-mlp", ["train", "model.path={mlp382_model}", "trainer.num_workers=4", "actor.tensor_parallel_size=4"],
+     "actor.tensor_parallel_size=4 does not divide the model's MLP width of 382 (intermediate_size); valid (sizes up "
+     "to the 8 attention heads): 1, 2", {}),
+    ("mesh-tp-vocab", ["train", "model.path={vocab1001_model}", "trainer.num_workers=2", "actor.tensor_parallel_size=2"],
+     "actor.tensor_parallel_size=2 does not divide the model's vocabulary of 1001 tokens; valid (sizes up to the 4 "
+     "attention heads): 1", {}),
+    ("mesh-tp-family", ["train", "model.path={mistral_model}", "trainer.num_workers=2", "actor.tensor_parallel_size=2"],
+     "is model_type 'mistral': use actor.tensor_parallel_size=1", {}),
+    ("mesh-sp-heads", ["train", "trainer.num_workers=3", "actor.sequence_parallel_size=3"],
+     "actor.sequence_parallel_size=3 does not divide the model's 4 attention heads: Ulysses gives each rank whole "
+     "heads; valid: 1, 2, 4", {}),
+    ("mesh-sp-kv-heads", ["train", "model.path={kv6_model}", "trainer.num_workers=4", "actor.sequence_parallel_size=4"],
+     "actor.sequence_parallel_size=4 does not fit the model's 6 key/value heads: Ulysses splits them (a divisor of 6) "
+     "or repeats them (a multiple of 6); valid: 1, 2, 3, 6, 12", {}),
+    ("mesh-sp-attention", ["train", "trainer.num_workers=2", "actor.sequence_parallel_size=2",
+                           "model.attn_impl=hf_sdpa"],
+     "model.attn_impl=hf_sdpa is transformers' own, which cannot take it", {}),
+    ("mesh-verl-alias", ["train", "trainer.num_workers=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+     "actor.tensor_parallel_size=3 does not divide the model's 4 attention heads", {}),
+    ("mesh-verl-alias-conflict", ["train", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                  "actor.sequence_parallel_size=4"],
+     "override actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (verl's name for actor.sequence_parallel_size) "
+     "and override actor.sequence_parallel_size=4 set it to two values; give one of them", {}),
+    ("mesh-verl-alias-conflict-yaml", ["train", "--config", "{verl_sp_yaml}"],
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 (verl's name for actor.sequence_parallel_size) and "
+     "actor.sequence_parallel_size=2 set it to two values", {}),
+    ("mesh-verl-unknown", ["train", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+     "unknown config key 'actor_rollout_ref'", {}),
 ]

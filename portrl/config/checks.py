@@ -15,7 +15,8 @@
   max_ckpt_to_keep / trace_rows >= 1, save_freq / test_freq / ref_update_freq / max_nonfinite_steps / trace_freq
   >= 1 or 0 (off), KL coefficients >= 0, temperature > 0 or 0 (greedy), 0 < top_p <= 1, top_k -1 (off) or >= 1;
 * asynchronous modes: ``trainer.mode`` and ``async_training`` (portrl/config/checks_async.py); multi-turn
-  rollouts: ``rollout.multi_turn`` (portrl/config/checks_agent.py);
+  rollouts: ``rollout.multi_turn`` (portrl/config/checks_agent.py); the trained models' mesh sizes
+  (portrl/config/checks_mesh.py);
 * sandbox: every ``sandbox.packages`` entry is a top-level import name (:func:`check_sandbox`; whether it is
   installed is the preflight's check, portrl/trainer/sandbox_check.py);
 * environment: ``device.env`` names only variables the backend accepts (exact names it declares; what loads code
@@ -44,6 +45,7 @@ from portrl.config.batch_follow import batch_problem
 from portrl.config.checks_algorithm import check_algorithm, known_algorithm
 from portrl.config.checks_agent import check_multi_turn
 from portrl.config.checks_async import check_async
+from portrl.config.checks_mesh import check_mesh
 from portrl.config.placement import placement_names, placement_needs_ray
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
@@ -376,7 +378,7 @@ def check_backend(cfg) -> list[str]:
 def validate(cfg, *, registries: bool = True, backend: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem of ``cfg``; return None when it is valid."""
     problems = check_choices(cfg) + check_consistency(cfg) + check_ranges(cfg) + check_env(cfg) + check_async(cfg)
-    problems += check_multi_turn(cfg) + check_sandbox(cfg)
+    problems += check_multi_turn(cfg) + check_sandbox(cfg) + check_mesh(cfg)
     if registries:
         problems += check_registries(cfg)
     if backend:

@@ -32,6 +32,9 @@ Derived defaults (applied only where neither the user YAML nor an override set t
 step can tell a value the user asked for from a preset's (the preflight fits a preset's batch size to a small
 dataset, but refuses a user's).
 
+verl's names of the mesh sizes (``actor_rollout_ref.actor.ulysses_sequence_parallel_size``) are accepted in the
+user YAML and the overrides, as their portrl keys (portrl/config/verl_aliases.py).
+
 ``device.name_source`` records where ``device.name`` came from (``--device``, ``override device=NAME``,
 ``preset h100``, the config file, ``override device.name=NAME``), so that a device that is unknown or not
 usable is reported with its origin (portrl.device.resolve_backend).
@@ -59,6 +62,7 @@ from portrl.config.keys import check_keys, open_dict_prefixes, schema_keys, type
 from portrl.config.options_schema import run_schema
 from portrl.config.preset_layers import Origins
 from portrl.config.presets import ConfigError, list_presets, load_preset, preset_source
+from portrl.config.verl_aliases import apply_aliases
 from portrl.errors import yaml_problem
 from portrl.user_files import ordinary_permissions
 
@@ -214,6 +218,7 @@ def compose(device: str | None = None, preset: str | None = None, algorithm: str
 
     user = _read_user_yaml(config_file) if config_file else {}
     items = [(f"override {key}={value}", _parse_override(key, value)) for key, value in dotted]
+    user, items = apply_aliases(user, str(config_file), items)  # verl's names of the mesh sizes -> portrl's keys
     explicit: set[str] = set(check_keys(user, str(config_file))) if config_file else set()
     for source, item in items:
         explicit.update(check_keys(item, source))

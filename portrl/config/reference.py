@@ -41,6 +41,7 @@ from portrl.config.options_schema import declared, default_config, run_schema
 from portrl.config.reference_text import DESCRIPTIONS, RULES_ELSEWHERE, VERL_NAMES
 from portrl.config.schema_agent import SANITY_CHECK_MODES, TRUNCATE_SIDES
 from portrl.config.schema_trainer import MODES, STALE_SAMPLES
+from portrl.config.verl_aliases import ALIASES
 
 #: the page's command, printed in its header
 COMMAND = "python -m portrl.config.reference > docs/reference/configuration.md"
@@ -196,6 +197,10 @@ def render(rows: Optional[List[Entry]] = None) -> str:
         "Set a key with an override (`portrl train actor.optim.lr=3e-4`), in a preset or in a YAML file. "
         "Checks across keys (batch sizes that divide, what an algorithm needs) are in `portrl/config/checks.py`; "
         "a key outside its range stops the command with one line naming it.",
+        "",
+        "verl's names of the mesh sizes are accepted as aliases of portrl's keys, in a YAML file (`--config`) and in "
+        "overrides: " + ", ".join(f"`{alias}` (`{key}`)" for alias, key in ALIASES.items()) + ". Setting one and "
+        "its portrl key to different values in the same file, or in the same command line, is an error.",
         "",
         "A value may refer to another key (`${data.max_response_length}`) and use omegaconf's resolvers, except "
         "`${oc.env:NAME}`: a value that reads an environment variable is refused with one line naming the key "

@@ -12,6 +12,9 @@ tests/test_config_reference.py fails when a key has no description or an entry h
 
 from __future__ import annotations
 
+from portrl.config.checks_mesh import MESH_SECTIONS, TP_MODEL_TYPES
+from portrl.config.verl_aliases import ALIASES
+
 DESCRIPTIONS: dict[str, str] = {
     "AlgorithmConfig.gamma": "discount factor of returns and GAE",
     "AlgorithmConfig.lam": "GAE lambda (actor and critic unless the estimator's lam_actor / lam_critic are set)",
@@ -169,6 +172,7 @@ VERL_NAMES: dict[str, str] = {
     "trainer.resume": "trainer.resume_mode",
     "trainer.output_dir": "trainer.default_local_dir",
     "trainer.max_ckpt_to_keep": "trainer.max_actor_ckpt_to_keep",
+    **{key: alias for alias, key in ALIASES.items()},  # accepted as aliases too (portrl/config/verl_aliases.py)
 }
 
 RULES_ELSEWHERE: dict[str, str] = {
@@ -187,4 +191,12 @@ RULES_ELSEWHERE: dict[str, str] = {
     "reward.overlong_buffer.len": "must be in (0, data.max_response_length) when enabled",
     "async_training.max_staleness": "must be >= 0",
     "sandbox.packages": "top-level import names (numpy, not scikit-learn), each installed in the run's interpreter",
+    **{f"{s}.tensor_parallel_size": f"must be >= 1; times {s}.sequence_parallel_size, a divisor of "
+       "trainer.num_workers; a divisor of the model's attention heads, key/value heads, MLP width and vocabulary; "
+       f"> 1 only for model_type {', '.join(TP_MODEL_TYPES)}" for s in MESH_SECTIONS},
+    **{f"{s}.sequence_parallel_size": "must be >= 1; a divisor of the attention heads of a tensor-parallel rank, and "
+       "of its key/value heads or a multiple of them; > 1 needs model.use_packing=true and a portrl attention "
+       "(not hf_sdpa / hf_eager)" for s in MESH_SECTIONS},
+    **{f"{s}.fsdp_size": f"must be -1, or a multiple of {s}.sequence_parallel_size that divides trainer.num_workers / "
+       f"{s}.tensor_parallel_size" for s in MESH_SECTIONS},
 }

@@ -204,6 +204,15 @@ class ActorConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: str = "auto"  # auto | fsdp | ddp (auto: fsdp where it runs, ddp otherwise)
+    # ranks that split each weight matrix, tensor parallel (Qwen2 / Qwen2.5, Llama, Qwen2.5-VL's language model);
+    # the reference model follows the actor's mesh (portrl/device/mesh_shape.py), all three sizes
+    tensor_parallel_size: int = 1
+    # ranks that split each packed sequence, Ulysses sequence parallel (attention heads exchanged all-to-all; needs
+    # model.use_packing and one of portrl's attention implementations)
+    sequence_parallel_size: int = 1
+    # ranks of one FSDP shard group: -1 = all data x sequence ranks; else a multiple of sequence_parallel_size that
+    # divides trainer.num_workers / tensor_parallel_size, the groups replicated (HSDP), as verl's fsdp_size
+    fsdp_size: int = -1
     lora_rank: int = 0  # > 0 trains LoRA adapters (peft); merged weights go to the rollout engine
     lora_alpha: int = 16
     lora_target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -261,6 +270,9 @@ class CriticConfig:
     # explained variance (mean over the last PRETRAIN_EV_WINDOW batches, portrl.trainer.value_pretrain)
     pretrain_steps: int = 0
     pretrain_target_ev: Optional[float] = None
+    tensor_parallel_size: int = 1  # the critic's mesh, as actor.tensor_parallel_size
+    sequence_parallel_size: int = 1  # the critic's mesh, as actor.sequence_parallel_size
+    fsdp_size: int = -1  # the critic's mesh, as actor.fsdp_size
 
 
 @dataclass
@@ -312,6 +324,9 @@ class ImplicitPRMModelConfig:
     # its prompt group (verl's detached dpo loss, portrl.algo.implicit_prm.prm_dpo_loss)
     loss_type: str = "ce"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    tensor_parallel_size: int = 1  # the PRM's mesh, as actor.tensor_parallel_size
+    sequence_parallel_size: int = 1  # the PRM's mesh, as actor.sequence_parallel_size
+    fsdp_size: int = -1  # the PRM's mesh, as actor.fsdp_size
 
 
 @dataclass

@@ -10,6 +10,8 @@ It raises a :class:`~portrl.errors.UserError` (one line, exit code 2) for the fi
 * the model: ``model.path`` / ``model.tokenizer_path`` / ``critic.model_path`` / ``reward.model_path`` are
   Hugging Face directories (config.json, tokenizer files; the tokenizer has a chat template); weights that are
   only pickles (``pytorch_model.bin``) hold nothing torch's safe unpickler refuses (``check_pickled_weights``);
+* the meshes: each trained model's tensor, sequence and FSDP sizes fit the workers, the model's heads, key/value
+  heads, MLP width and vocabulary, its family and the attention (portrl.trainer.mesh_check);
 * the data: ``data.train_files`` / ``data.val_files`` exist, are parquet with the verl columns, and every row
   is valid (NaN or empty ground truths name the row; images decode, one per ``<image>`` placeholder, and a model
   with an image processor reads them); every data_source has a reward; the train split has
@@ -60,6 +62,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_cache import generator_options
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
+from portrl.trainer.mesh_check import check_meshes
 from portrl.trainer.run_dir import check_run_dir
 from portrl.trainer.sandbox_check import check_remote_code_rows, check_sandbox, sandbox_users
 from portrl.workers.lora import check_target_modules
@@ -80,8 +83,10 @@ def preflight(cfg: PortRLConfig, command: str = TRAIN, *, checkpoint: Optional[s
 
 
 def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> None:
-    _check_device(cfg)
+    backend = _check_device(cfg)
     tokenizer = _check_model(cfg, command)
+    if command == TRAIN:
+        check_meshes(cfg, backend)  # the mesh sizes against the workers, the models' dimensions and the attention
     _check_output_dir(cfg)
     if command == SFT:
         return  # its data are --train-files or a task's built-in SFT rows: portrl.cli.sft checks them
@@ -109,7 +114,7 @@ def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> No
 
 
 # ------------------------------------------------------------------------------------------ device
-def _check_device(cfg: PortRLConfig) -> None:
+def _check_device(cfg: PortRLConfig) -> Backend:
     quiet = logging.getLogger("portrl.device.registry")  # the run logs its backend when it starts; not twice
     level = quiet.level
     quiet.setLevel(logging.WARNING)
@@ -136,6 +141,7 @@ def _check_device(cfg: PortRLConfig) -> None:
     _check_num_workers(cfg, backend)
     trainer_workers = auto_num_workers(cfg, backend)[0] if cfg.trainer.num_workers is None else None
     compute_split(cfg, backend, trainer_workers)  # rollout.cpu_cores more than the node has: UserError
+    return backend
 
 
 def _check_num_workers(cfg: PortRLConfig, backend: Backend) -> None:

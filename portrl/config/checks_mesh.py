@@ -1,0 +1,81 @@
+"""Checks of the trained models' device meshes (portrl/device/mesh_shape.py) that the config alone decides.
+
+* ``actor``, ``critic`` and ``reward_model.model`` (PRIME's PRM): ``tensor_parallel_size`` and
+  ``sequence_parallel_size`` >= 1, ``fsdp_size`` -1 or >= 1;
+* each model that runs (:func:`mesh_roles`) with an explicit ``trainer.num_workers``: its sizes form a mesh of that
+  many ranks (:meth:`MeshShape.of`: tensor x sequence parallel divides the workers, the shard group divides the rest
+  and holds whole sequence-parallel groups); null (auto) is checked by the preflight once resolved;
+* sequence parallelism splits packed sequences: it needs ``model.use_packing=true``.
+
+What needs the model (its heads, key/value heads, MLP width, vocabulary, family) or the backend (its attention) is
+the preflight's (portrl/trainer/mesh_check.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Protocol
+
+from portrl.algo import critic_enabled, implicit_prm_enabled
+from portrl.config.checks_algorithm import known_algorithm
+from portrl.device.mesh_shape import MeshError, MeshShape
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
+#: the config sections that hold a trained model's mesh sizes (the reference model follows the actor's)
+MESH_SECTIONS = ("actor", "critic", "reward_model.model")
+#: ``model_type`` (config.json) -> the family, for the models tensor parallelism has plans for (the preflight refuses
+#: tensor_parallel_size > 1 for any other: portrl/trainer/mesh_check.py)
+TP_MODEL_TYPES = {"qwen2": "Qwen2 / Qwen2.5", "llama": "Llama", "qwen2_5_vl": "Qwen2.5-VL's language model"}
+
+
+class _MeshSizes(Protocol):
+    """A section with mesh sizes (ActorConfig, CriticConfig, ImplicitPRMModelConfig)."""
+
+    tensor_parallel_size: int
+    sequence_parallel_size: int
+    fsdp_size: int
+
+
+def mesh_roles(cfg: PortRLConfig) -> List[str]:
+    """The sections of the trained models this run builds: the actor; the critic and PRIME's PRM when enabled."""
+    roles = ["actor"]
+    if known_algorithm(cfg):  # an unknown estimator is reported by the registry check
+        roles += ["critic"] if critic_enabled(cfg) else []
+        roles += ["reward_model.model"] if implicit_prm_enabled(cfg) else []
+    return roles
+
+
+def mesh_sizes(cfg: PortRLConfig, role: str) -> tuple[int, int, int]:
+    """``(tensor_parallel_size, sequence_parallel_size, fsdp_size)`` of section ``role``."""
+    sections: dict[str, _MeshSizes] = {"actor": cfg.actor, "critic": cfg.critic,
+                                        "reward_model.model": cfg.reward_model.model}
+    s = sections[role]
+    return int(s.tensor_parallel_size), int(s.sequence_parallel_size), int(s.fsdp_size)
+
+
+def check_mesh(cfg: PortRLConfig) -> List[str]:
+    """Every problem of the mesh sizes, one line each."""
+    problems: List[str] = []
+    for role in MESH_SECTIONS:
+        tp, sp, fsdp = mesh_sizes(cfg, role)
+        if tp < 1:
+            problems.append(f"{role}.tensor_parallel_size={tp} must be >= 1 (1: no tensor parallelism)")
+        if sp < 1:
+            problems.append(f"{role}.sequence_parallel_size={sp} must be >= 1 (1: no sequence parallelism)")
+        if fsdp < 1 and fsdp != -1:
+            problems.append(f"{role}.fsdp_size={fsdp} must be -1 (shard over all data x sequence ranks) or >= 1")
+    if problems:
+        return problems
+    workers = cfg.trainer.num_workers
+    for role in mesh_roles(cfg):
+        tp, sp, fsdp = mesh_sizes(cfg, role)
+        if workers is not None and workers >= 1:  # < 1 is the range check's
+            try:
+                MeshShape.of(int(workers), tp, sp, fsdp, role=role)
+            except MeshError as exc:
+                problems.append(str(exc))
+        if sp > 1 and not cfg.model.use_packing:
+            problems.append(f"{role}.sequence_parallel_size={sp} splits packed sequences over its ranks, which needs "
+                            f"model.use_packing=true (got false); set it, or {role}.sequence_parallel_size=1")
+    return problems
