@@ -120,3 +120,10 @@ def test_the_preflight_reads_a_models_dimensions_without_loading_it(tmp_path):
     written = json.loads((write_tiny_model(tmp_path / "tiny", hidden_size=32, num_layers=1) / "config.json").read_text())
     tiny = model_dims(compose(), None)
     assert tiny["model_type"] == "qwen2" and tiny["num_heads"] == 4 and tiny["vocab_size"] == written["vocab_size"]
+
+
+def test_the_preflight_allows_tensor_parallelism_for_the_families_with_plans():
+    from portrl.config.checks_mesh import TP_MODEL_TYPES
+    from portrl.models.tensor_parallel import SUPPORTED
+
+    assert tuple(TP_MODEL_TYPES) == SUPPORTED
