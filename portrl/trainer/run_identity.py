@@ -24,7 +24,10 @@ run), the learning-rate schedule (``actor.optim.*``, ``critic.optim.*``: a chang
 scheduler's base learning rate and logged), logging (``trainer.loggers``, ``progress_bar``, ``plot``,
 ``export_hf``), ``trainer.test_freq`` / ``save_freq`` / ``max_ckpt_to_keep``, validation data
 (``data.val_files``, ``data.arith.num_test``, ``max_val_samples``, ``val_batch_size``, ``rollout.val_kwargs``),
-the number of workers and the device (checkpoints hold full tensors that load into any number of workers),
+the number of workers, the device and the mesh (``actor.strategy``, ``tensor_parallel_size``,
+``sequence_parallel_size``, ``fsdp_size`` of the actor, the critic and the PRM: a checkpoint holds full tensors
+keyed by parameter name, or shards of a 1-D FSDP2 mesh that any mesh reads by rank or joined whole, so it loads
+bit for bit under any mesh and on one rank; portrl.parity.mesh_reshard),
 loss coefficients tuned mid-run (``actor.clip_ratio*``, ``entropy_coeff``, ``kl_loss_coef``, ``ppo_epochs``) and
 the warm-start keys (``model.sft_*``, ``critic.pretrain_*``: they act only on a fresh start).
 
