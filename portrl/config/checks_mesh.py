@@ -13,7 +13,7 @@ the preflight's (portrl/trainer/mesh_check.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Protocol
+from typing import TYPE_CHECKING, Any, List, Protocol
 
 from portrl.algo import critic_enabled, implicit_prm_enabled
 from portrl.config.checks_algorithm import known_algorithm
@@ -48,10 +48,20 @@ def mesh_roles(cfg: PortRLConfig) -> List[str]:
 
 def mesh_sizes(cfg: PortRLConfig, role: str) -> tuple[int, int, int]:
     """``(tensor_parallel_size, sequence_parallel_size, fsdp_size)`` of section ``role``."""
-    sections: dict[str, _MeshSizes] = {"actor": cfg.actor, "critic": cfg.critic,
-                                        "reward_model.model": cfg.reward_model.model}
-    s = sections[role]
+    if role not in MESH_SECTIONS:
+        raise ValueError(f"no mesh sizes in section {role!r}; valid: {', '.join(MESH_SECTIONS)}")
+    node: Any = cfg  # only this section is read: a worker's config holds its own sections alone
+    for part in role.split("."):
+        node = getattr(node, part)
+    s: _MeshSizes = node
     return int(s.tensor_parallel_size), int(s.sequence_parallel_size), int(s.fsdp_size)
+
+
+def mesh_replicas(cfg: PortRLConfig, role: str) -> int:
+    """Ranks of section ``role``'s model that hold the same rows: ``tensor_parallel_size x sequence_parallel_size``
+    (its worker group gives them one piece of the batch: portrl.workers.group)."""
+    tp, sp, _ = mesh_sizes(cfg, role)
+    return tp * sp
 
 
 def check_mesh(cfg: PortRLConfig) -> List[str]:

@@ -39,28 +39,41 @@ _LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "se
                "mlp.down_proj": "rowwise"}
 
 
-def _text_decoder(base: nn.Module) -> nn.Module:
-    """The text decoder (the module with ``embed_tokens`` and ``layers``) under a causal LM's base model."""
-    inner = getattr(base, "language_model", None)
-    return inner if isinstance(inner, nn.Module) else base
+def _text_decoder(model: nn.Module) -> Any:
+    """The text decoder in ``model`` (the module with ``embed_tokens`` and ``layers``: a causal LM's base model, the
+    language model of a vision-language one, the critic's value model's ``base``)."""
+    found = [m for m in model.modules() if hasattr(m, "embed_tokens") and hasattr(m, "layers")]
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no text decoder (a module with embed_tokens and layers)")
+    return found[0]
 
 
-def apply_tensor_parallel(model: Any, tp_mesh: Any) -> None:
-    """Shard ``model`` (a causal LM, or peft's wrapper of one) in place over the 1-D device mesh ``tp_mesh`` with
-    the plan of the module docstring. A family outside :data:`SUPPORTED` is a ValueError naming them."""
+def _lm_head(model: nn.Module) -> Any:
+    """The LM head of the causal LM in ``model`` (None for a decoder with another head, the critic's)."""
+    for m in model.modules():
+        get = getattr(m, "get_output_embeddings", None)
+        head = get() if get is not None else None
+        if isinstance(head, nn.Module):
+            return head
+    return None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """Shard ``model`` (a causal LM, peft's wrapper of one, ``ForwardModule`` over one, or the critic's value model)
+    in place over the 1-D device mesh ``tp_mesh`` with the plan of the module docstring. A family outside
+    :data:`SUPPORTED` is a ValueError naming them."""
     # here, not at the top: DTensor's parallel styles load only in a sharded run (~0.5 s)
     from torch.distributed.tensor import Replicate  # noqa: PLC0415  (FSDP: only in a sharded run)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: PLC0415  (FSDP: only in a sharded run)
 
-    inner: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(inner.config, "model_type", "")
+    decoder = _text_decoder(model)
+    model_type = str(getattr(decoder.config, "model_type", "")).removesuffix("_text")
     if model_type not in SUPPORTED:
         raise ValueError(f"tensor parallelism has plans for {list(SUPPORTED)}, not model_type {model_type!r}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    decoder: Any = _text_decoder(getattr(inner, inner.base_model_prefix))
     for layer in decoder.layers:
         parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in _LAYER_PLAN.items()})
-    head = inner.get_output_embeddings()
+    head = _lm_head(model)
     tied = head is not None and head.weight is decoder.embed_tokens.weight
     parallelize_module(decoder.embed_tokens, tp_mesh,
                        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))

@@ -98,7 +98,8 @@ def run_mesh_parity(cases: Optional[Iterable[str]] = None, work_dir: Optional[st
     chosen = case_named(cases)
     ctx = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if ctx == "forkserver":
-        multiprocessing.set_forkserver_preload(["portrl.parity.mesh_step"])
+        # the model's modeling module too: from_pretrained imports it lazily, ~5 s a rank on 2 cores
+        multiprocessing.set_forkserver_preload(["portrl.parity.mesh_step", "transformers.models.qwen2.modeling_qwen2"])
     with tempfile.TemporaryDirectory(prefix="portrl-parity-mesh-", dir=work_dir) as tmp:
         work = Path(tmp)
         # 4 query heads over 2 key/value heads (GQA; sp=4 repeats them), vocabulary 112 (tp=2 splits it)

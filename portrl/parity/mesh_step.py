@@ -23,7 +23,6 @@ weights, gathered over the mesh).
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -142,9 +141,6 @@ def rank_main(rank: int, case: MeshCase, model_dir: str, port: int, out_dir: str
     """One rank of ``case`` (a spawned process): join the gloo group, run the steps, rank 0 writes
     ``<out_dir>/<case.name>.json`` (written, then renamed); an error is written to ``<case>.rank<r>.error``."""
     torch.set_num_threads(1)
-    # DTensor logs a warning per gradient norm of a 2-D (data x tensor) parameter: two reductions where a flattened
-    # mesh would take one; the norm is right, and the tiny model's speed is not what this case measures
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         init_distributed(get_backend("cpu"), rank, case.world, "127.0.0.1", port, timeout_s=300)
         result = run_steps(model_dir, case.shape, rank, steps)

@@ -36,6 +36,7 @@ import torch
 
 from portrl.algo import implicit_prm_enabled
 from portrl.algo.implicit_prm import prime_batch_norm, prm_dpo_abs_accuracy, prm_dpo_accuracy, prm_dpo_others
+from portrl.config.checks_mesh import mesh_replicas
 from portrl.device.backend import Backend
 from portrl.trainer.metrics import Timer
 from portrl.trainer.resources import settled_num_workers
@@ -62,7 +63,8 @@ class PrimePhase:
 
     def __init__(self, cfg: PortRLConfig, backend: Backend):
         self.cfg = cfg
-        self.group = WorkerGroup(ImplicitPRMWorker, cfg, settled_num_workers(cfg), backend)
+        self.group = WorkerGroup(ImplicitPRMWorker, cfg, settled_num_workers(cfg), backend,
+                                 replicas=mesh_replicas(cfg, "reward_model.model"))
         rm = cfg.reward_model.model
         warm = bool(cfg.model.sft_warm_start)
         self.into_model, self.into_ref = warm and rm.path is None, warm and rm.ref_path is None

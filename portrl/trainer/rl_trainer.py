@@ -37,6 +37,7 @@ import torch
 
 from portrl.algo import critic_enabled, get_kl_controller, reference_enabled
 from portrl.algo.pf_ppo import pf_ppo_resample_indices
+from portrl.config.checks_mesh import mesh_replicas
 from portrl.config.placement import placement_of
 from portrl.data import PromptBatch
 from portrl.device.weight_transport import sync_metrics
@@ -101,13 +102,15 @@ class RLTrainer:
         self.train_ds = run_dataset(cfg, [str(f) for f in d.train_files], self.tokenizer, self.processor,
                                     shuffle=bool(d.shuffle), seed=int(d.seed))
         self.val_prompts = validation_prompts(cfg, [str(f) for f in d.val_files], self.tokenizer, self.processor)
-        self.actor = WorkerGroup(ActorRolloutWorker, cfg, settled_num_workers(cfg), self.backend)
+        self.actor = WorkerGroup(ActorRolloutWorker, cfg, settled_num_workers(cfg), self.backend,
+                                 replicas=mesh_replicas(cfg, "actor"))
         # a placement whose actor holds no engine (separated): its own rollout workers and a weight link
         self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.critic = None
         if critic_enabled(cfg):
-            self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend)
+            self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend,
+                                      replicas=mesh_replicas(cfg, "critic"))
         self.prm = build_prime_phase(cfg, self.backend)  # PRIME's implicit PRM when the algorithm reads its rewards
         self.profiling = StepProfiling(cfg, self.backend, self.out_dir, lambda: {
             "actor": self.actor, "critic": self.critic, "prm": getattr(self.prm, "group", None), "rollout": self.rollout})

@@ -28,6 +28,7 @@ import torch
 
 from portrl.algo.rollout_correction import rollout_diff_stats
 from portrl.algo.spec import algorithm_spec
+from portrl.config.checks_mesh import mesh_sizes
 from portrl.config.placement import placement_of
 from portrl.models import compute_logprobs, load_causal_lm, load_tokenizer
 from portrl.models.export import export_pretrained
@@ -95,7 +96,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         # inside the wrapper's root forward, so DDP all-reduces the gradients and FSDP2 gathers the parameters)
         self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
                                     strategy=self.strategy, optim=cfg.actor.optim, rank=rank, world_size=world_size,
-                                    forward=compute_logprobs)
+                                    forward=compute_logprobs, mesh_sizes=mesh_sizes(cfg, "actor"))
         self.ref_module: Optional[torch.nn.Module] = None
         self.engine = self._make_engine(engine_model) if self.holds_engine else None
         self.update_count = 0
@@ -219,7 +220,7 @@ class ActorRolloutWorker(TrainedModelWorker):
     def _log_probs(self, module, batch: Batch, with_entropy: bool, with_sum_pi_squared: bool = False) -> tuple:
         """``(logp, entropy or None)`` (B,T) on the CPU, plus ``sum_pi_squared`` with ``with_sum_pi_squared``."""
         # only the trained (sharded) module's forward is a collective; the others run alone on each rank
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size if module is self.train_module else 1,
+        micro = inference_micro_batches(batch, self.cfg.actor, self.trained.dp_size if module is self.train_module else 1,
                                         shares_prompts(self.cfg.model))
         extra = {"with_sum_pi_squared": True} if with_sum_pi_squared else {}
         parts = [self._forward(module, mb, with_entropy, **extra) for mb in micro]
@@ -265,7 +266,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         settings = self.loop_settings()
         # rollout correction (portrl/workers/actor_correction.py): rejected tokens leave the loss; normalised weights
         batch = apply_rejection(self.cfg, batch)
-        batch, normalized = normalize_is_weights(self.cfg, batch, self.world_size)
+        batch, normalized = normalize_is_weights(self.cfg, batch, self.trained.dp_size)
         use_old = "old_log_probs" in batch
         # the rollout's recorded forward holds until the first optimizer step (fused optimizers change the
         # weights without bumping their version counters, so the tape's own check cannot see that step)
@@ -289,20 +290,21 @@ class ActorRolloutWorker(TrainedModelWorker):
 
         def objective_counts(mini: Batch) -> Dict[str, Any]:  # the objective's counts of the mini-batch, all ranks
             local = spec.counts(mini.tensors)
-            return dict(zip(local, all_reduce_sum(list(local.values()), self.world_size))) if local else {}
+            return dict(zip(local, all_reduce_sum(list(local.values()), self.trained.dp_size))) if local else {}
 
         out = self.trained.update(batch, settings, policy_loss, prefix="actor", additive=ADDITIVE_METRICS,
                                   extra_counts=objective_counts)
         self.update_count += 1
-        out.update(rollout_gap_metrics(gaps, self.world_size))
-        out.update(rollout_corr_metrics(corr, self.world_size), **normalized)
+        out.update(rollout_gap_metrics(gaps, self.trained.dp_size))
+        out.update(rollout_corr_metrics(corr, self.trained.dp_size), **normalized)
         return out
 
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
         wrapped = self.trained.wrapped
         return run_sft_steps(self.cfg, self.train_module, self.tokenizer, rows, steps=steps, lr=lr,
-                             batch_size=batch_size, device=self.device, world_size=self.world_size, rank=self.rank,
+                             batch_size=batch_size, device=self.device, world_size=self.trained.dp_size,
+                             rank=self.trained.dp_rank,
                              forward=self.train_module if wrapped else None, master=self.master,
                              log_every=max(1, steps // 10) if self.rank == 0 else 0)
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from portrl.algo import compute_value_loss, masked_mean
+from portrl.config.checks_mesh import mesh_sizes
 from portrl.models import load_causal_lm
 from portrl.models.hf_types import HFModule
 from portrl.models.logprobs import response_hidden_states
@@ -78,7 +79,8 @@ class CriticWorker(TrainedModelWorker):
         # DDP / FSDP2 over the ValueModel itself: its forward is the whole value computation, so the wrapper's root
         # forward sees it (no ForwardModule needed)
         self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
-                                    strategy=self.strategy, optim=cfg.critic.optim, rank=rank, world_size=world_size)
+                                    strategy=self.strategy, optim=cfg.critic.optim, rank=rank, world_size=world_size,
+                                    mesh_sizes=mesh_sizes(cfg, "critic"))
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
@@ -88,7 +90,7 @@ class CriticWorker(TrainedModelWorker):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """``values (B,T)`` of the current critic (0 on padding)."""
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size, shares_prompts(self.cfg.model))
+        micro = inference_micro_batches(batch, self.cfg.actor, self.trained.dp_size, shares_prompts(self.cfg.model))
         return Batch({"values": torch.cat([self._values(self.module, mb).cpu() for mb in micro])})
 
     def loop_settings(self) -> LoopSettings:

@@ -17,6 +17,9 @@ Every call runs ``method`` on every rank. The caller names the worker method its
 The group dispatches by the method's name (:func:`method_name`; Ray actors receive that name), so a subclass's
 override runs. A name (str) is the untyped form, for stand-in worker classes. Each :class:`Batch` argument is cut
 into N contiguous pieces (``Batch.chunk``) and rank r gets piece r; other arguments go to every rank as they are.
+With ``replicas`` k > 1 (a model whose mesh has sequence or tensor parallelism: the k = sp x tp ranks of a
+data-parallel group hold the same rows, portrl.workers.mesh) a Batch is cut into N / k pieces, rank r gets piece
+r // k, and the Batches and metrics that come back are those of ranks 0, k, 2k, ...
 What comes back is said by the method called, never guessed from the results:
 
 * :meth:`WorkerGroup.gather`: every rank's result, a list in rank order;
@@ -144,8 +147,12 @@ def concat_batches(per_rank: Sequence[Batch]) -> Batch:
     return Batch.concat(list(per_rank))
 
 
-def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int) -> List[tuple]:
-    """Per-rank ``(args, kwargs)``: each Batch cut into ``n`` contiguous pieces, other values repeated."""
+def split_args(args: Sequence[Any], kwargs: Mapping[str, Any], n: int, replicas: int = 1) -> List[tuple]:
+    """Per-rank ``(args, kwargs)`` of ``n`` ranks: each Batch cut into ``n / replicas`` contiguous pieces, rank r
+    getting piece ``r // replicas`` (the sequence and tensor parallel ranks of a data-parallel group share rows);
+    other values repeated."""
+    if replicas > 1:
+        return [p for p in split_args(args, kwargs, n // replicas) for _ in range(replicas)]
     pieces: Dict[Any, List[Batch]] = {}
     for key, v in list(enumerate(args)) + list(kwargs.items()):
         if isinstance(v, Batch):
@@ -214,9 +221,12 @@ class WorkerGroup(Generic[W]):
 
     def __init__(self, worker_cls: type[W], cfg, num_workers: int, backend: Backend, *, role: Optional[str] = None,
                  pool=None, share: int = 1, share_devices: bool = False,
-                 worker_kwargs: Optional[Mapping[str, Any]] = None):
+                 worker_kwargs: Optional[Mapping[str, Any]] = None, replicas: int = 1):
         if num_workers < 1:
             raise ValueError(f"WorkerGroup: num_workers must be >= 1, got {num_workers}")
+        if num_workers % replicas:
+            raise ValueError(f"WorkerGroup: {num_workers} workers do not form groups of {replicas} replicas")
+        self.replicas = int(replicas) if num_workers > 1 else 1
         self.role, self.worker_cls = role or getattr(worker_cls, "__name__", "worker"), worker_cls
         self.num_workers, self.backend = int(num_workers), backend
         self.timeout_s: Optional[float] = None  # limit on each call's answers (module docstring); None = none
@@ -230,6 +240,7 @@ class WorkerGroup(Generic[W]):
             build: Callable[..., W] = worker_cls  # the constructor every worker class has (W says nothing of it)
             self.launcher = InProcessLauncher(build(wcfg, rank=0, world_size=1, **kwargs))
         self._all = [True] * self.num_workers
+        self._leaders = [r % self.replicas == 0 for r in range(self.num_workers)]  # one rank per piece of rows
         self._none = [False] * self.num_workers
         self._first = [True] + [False] * (self.num_workers - 1)
         self._names: Dict[Callable[..., Any] | str, str] = {}  # method -> the name it is dispatched by (method_name)
@@ -239,8 +250,13 @@ class WorkerGroup(Generic[W]):
         name = self._names.get(method)  # the hot path: one lookup
         if name is None:
             name = self._names[method] = method_name(self.worker_cls, method)
-        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
+        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers,
+                                                                              self.replicas)
         return self.launcher.execute(name, per_rank, reply)
+
+    def _of_leaders(self, results: List[Any]) -> List[Any]:
+        """The results of one rank per piece of rows (all ranks without sequence or tensor parallelism)."""
+        return results if self.replicas == 1 else results[::self.replicas]
 
     @overload
     def gather(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> List[R]: ...
@@ -257,8 +273,9 @@ class WorkerGroup(Generic[W]):
     def concat(self, method: str, *args: Any, **kwargs: Any) -> Batch: ...
 
     def concat(self, method: Any, *args: Any, **kwargs: Any) -> Batch:
-        """Every rank's Batch, concatenated in rank order (:func:`concat_batches`)."""
-        results = self._execute(method, args, kwargs, self._all)
+        """Every rank's Batch, concatenated in rank order (:func:`concat_batches`); with replicas, one rank's per
+        piece of rows."""
+        results = self._of_leaders(self._execute(method, args, kwargs, self._leaders))
         if not all(isinstance(r, Batch) for r in results):
             name = method_name(self.worker_cls, method)
             raise TypeError(f"{self.role}.{name} returned {type(results[0]).__name__}, not a Batch; "
@@ -272,8 +289,9 @@ class WorkerGroup(Generic[W]):
     def metrics(self, method: str, *args: Any, **kwargs: Any) -> Dict[str, Any]: ...
 
     def metrics(self, method: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """Every rank's metric dict, reduced over the ranks (:func:`reduce_metrics`)."""
-        results = self._execute(method, args, kwargs, self._all)
+        """Every rank's metric dict, reduced over the ranks (:func:`reduce_metrics`); with replicas, over one rank
+        per piece of rows (a replica's counts would otherwise be summed twice)."""
+        results = self._of_leaders(self._execute(method, args, kwargs, self._leaders))
         if not all(isinstance(r, Mapping) for r in results):
             name = method_name(self.worker_cls, method)
             raise TypeError(f"{self.role}.{name} returned {type(results[0]).__name__}, not a metrics dict")
@@ -309,8 +327,9 @@ class WorkerGroup(Generic[W]):
         :class:`PendingCall`'s ``batch()`` waits for the Batch. Ray workers run it while this process goes on; an
         in-process worker has already run it when this returns."""
         name = method_name(self.worker_cls, method)
-        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers)
-        return PendingCall(self, name, self.launcher.submit(name, per_rank, self._all))
+        per_rank = [(args, kwargs)] if self.num_workers == 1 else split_args(args, kwargs, self.num_workers,
+                                                                              self.replicas)
+        return PendingCall(self, name, self.launcher.submit(name, per_rank, self._leaders))
 
     def full_weights(self) -> Dict[str, Any]:
         """The workers' ``named_weights()`` as full CPU tensors, from rank 0 (every rank joins the gather)."""
@@ -351,7 +370,7 @@ class PendingCall:
     def batch(self) -> Batch:
         """Every rank's Batch, concatenated in rank order (as :meth:`WorkerGroup.concat`)."""
         if self._result is None:
-            results = self.group.launcher.collect(self._handles, self.method)
+            results = self.group._of_leaders(self.group.launcher.collect(self._handles, self.method))
             if not all(isinstance(r, Batch) for r in results):
                 raise TypeError(f"{self.group.role}.{self.method} returned {type(results[0]).__name__}, not a Batch")
             self._result = results[0] if len(results) == 1 else concat_batches(results)

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Mapping
 import torch
 
 from portrl.algo.implicit_prm import implicit_token_rewards
+from portrl.config.checks_mesh import mesh_sizes
 from portrl.models import compute_logprobs, load_causal_lm
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import load_dtype
@@ -61,7 +62,8 @@ class ImplicitPRMWorker(TrainedModelWorker):
         # masters, the wrap (ForwardModule(module, compute_logprobs) with several workers), optimizer, schedule
         self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
                                     strategy=self.strategy, optim=cfg.reward_model.model.optim, rank=rank,
-                                    world_size=world_size, forward=compute_logprobs)
+                                    world_size=world_size, forward=compute_logprobs,
+                                    mesh_sizes=mesh_sizes(cfg, "reward_model.model"))
 
     def start_from_policy(self, weights: Mapping[str, torch.Tensor], into_model: bool = True,
                           into_ref: bool = True) -> None:
@@ -101,7 +103,7 @@ class ImplicitPRMWorker(TrainedModelWorker):
 
     def compute_log_ratio(self, batch: Batch) -> Batch:
         """``implicit_log_ratio`` ``(B,T)``: ``log π_rm − log π_ref`` of the current PRM on the response tokens."""
-        micro = inference_micro_batches(batch, self.cfg.actor, self.world_size, shares_prompts(self.cfg.model))
+        micro = inference_micro_batches(batch, self.cfg.actor, self.trained.dp_size, shares_prompts(self.cfg.model))
         return Batch({"implicit_log_ratio": torch.cat([self._q(self.train_module, mb).cpu() for mb in micro])})
 
     # ------------------------------------------------------------------------------- update

@@ -22,6 +22,7 @@ parameter's gradient over them as the plan needs. So a loss normalised over the 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -44,6 +45,7 @@ class ParallelMesh:
     fsdp: DeviceMesh  # 1-D (dp_shard x sp), or 2-D (dp_replicate, dp_shard x sp) for HSDP
     tp: Optional[DeviceMesh]  # None when tp == 1
     sp_group: Optional[Any]  # the sequence-parallel process group; None when sp == 1
+    dp_group: Any  # the data-parallel process group: one rank per piece of rows (its sp and tp coordinates)
     rank: int
 
     @property
@@ -52,17 +54,28 @@ class ParallelMesh:
         return self.rank // (self.shape.sp * self.shape.tp)
 
 
+def needs_mesh(world: int, sizes: tuple[int, int, int]) -> bool:
+    """Whether ``(tensor_parallel_size, sequence_parallel_size, fsdp_size)`` over ``world`` ranks need a mesh
+    beyond plain FSDP2 / DDP over all of them."""
+    tp, sp, fsdp_size = sizes
+    return world > 1 and (tp > 1 or sp > 1 or fsdp_size not in (-1, world))
+
+
 def build_mesh(device_type: str, shape: MeshShape, rank: int) -> ParallelMesh:
     """The mesh of ``shape`` over the default process group (``shape.world`` ranks; every rank calls it, in the
     same order as its other group creations)."""
+    # DTensor warns at every gradient norm of a 2-D (data x tensor) parameter that two all-reduces run where a
+    # flattened mesh would take one: right, and every rank runs them in the same order, so its norm is the same
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = init_device_mesh(device_type, shape.sizes, mesh_dim_names=MESH_DIMS)
     shard = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     if shape.dp_replicate > 1:
         with warnings.catch_warnings():  # torch's note that slicing a flattened dim will need bookkeeping
             warnings.simplefilter("ignore", UserWarning)
             shard = mesh["dp_replicate", "dp_shard_sp"]
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return ParallelMesh(shape, mesh, shard, mesh["tp"] if shape.tp > 1 else None,
-                        mesh["sp"].get_group() if shape.sp > 1 else None, rank)
+                        mesh["sp"].get_group() if shape.sp > 1 else None, dp.get_group(), rank)
 
 
 def _decoders(model: nn.Module) -> list[nn.Module]:
@@ -78,8 +91,7 @@ def parallelize(model: nn.Module, pm: ParallelMesh, blocks: set, mp_policy: Any 
     from torch.distributed.fsdp import fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     if pm.tp is not None:
-        lms = [m for m in model.modules() if hasattr(m, "get_output_embeddings") and hasattr(m, "base_model_prefix")]
-        apply_tensor_parallel(lms[0], pm.tp)
+        apply_tensor_parallel(model, pm.tp)
     if pm.sp_group is not None:
         for decoder in _decoders(model):
             setattr(decoder, SEQUENCE_GROUP_ATTR, pm.sp_group)

@@ -5,6 +5,8 @@
 * the module and its float32 masters (:class:`~portrl.workers.master_weights.MasterWeights`: bf16 / fp16 compute
   casts the float32 module before DDP buckets its gradients; FSDP2 keeps float32 shards, which its mixed precision
   policy casts for compute, so the masters are taken after the wrap there);
+* the device mesh when the model's section asks for sequence or tensor parallelism or a smaller shard group
+  (``mesh_sizes``: portrl.workers.mesh; ``dp_size`` is then the data-parallel part of the world);
 * the data-parallel wrap (``train_module``): DDP / FSDP2 over ``ForwardModule(module, forward)`` when the worker's
   computation is a function of the module (the log-probs of the actor and the PRM), else over the module itself
   (the critic's ValueModel, whose forward is the whole value computation); the plain module on one worker;
@@ -30,9 +32,12 @@ from portrl.device.backend import Backend
 from portrl.state_files import ShardedState, merge_state, save_shard
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_train_state, train_state
+from portrl.device.mesh_shape import MeshShape
+from portrl.workers.mesh import build_mesh, needs_mesh
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.profiled import ProfiledWorker
-from portrl.workers.training import build_lr_scheduler, build_optimizer, rescale_lr, shares_prompts
+from portrl.workers.training import (build_lr_scheduler, build_optimizer, rescale_lr, set_data_parallel_group,
+                                     shares_prompts)
 from portrl.workers.update_loop import LoopSettings, LossFn, Trainable, mini_batch_rows, run_update
 
 if TYPE_CHECKING:
@@ -56,15 +61,24 @@ class TrainedModel:
 
     def __init__(self, cfg: PortRLConfig, module: torch.nn.Module, *, backend: Backend, device: torch.device, dtype: str,
                  strategy: str, optim: Mapping[str, Any], rank: int = 0, world_size: int = 1,
-                 forward: Optional[Callable[..., Any]] = None):
+                 forward: Optional[Callable[..., Any]] = None, mesh_sizes: Tuple[int, int, int] = (1, 1, -1)):
         self.cfg, self.module, self.device, self.dtype = cfg, module, device, dtype
         self.strategy, self.optim, self.rank, self.world_size = strategy, optim, rank, world_size
+        self.mesh = build_mesh(device.type, MeshShape.of(world_size, *mesh_sizes), rank) \
+            if needs_mesh(world_size, mesh_sizes) else None
+        #: ranks that see different rows (the world, unless a mesh has sequence or tensor parallel ranks)
+        self.dp_size = world_size if self.mesh is None else self.mesh.shape.dp
+        #: this rank's piece of the rows (ranks of one sequence / tensor parallel group share it)
+        self.dp_rank = rank if self.mesh is None else self.mesh.dp_rank
+        if self.mesh is not None:
+            set_data_parallel_group(self.mesh.dp_group)
         if strategy != "fsdp":  # the float32 module is cast to the compute dtype before DDP buckets its gradients
             self.master = MasterWeights(module, dtype)
         self.train_module = module
         if world_size > 1:
             target = module if forward is None else ForwardModule(module, forward)
-            self.train_module = wrap_model(target, strategy, backend, device=device, compute_dtype=dtype)
+            self.train_module = wrap_model(target, strategy, backend, device=device, compute_dtype=dtype,
+                                           mesh=self.mesh)
         if strategy == "fsdp":  # FSDP2's float32 shards are the masters
             self.master = MasterWeights(module)
         self.optimizer = build_optimizer(self.master.masters, optim)
@@ -77,8 +91,11 @@ class TrainedModel:
 
     @property
     def sharded(self) -> bool:
-        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks)."""
-        return self.strategy == "fsdp" and self.world_size > 1
+        """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks, each parameter
+        cut in rows over all of them: no tensor parallelism, no replicated shard groups; under those meshes rank 0
+        writes the gathered state)."""
+        flat = self.mesh is None or (self.mesh.shape.tp == 1 and self.mesh.shape.dp_replicate == 1)
+        return self.strategy == "fsdp" and self.world_size > 1 and flat
 
     # ---------------------------------------------------------------------------------- update
     def loop_settings(self, epochs: int, mini_batch_size: int, shuffle_seed: Optional[int] = None) -> LoopSettings:
@@ -87,11 +104,11 @@ class TrainedModel:
         ``max_tokens_per_micro_batch``); ``optim.grad_clip``; rows permuted per epoch with ``shuffle_seed``
         (None: kept in order)."""
         a, cfg = self.cfg.actor, self.cfg
-        return LoopSettings(epochs=int(epochs), mini_rows=mini_batch_rows(mini_batch_size, cfg.rollout.n, self.world_size),
+        return LoopSettings(epochs=int(epochs), mini_rows=mini_batch_rows(mini_batch_size, cfg.rollout.n, self.dp_size),
                             micro_rows=int(a.ppo_micro_batch_size_per_device),
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
                             grad_clip=float(self.optim["grad_clip"]), loss_scale_factor=int(cfg.data.max_response_length),
-                            world_size=self.world_size, shuffle_seed=shuffle_seed,
+                            world_size=self.dp_size, shuffle_seed=shuffle_seed,
                             shared_prompts=shares_prompts(cfg.model))
 
     def update(self, batch: Batch, settings: LoopSettings, loss_fn: LossFn, **kwargs: Any) -> Dict[str, float]:

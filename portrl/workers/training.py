@@ -5,6 +5,10 @@ sequence count of the *whole mini-batch on all data-parallel ranks*; :func:`glob
 local counts with ``torch.distributed.all_reduce`` when a process group is initialised and
 ``world_size > 1`` (the wrapped model averages gradients over ranks; ``agg_loss`` multiplies by
 ``dp_size`` to undo that average), so N ranks give the update of one rank on the whole batch.
+
+Under a mesh with sequence or tensor parallelism (portrl.workers.mesh) several ranks hold the same rows; these
+sums and maxima then run over the data-parallel group only (:func:`set_data_parallel_group`: one rank per piece of
+rows), so a piece is counted once, and ``world_size`` means the data-parallel size.
 """
 
 from __future__ import annotations
@@ -133,6 +137,15 @@ def rescale_lr(state: Mapping[str, Any], lr: float) -> Optional[str]:
             f"from step {sched.get('last_epoch', '?')} with the new base rate")
 
 
+_DATA_GROUP: list = [None]  # the data-parallel process group of this process's mesh (None: the default group)
+
+
+def set_data_parallel_group(group: Any) -> None:
+    """The process group the sums and maxima of this module run over (a worker process trains one model, so one
+    group per process; portrl.workers.trained_model sets it when it builds a mesh; None: the default group)."""
+    _DATA_GROUP[0] = group
+
+
 def dist_active(world_size: int) -> bool:
     return world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -142,7 +155,7 @@ def all_reduce_sum(values: List[float], world_size: int) -> List[float]:
     if not dist_active(world_size):
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(t)
+    torch.distributed.all_reduce(t, group=_DATA_GROUP[0])
     return t.tolist()
 
 
@@ -151,7 +164,7 @@ def all_reduce_max(values: List[float], world_size: int) -> List[float]:
     if not dist_active(world_size):
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=_DATA_GROUP[0])
     return t.tolist()
 
 
@@ -177,7 +190,7 @@ def same_piece_count(batch: Batch, pieces: List[Batch], world_size: int) -> List
     if not dist_active(world_size):
         return pieces
     t = torch.tensor([len(pieces)], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=_DATA_GROUP[0])
     count = int(t.item())
     if count == len(pieces):
         return pieces
