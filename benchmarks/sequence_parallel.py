@@ -43,7 +43,6 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -126,29 +125,7 @@ def _build(model_dir: str, sp: int, rank: int, checkpointing: bool):
     if sp > 1:
         pm = build_mesh("cpu", MeshShape.of(sp, sp=sp), rank)
         module = wrap_model(module, "fsdp", backend, device=torch.device("cpu"), mesh=pm)
-        if checkpointing:
-            _recompute_in_group(model, pm.sp_group)
     return backend, model, module
-
-
-def _recompute_in_group(model, group) -> None:
-    """Re-enable checkpointing so the backward's recomputation runs inside ``sequence_parallel(group)``.
-
-    Workaround, benchmark only: portrl's decoder enters the group around its forward (portrl.models.logprobs),
-    but a checkpointed layer is recomputed in backward, outside that block, where attention takes the one-rank
-    path with the whole row's bounds and fails (``cu_seqlens ... end at total_tokens=N/sp; got 0..N``). torch's
-    ``context_fn`` gives the recomputation the group back."""
-    from portrl.models.sequence_parallel import sequence_parallel
-
-    def contexts():
-        return nullcontext(), sequence_parallel(group)
-
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    kwargs = {"use_reentrant": False, "context_fn": contexts}
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _measure(backend, model, module, opts: dict, timer: _CollectiveTimer) -> dict:

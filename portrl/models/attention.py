@@ -14,7 +14,8 @@ How each call is routed (query ``(B, Hq, S, D)``, key/value ``(B, Hkv, S_kv, D)`
 * a 2-D padding mask (``S == S_kv``): padding is removed, the rows become a packed batch, and the
   output is scattered back (padded positions get zeros);
 * ``S != S_kv`` (decoding with a KV cache): transformers' SDPA path with its 4-D mask;
-* inside :func:`portrl.models.sequence_parallel.sequence_parallel` (a causal call without a mask): Ulysses
+* with a sequence-parallel group in the kwargs (``portrl.models.sequence_parallel.SEQUENCE_GROUP_KWARG``, a causal
+  call without a mask): Ulysses
   attention, the query/key/value of this rank's slice of the packed row exchanged for whole-row heads, attended
   with the row's ``cu_seq_lens_q`` / ``max_length_q``, and exchanged back;
 * a shared-prompt plan in the kwargs (:mod:`portrl.models.prefix_sharing`, one packed row):
@@ -40,7 +41,8 @@ from typing import Callable
 import torch
 
 from portrl.models.prefix_sharing import PLAN_KWARG
-from portrl.models.sequence_parallel import active_group, expand_kv_heads, heads_to_sequence, sequence_to_heads
+from portrl.models.sequence_parallel import (SEQUENCE_GROUP_KWARG, expand_kv_heads, heads_to_sequence,
+                                             sequence_to_heads)
 from portrl.ops.attention import cu_seqlens_from_position_ids
 
 PREFIX = "portrl"
@@ -109,7 +111,7 @@ def make_attention_forward(varlen_fn: Callable) -> Callable:
             raise ValueError(f"portrl varlen attention has no sliding window; layer window {sliding_window} < "
                              f"sequence length {seq} (disable use_sliding_window in the model config)")
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        group = active_group()
+        group = kwargs.get(SEQUENCE_GROUP_KWARG)
         if group is not None and causal and attention_mask is None:
             return _sequence_parallel_attention(varlen_fn, query, key, value, scaling, kwargs, group), None
         q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]) for t in (query, key, value))

@@ -28,7 +28,7 @@ from portrl.models.attention import PREFIX
 from portrl.models import forward_tape
 from portrl.models.multimodal import is_vision_language, vl_response_hidden_states
 from portrl.models.prefix_sharing import PLAN_KWARG, plan_shared_prompts
-from portrl.models.sequence_parallel import SEQUENCE_GROUP_ATTR, gather_tokens, sequence_parallel, shard_tokens
+from portrl.models.sequence_parallel import SEQUENCE_GROUP_ATTR, SEQUENCE_GROUP_KWARG, gather_tokens, shard_tokens
 from portrl.models.tensor_parallel import vocab_shard
 from portrl.ops.attention import cu_seqlens_from_lengths
 from portrl.ops.logprobs_tp import vocab_parallel_logprobs_entropy
@@ -147,10 +147,9 @@ def _sequence_parallel_hidden(base, input_ids, attention_mask, response_length: 
     slices gathered back into the whole row."""
     flat_ids, position_ids, cu, max_len, flat_index = pack_rows(input_ids, attention_mask)
     part = shard_tokens(flat_ids, position_ids, cu, max_len, group)
-    with sequence_parallel(group):
-        out = base(input_ids=part.input_ids[None], position_ids=part.position_ids[None], use_cache=False,
-                   cu_seq_lens_q=part.cu_seqlens, cu_seq_lens_k=part.cu_seqlens, max_length_q=part.max_len,
-                   max_length_k=part.max_len)
+    out = base(input_ids=part.input_ids[None], position_ids=part.position_ids[None], use_cache=False,
+               cu_seq_lens_q=part.cu_seqlens, cu_seq_lens_k=part.cu_seqlens, max_length_q=part.max_len,
+               max_length_k=part.max_len, **{SEQUENCE_GROUP_KWARG: group})
     hidden = gather_tokens(out.last_hidden_state[0], group)
     length = input_ids.shape[1]
     resp_valid = attention_mask.bool()[:, length - response_length:]

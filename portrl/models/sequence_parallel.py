@@ -4,7 +4,7 @@ the packed tokens and sees the whole sequence only inside attention.
 A packed row of ``N`` tokens (padding removed, portrl.models.logprobs.pack_rows) is cut into ``sp`` equal,
 contiguous slices (:func:`shard_tokens`; the row is first padded to a multiple of ``sp`` with a sequence of its
 own, so the padding attends only to itself). Every layer's embeddings, norms, MLP and projections run on the
-rank's ``N / sp`` tokens. Inside attention (portrl.models.attention, when :func:`active_group` is set) one
+rank's ``N / sp`` tokens. Inside attention (portrl.models.attention, given the group's keyword) one
 all-to-all turns query, key and value from ``(1, H, N/sp, D)`` (all heads, the rank's tokens) into
 ``(1, H/sp, N, D)`` (the rank's heads, every token), the varlen attention runs with the whole row's sequence
 bounds, and the inverse all-to-all brings the output back to the rank's tokens (:func:`sequence_to_heads`,
@@ -21,16 +21,16 @@ rank computes the same loss from it. Its backward is a reduce-scatter (sum): ran
 ``sum_s dL_s/dh_r = sp * dL/dh_r``; the ``sp`` factor is what the FSDP2 gradient average over the
 data x sequence ranks divides out again (portrl.workers.mesh), so the update equals one rank's.
 
-Only the exchange and the slicing are here; which group is active is set by :func:`sequence_parallel` around
-the decoder's forward. What only hardware confirms: the all-to-all's speed over NCCL / RCCL / HCCL (the math is
+Only the exchange and the slicing are here; the decoder's forward carries the group to its attention calls in the
+keyword :data:`SEQUENCE_GROUP_KWARG` (portrl.models.logprobs), which gradient checkpointing keeps for the backward's
+recomputation. What only hardware confirms: the all-to-all's speed over NCCL / RCCL / HCCL (the math is
 the collective's, the same on every backend; tests run it over gloo on the CPU).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,23 +39,10 @@ import torch.distributed as dist
 #: portrl.models.logprobs.response_hidden_states, which then runs the decoder sequence-parallel)
 SEQUENCE_GROUP_ATTR = "portrl_sequence_group"
 
-_ACTIVE: list = []  # the SP group of the forward running now (a stack: nested forwards restore the outer one)
-
-
-@contextmanager
-def sequence_parallel(group: Any) -> Iterator[None]:
-    """Within the block, portrl's attention exchanges heads and tokens over ``group`` (a process group of more
-    than one rank; None or one rank: nothing changes)."""
-    _ACTIVE.append(group if group is not None and dist.get_world_size(group) > 1 else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-def active_group() -> Optional[Any]:
-    """The SP process group of the running forward (None outside :func:`sequence_parallel` or with one rank)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+#: the keyword of the decoder's forward that carries the SP process group to every attention call. A keyword, not
+#: a context: gradient checkpointing recomputes each layer during backward, after the forward has returned, with
+#: the keywords it kept (transformers passes a forward's extra keywords down to the attention function)
+SEQUENCE_GROUP_KWARG = "portrl_sequence_group"
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:

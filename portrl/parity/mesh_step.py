@@ -53,6 +53,7 @@ class MeshCase:
     tp: int = 1
     sp: int = 1
     fsdp_size: int = -1
+    checkpointing: bool = False  # gradient checkpointing: the backward recomputes each layer, collectives included
 
     @property
     def shape(self) -> MeshShape:
@@ -84,12 +85,13 @@ def _advantages(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return adv
 
 
-def run_steps(model_dir: str, shape: Optional[MeshShape], rank: int, steps: int) -> dict[str, Any]:
-    """``steps`` GRPO steps of the model in ``model_dir`` under ``shape`` (None: one rank, no process group);
-    the results of the module docstring (every rank returns the same)."""
+def run_steps(model_dir: str, shape: Optional[MeshShape], rank: int, steps: int,
+              checkpointing: bool = False) -> dict[str, Any]:
+    """``steps`` GRPO steps of the model in ``model_dir`` under ``shape`` (None: one rank, no process group), with
+    gradient ``checkpointing`` or without; the results of the module docstring (every rank returns the same)."""
     torch.manual_seed(0)
     backend = get_backend("cpu")
-    model = load_causal_lm(model_dir, "float32", backend=backend)
+    model = load_causal_lm(model_dir, "float32", backend=backend, gradient_checkpointing=checkpointing)
     dp, dp_rank = 1, 0
     module: torch.nn.Module = ForwardModule(model, compute_logprobs)
     if shape is not None:
@@ -143,7 +145,7 @@ def rank_main(rank: int, case: MeshCase, model_dir: str, port: int, out_dir: str
     torch.set_num_threads(1)
     try:
         init_distributed(get_backend("cpu"), rank, case.world, "127.0.0.1", port, timeout_s=300)
-        result = run_steps(model_dir, case.shape, rank, steps)
+        result = run_steps(model_dir, case.shape, rank, steps, case.checkpointing)
         if rank == 0:
             tmp = Path(out_dir) / f".{case.name}.json.tmp"
             tmp.write_text(json.dumps({"case": asdict(case), **result}))
