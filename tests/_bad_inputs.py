@@ -26,7 +26,7 @@ def _write_parquet(path: Path, rows: list[dict]) -> str:
 
 #: model folders (config.json and the tiny tokenizer, no weights: the preflight reads only these) whose dimensions
 #: do not split over some mesh: Qwen2.5-0.5B's, a family without tensor-parallel plans, grouped-query heads that
-#: Ulysses cannot split, an MLP width and a vocabulary that tensor parallelism cannot
+#: Ulysses cannot split, an MLP width and a vocabulary that tensor parallelism cannot, a vision-language model
 MESH_MODELS = {
     "qwen_0_5b": {"model_type": "qwen2", "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
                   "intermediate_size": 4864},
@@ -38,6 +38,8 @@ MESH_MODELS = {
                "intermediate_size": 382},
     "vocab1001": {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1001,
                   "intermediate_size": 384},
+    "qwen2_5_vl": {"model_type": "qwen2_5_vl", "text_config": {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                               "vocab_size": 1024, "intermediate_size": 384}},
 }
 
 

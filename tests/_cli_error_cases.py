@@ -249,17 +249,19 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("mesh-fsdp-zero", ["train", "actor.fsdp_size=0"], "actor.fsdp_size=0 must be -1 (shard over all data x sequence",
      {}),
     ("mesh-tp-auto-workers", ["train", "actor.tensor_parallel_size=2"],
-     "= 2 does not divide trainer.num_workers=1; the product must be one of 1 (trainer.num_workers=null is 1 here", {}),
-    ("mesh-tp-sp-workers", ["train", "trainer.num_workers=4", "actor.tensor_parallel_size=3"],
-     "actor.tensor_parallel_size=3 x actor.sequence_parallel_size=1 = 3 does not divide trainer.num_workers=4; the "
-     "product must be one of 1, 2, 4", {}),
+     "actor.tensor_parallel_size=2 does not divide trainer.num_workers=1; valid: 1 (trainer.num_workers=null is 1 "
+     "here", {}),
+    ("mesh-tp-sp-workers", ["train", "trainer.num_workers=6", "actor.tensor_parallel_size=2",
+                            "actor.sequence_parallel_size=2"],
+     "actor.tensor_parallel_size=2 times actor.sequence_parallel_size=2 is 4 ranks, which does not divide "
+     "trainer.num_workers=6; valid products: 1, 2, 3, 6", {}),
     ("mesh-fsdp-size", ["train", "trainer.num_workers=8", "actor.sequence_parallel_size=2", "actor.fsdp_size=3"],
      "actor.fsdp_size=3 must divide the 8 data x sequence ranks (trainer.num_workers=8 / actor.tensor_parallel_size=1) "
      "and hold whole sequence-parallel groups (actor.sequence_parallel_size=2); valid: -1 (all 8), 2, 4, 8", {}),
     ("mesh-critic-workers", ["train", "algorithm=ppo", "trainer.num_workers=2", "critic.sequence_parallel_size=4"],
-     "critic.sequence_parallel_size=4 = 4 does not divide trainer.num_workers=2", {}),
+     "critic.sequence_parallel_size=4 does not divide trainer.num_workers=2; valid: 1, 2", {}),
     ("mesh-prm-workers", ["train", "algorithm=prime", "trainer.num_workers=3", "reward_model.model.tensor_parallel_size=2"],
-     "reward_model.model.tensor_parallel_size=2 x reward_model.model.sequence_parallel_size=1 = 2 does not divide", {}),
+     "reward_model.model.tensor_parallel_size=2 does not divide trainer.num_workers=3; valid: 1, 3", {}),
     ("mesh-sp-no-packing", ["train", "actor.sequence_parallel_size=2", "model.use_packing=false"],
      "actor.sequence_parallel_size=2 splits packed sequences over its ranks, which needs model.use_packing=true", {}),
     ("mesh-tp-tiny-heads", ["train", "trainer.num_workers=3", "actor.tensor_parallel_size=3"],
@@ -288,6 +290,17 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("mesh-sp-attention", ["train", "trainer.num_workers=2", "actor.sequence_parallel_size=2",
                            "model.attn_impl=hf_sdpa"],
      "model.attn_impl=hf_sdpa is transformers' own, which cannot take it", {}),
+    ("mesh-sp-vl", ["train", "model.path={qwen2_5_vl_model}", "trainer.num_workers=2",
+                    "actor.sequence_parallel_size=2"],
+     "is model_type 'qwen2_5_vl', a vision-language model, whose forward (portrl/models/multimodal.py) is not "
+     "sequence-parallel; use actor.sequence_parallel_size=1 (actor.tensor_parallel_size > 1 splits its language model)",
+     {}),
+    ("mesh-lora-tp", ["train", "trainer.num_workers=2", "actor.tensor_parallel_size=2", "actor.lora_rank=8"],
+     "actor.lora_rank=8 with actor.tensor_parallel_size=2: peft's LoRA layers are not nn.Linear, so the tensor-parallel "
+     "plans cannot split them; use actor.tensor_parallel_size=1 with LoRA", {}),
+    ("mesh-ddp", ["train", "trainer.num_workers=2", "actor.sequence_parallel_size=2", "actor.strategy=ddp"],
+     "actor.strategy=ddp cannot run the actor's mesh (actor.tensor_parallel_size=1, actor.sequence_parallel_size=2), "
+     "which shards the model with FSDP2: set actor.strategy=auto or fsdp", {}),
     ("mesh-verl-alias", ["train", "trainer.num_workers=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
      "actor.tensor_parallel_size=3 does not divide the model's 4 attention heads", {}),
     ("mesh-verl-alias-conflict", ["train", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",

@@ -49,9 +49,15 @@ def test_of_accepts_exactly_the_valid_sizes():
 
 
 def test_messages_name_the_keys_and_the_valid_sizes():
-    with pytest.raises(MeshError, match=r"^actor\.tensor_parallel_size=3 x actor\.sequence_parallel_size=1 = 3 does "
-                                        r"not divide trainer\.num_workers=8; the product must be one of 1, 2, 4, 8$"):
+    with pytest.raises(MeshError, match=r"^actor\.tensor_parallel_size=3 does not divide trainer\.num_workers=8; "
+                                        r"valid: 1, 2, 4, 8$"):
         MeshShape.of(8, tp=3)
+    with pytest.raises(MeshError, match=r"^critic\.sequence_parallel_size=4 does not divide trainer\.num_workers=2; "
+                                        r"valid: 1, 2$"):
+        MeshShape.of(2, sp=4, role="critic")
+    with pytest.raises(MeshError, match=r"^actor\.tensor_parallel_size=2 times actor\.sequence_parallel_size=2 is 4 "
+                                        r"ranks, which does not divide trainer\.num_workers=6; valid products: 1, 2, 3, 6$"):
+        MeshShape.of(6, tp=2, sp=2)
     with pytest.raises(MeshError, match=r"^critic\.fsdp_size=3 must divide the 4 data x sequence ranks .* valid: -1 "
                                         r"\(all 4\), 2, 4$"):
         MeshShape.of(8, tp=2, sp=2, fsdp_size=3, role="critic")
@@ -127,3 +133,19 @@ def test_the_preflight_allows_tensor_parallelism_for_the_families_with_plans():
     from portrl.models.tensor_parallel import SUPPORTED
 
     assert tuple(TP_MODEL_TYPES) == SUPPORTED
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["actor.lora_rank=8", "actor.sequence_parallel_size=2"], None),  # Ulysses takes peft's layers
+    (["actor.lora_rank=8", "actor.tensor_parallel_size=2"], "actor.lora_rank=8 with actor.tensor_parallel_size=2"),
+    (["actor.strategy=fsdp", "actor.tensor_parallel_size=2"], None),
+    (["actor.strategy=ddp", "actor.sequence_parallel_size=2"], "actor.strategy=ddp cannot run the actor's mesh"),
+    (["actor.strategy=ddp", "algorithm=ppo", "critic.tensor_parallel_size=2"], "cannot run the critic's mesh"),
+    (["actor.strategy=ddp"], None),  # no mesh: data parallel alone
+])
+def test_the_config_refuses_lora_under_tensor_parallelism_and_a_mesh_without_fsdp(overrides, refused):
+    from portrl.config import compose
+    from portrl.config.checks_mesh import check_mesh
+
+    problems = check_mesh(compose(overrides=["trainer.num_workers=2", *overrides], check=False))
+    assert problems == [] if refused is None else (len(problems) == 1 and refused in problems[0]), problems

@@ -5,7 +5,12 @@
 * each model that runs (:func:`mesh_roles`) with an explicit ``trainer.num_workers``: its sizes form a mesh of that
   many ranks (:meth:`MeshShape.of`: tensor x sequence parallel divides the workers, the shard group divides the rest
   and holds whole sequence-parallel groups); null (auto) is checked by the preflight once resolved;
-* sequence parallelism splits packed sequences: it needs ``model.use_packing=true``.
+* sequence parallelism splits packed sequences: it needs ``model.use_packing=true``;
+* a mesh (any tensor or sequence parallel size > 1) shards with FSDP2: ``actor.strategy`` (every trained model's)
+  ``auto`` or ``fsdp``, not ``ddp`` (portrl.workers.parallel.wrap_model);
+* LoRA (``actor.lora_rank > 0``) only with ``actor.tensor_parallel_size=1``: peft's LoRA layers are not
+  ``nn.Linear``, so the tensor-parallel plans (torch's ColwiseParallel / RowwiseParallel) cannot split them;
+  sequence parallelism and FSDP take them.
 
 What needs the model (its heads, key/value heads, MLP width, vocabulary, family) or the backend (its attention) is
 the preflight's (portrl/trainer/mesh_check.py).
@@ -88,4 +93,23 @@ def check_mesh(cfg: PortRLConfig) -> List[str]:
         if sp > 1 and not cfg.model.use_packing:
             problems.append(f"{role}.sequence_parallel_size={sp} splits packed sequences over its ranks, which needs "
                             f"model.use_packing=true (got false); set it, or {role}.sequence_parallel_size=1")
+    return problems + _strategy_and_lora(cfg)
+
+
+def _strategy_and_lora(cfg: PortRLConfig) -> List[str]:
+    """A mesh needs FSDP2 (``actor.strategy`` auto or fsdp); LoRA's layers take no tensor-parallel plan."""
+    problems: List[str] = []
+    meshes = [(role, *mesh_sizes(cfg, role)[:2]) for role in mesh_roles(cfg)]
+    meshes = [(role, tp, sp) for role, tp, sp in meshes if tp * sp > 1]
+    strategy = str(cfg.actor.strategy)
+    if meshes and strategy not in ("auto", "fsdp"):
+        role, tp, sp = meshes[0]
+        problems.append(f"actor.strategy={strategy} cannot run the {role}'s mesh ({role}.tensor_parallel_size={tp}, "
+                        f"{role}.sequence_parallel_size={sp}), which shards the model with FSDP2: set actor.strategy="
+                        f"auto or fsdp, or both sizes 1")
+    lora, tp = int(cfg.actor.lora_rank), int(cfg.actor.tensor_parallel_size)
+    if lora > 0 and tp > 1:
+        problems.append(f"actor.lora_rank={lora} with actor.tensor_parallel_size={tp}: peft's LoRA layers are not "
+                        f"nn.Linear, so the tensor-parallel plans cannot split them; use actor.tensor_parallel_size=1 "
+                        f"with LoRA (sequence parallelism and FSDP take it), or actor.lora_rank=0")
     return problems

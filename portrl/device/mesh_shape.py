@@ -89,9 +89,13 @@ class MeshShape:
             if value < 1:
                 raise MeshError(f"{keys[name]}={value} must be >= 1; valid with trainer.num_workers={world}: "
                                 f"{_listed(divisors(world))}")
-        if world % (tp * sp):
-            raise MeshError(f"{keys['tp']}={tp} x {keys['sp']}={sp} = {tp * sp} does not divide trainer.num_workers="
-                            f"{world}; the product must be one of {_listed(divisors(world))}")
+        if world % (tp * sp):  # the one size set above 1 alone, else both and their product
+            sizes = _listed(divisors(world))
+            if tp > 1 and sp > 1:
+                raise MeshError(f"{keys['tp']}={tp} times {keys['sp']}={sp} is {tp * sp} ranks, which does not divide "
+                                f"trainer.num_workers={world}; valid products: {sizes}")
+            key, value = (keys["tp"], tp) if sp == 1 else (keys["sp"], sp)
+            raise MeshError(f"{key}={value} does not divide trainer.num_workers={world}; valid: {sizes}")
         ranks = world // tp  # the data x sequence ranks of one tensor-parallel position
         if fsdp_size == -1:
             fsdp_size = ranks

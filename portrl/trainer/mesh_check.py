@@ -7,6 +7,8 @@ the actor's mesh), in this order, a :class:`~portrl.errors.UserError` (one line)
 * its sizes form a mesh of the run's workers (``trainer.num_workers``; null resolved as the run will,
   ``auto_num_workers``): :meth:`portrl.device.mesh_shape.MeshShape.of`;
 * tensor parallelism only for the families with tensor-parallel plans (:data:`TP_MODEL_TYPES`, by ``model_type``);
+* sequence parallelism not for a vision-language model (``model_type`` in
+  :data:`portrl.models.tiny_vl.VL_FAMILIES`): its forward (portrl/models/multimodal.py) is not sequence-parallel;
 * the model's attention heads, key/value heads, MLP width and vocabulary split over it
   (:func:`portrl.device.mesh_shape.mesh_problems`), read from its folder's ``config.json`` (a vision-language
   model's ``text_config``) without loading it; the built-in tiny model's from ``model.tiny`` and its tokenizer;
@@ -25,6 +27,7 @@ from portrl.device.backend import Backend
 from portrl.device.mesh_shape import MeshError, MeshShape, mesh_problems
 from portrl.errors import UserError
 from portrl.models.loader import HF_ATTENTION
+from portrl.models.tiny_vl import VL_FAMILIES
 from portrl.models.tokenizer import build_tokenizer
 from portrl.trainer.resources import TINY_VOCAB
 from portrl.workers.setup import auto_num_workers
@@ -89,6 +92,11 @@ def check_meshes(cfg: PortRLConfig, backend: Backend) -> None:
             raise UserError(f"{role}.tensor_parallel_size={tp}: tensor parallelism has plans for "
                             f"{', '.join(TP_MODEL_TYPES.values())} (model_type {', '.join(TP_MODEL_TYPES)}); {where} "
                             f"is model_type {family!r}: use {role}.tensor_parallel_size=1 (FSDP shards it)")
+        if sp > 1 and family in VL_FAMILIES:
+            tp_note = f" ({role}.tensor_parallel_size > 1 splits its language model)" if family in TP_MODEL_TYPES else ""
+            raise UserError(f"{role}.sequence_parallel_size={sp}: {where} is model_type {family!r}, a vision-language "
+                            f"model, whose forward (portrl/models/multimodal.py) is not sequence-parallel; use "
+                            f"{role}.sequence_parallel_size=1{tp_note}")
         missing = [_DIMS[name] for name, value in dims.items() if value is None]
         if missing:
             raise UserError(f"{where}: its config.json has no {', '.join(missing)}, which {role}.tensor_parallel_size "
