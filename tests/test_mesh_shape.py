@@ -149,3 +149,18 @@ def test_the_config_refuses_lora_under_tensor_parallelism_and_a_mesh_without_fsd
 
     problems = check_mesh(compose(overrides=["trainer.num_workers=2", *overrides], check=False))
     assert problems == [] if refused is None else (len(problems) == 1 and refused in problems[0]), problems
+
+
+def test_the_preflight_refuses_a_mesh_where_fsdp2_cannot_run(monkeypatch):
+    """actor.strategy=auto falls back to ddp where FSDP2 cannot run; a mesh is refused there before any model loads."""
+    import portrl.trainer.mesh_check as mesh_check
+    from portrl.config import compose
+    from portrl.device.registry import get_backend
+
+    cfg, backend = compose(overrides=["trainer.num_workers=2", "actor.sequence_parallel_size=2"]), get_backend("cpu")
+    mesh_check.check_meshes(cfg, backend)  # FSDP2 runs on the CPU over gloo
+    monkeypatch.setattr(mesh_check, "fsdp_supported", lambda b: (False, "torch 2.3 has no fully_shard"))
+    with pytest.raises(UserError, match=r"^actor\.tensor_parallel_size=1, actor\.sequence_parallel_size=2: the mesh "
+                                        r"shards the model with FSDP2, which cannot run here \(torch 2\.3 has no "
+                                        r"fully_shard\); use both sizes 1 on this machine$"):
+        mesh_check.check_meshes(cfg, backend)

@@ -6,6 +6,8 @@ the actor's mesh), in this order, a :class:`~portrl.errors.UserError` (one line)
 
 * its sizes form a mesh of the run's workers (``trainer.num_workers``; null resolved as the run will,
   ``auto_num_workers``): :meth:`portrl.device.mesh_shape.MeshShape.of`;
+* FSDP2 runs here (:func:`portrl.workers.parallel.fsdp_supported`): a mesh shards with it (``actor.strategy=auto``
+  would otherwise fall back to DDP);
 * tensor parallelism only for the families with tensor-parallel plans (:data:`TP_MODEL_TYPES`, by ``model_type``);
 * sequence parallelism not for a vision-language model (``model_type`` in
   :data:`portrl.models.tiny_vl.VL_FAMILIES`): its forward (portrl/models/multimodal.py) is not sequence-parallel;
@@ -30,6 +32,7 @@ from portrl.models.loader import HF_ATTENTION
 from portrl.models.tiny_vl import VL_FAMILIES
 from portrl.models.tokenizer import build_tokenizer
 from portrl.trainer.resources import TINY_VOCAB
+from portrl.workers.parallel import fsdp_supported
 from portrl.workers.setup import auto_num_workers
 
 if TYPE_CHECKING:
@@ -85,6 +88,7 @@ def check_meshes(cfg: PortRLConfig, backend: Backend) -> None:
             raise MeshError(str(exc) + auto) from None  # the message is MeshShape.of's
         if tp == 1 and sp == 1:
             continue
+        _check_fsdp(backend, role, tp, sp)
         where, path = _model_of(cfg, role)
         dims = model_dims(cfg, path)
         family = dims.pop("model_type")
@@ -107,6 +111,15 @@ def check_meshes(cfg: PortRLConfig, backend: Backend) -> None:
         if problems:
             raise UserError(f"{where} does not split over the {role}'s mesh: {problems[0]}")
         _check_attention(cfg, backend, role, sp)
+
+
+def _check_fsdp(backend: Backend, role: str, tp: int, sp: int) -> None:
+    """A mesh shards with FSDP2, which must run here (with ``actor.strategy=auto`` it would fall back to ddp; an
+    explicit ``ddp`` is the config's check)."""
+    ok, why = fsdp_supported(backend)
+    if not ok:
+        raise UserError(f"{role}.tensor_parallel_size={tp}, {role}.sequence_parallel_size={sp}: the mesh shards the "
+                        f"model with FSDP2, which cannot run here ({why}); use both sizes 1 on this machine")
 
 
 def _check_attention(cfg: PortRLConfig, backend: Backend, role: str, sp: int) -> None:
