@@ -38,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("config", "print the resolved run config (defaults + presets + --config + overrides) or list presets"),
     "plot": ("plot", "write PNG curves (reward, accuracy, KL, entropy, length) from a run's metrics.jsonl"),
     "trace": ("trace", "show the decoded turns a run traced (trainer.trace_freq) in the terminal"),
+    "rehearse": ("rehearse", "rehearse a cluster run's meshes and placement here (CPU processes over gloo, a shrunk "
+                             "model): its first configuration or collective error before cluster time is spent"),
     "parity": ("parity", "cross-hardware parity: ops vs float64, golden record/replay, e2e envelope, compare matrix"),
 }
 
