@@ -65,6 +65,7 @@ CASES = [
     ("parity-replay-report", "file", ["parity", "replay", "--golden", "{tmp}/nogolden", "--report", "{out}"]),
     ("parity-e2e-report", "file", ["parity", "e2e", "--report", "{out}"]),
     ("parity-rollout-report", "file", ["parity", "rollout", "--report", "{out}"]),
+    ("parity-mesh-report", "file", ["parity", "mesh", "--report", "{out}"]),
     ("parity-compare-output", "file", ["parity", "compare", "{tmp}/cpu.json", "--output", "{out}"]),
     ("train-output-dir", "dir", ["train", "trainer.output_dir={out}", "trainer.resume=off", *Q]),
 ]
