@@ -70,6 +70,13 @@ class MeshShape:
         return self.dp_shard * self.sp
 
     @property
+    def rows_per_rank(self) -> bool:
+        """Whether every parameter is cut in rows over all ranks on one dimension (FSDP2 over several ranks, no
+        tensor parallelism, no replicated shard groups): then each rank can write and read its own shard files
+        (portrl.state_files.save_shard's 1-D ``Shard(dim)`` layout); under other meshes the state is gathered."""
+        return self.world > 1 and self.tp == 1 and self.dp_replicate == 1
+
+    @property
     def sizes(self) -> tuple[int, int, int, int]:
         """The sizes in :data:`MESH_DIMS` order (the shape to build a device mesh with)."""
         return self.dp_replicate, self.dp_shard, self.sp, self.tp

@@ -74,9 +74,8 @@ class Phase:
 
 
 def rank_shards(shape: Optional[MeshShape]) -> bool:
-    """Whether each rank of ``shape`` can write and read its own shard files (portrl.state_files.save_shard's
-    1-D ``Shard(dim)`` layout over all ranks): FSDP2 over several ranks without tensor parallelism or HSDP."""
-    return shape is not None and shape.world > 1 and shape.tp == 1 and shape.dp_replicate == 1
+    """Whether each rank of ``shape`` can write and read its own shard files (``MeshShape.rows_per_rank``)."""
+    return shape is not None and shape.rows_per_rank
 
 
 def _step(module: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

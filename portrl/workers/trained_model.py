@@ -94,7 +94,7 @@ class TrainedModel:
         """Whether every rank writes its own shard of the checkpoint state (FSDP2 over several ranks, each parameter
         cut in rows over all of them: no tensor parallelism, no replicated shard groups; under those meshes rank 0
         writes the gathered state)."""
-        flat = self.mesh is None or (self.mesh.shape.tp == 1 and self.mesh.shape.dp_replicate == 1)
+        flat = self.mesh is None or self.mesh.shape.rows_per_rank
         return self.strategy == "fsdp" and self.world_size > 1 and flat
 
     # ---------------------------------------------------------------------------------- update
