@@ -22,8 +22,7 @@ from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.state_files import ShardedState, shard_rows  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402
-
-VOLATILE = ("timing_s/", "perf/", "memory/")  # measurements of the machine, not of the run
+from _ray_trainer import fit, logged_metrics  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,31 +51,13 @@ def _cfg(path, out, **over):
     return cfg
 
 
-def _fit(cfg):
-    from portrl.trainer.resources import settle_config
-    from portrl.trainer.rl_trainer import RLTrainer
-
-    trainer = RLTrainer(settle_config(cfg))
-    try:
-        return trainer.fit()
-    finally:
-        for group in (trainer.actor, trainer.critic, trainer.prm.group if trainer.prm is not None else None):
-            if group is not None:
-                group.shutdown()
-
-
-def _metrics(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
-
-
 @pytest.mark.slow  # two Ray workers train, save shards, and a run resumes from them (40-65 s)
 def test_two_fsdp_workers_write_a_shard_each_and_resume_exactly(tiny, tmp_path, monkeypatch, caplog):
     from safetensors.torch import load_file
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     ref_out = tmp_path / "ref"
-    summary = _fit(_cfg(tiny, ref_out))
+    summary = fit(_cfg(tiny, ref_out))
     ckpt = ref_out / "checkpoints" / "global_step_2"
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     assert files == ["actor/rank_0.json", "actor/rank_0.safetensors", "actor/rank_1.json", "actor/rank_1.safetensors",
@@ -114,9 +95,9 @@ def test_two_fsdp_workers_write_a_shard_each_and_resume_exactly(tiny, tmp_path, 
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "actor/rank_1.safetensors sha256 differs from the manifest" in r.stderr.strip().splitlines()[-1]
 
-    resumed = _fit(_cfg(tiny, out, **{"trainer.export_hf": False}))
+    resumed = fit(_cfg(tiny, out, **{"trainer.export_hf": False}))
     assert resumed["resumed_from"].endswith("global_step_2") and "global_step_3 is unusable" in caplog.text
-    want, got = _metrics(ref_out), _metrics(out)
+    want, got = logged_metrics(ref_out), logged_metrics(out)
     assert got[3] == want[3] and want[3]["actor/grad_norm"] > 0 and "critic/vf_loss" in want[3]
 
 
@@ -127,8 +108,8 @@ def test_one_worker_evaluates_a_sharded_checkpoint(tiny, tmp_path, monkeypatch, 
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
-    _fit(_cfg(tiny, out, **{"trainer.total_steps": 2, "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": False,
-                            "trainer.export_hf": False}))
+    fit(_cfg(tiny, out, **{"trainer.total_steps": 2, "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": False,
+                           "trainer.export_hf": False}))
     ckpt = out / "checkpoints" / "global_step_2"
     state = ShardedState(ckpt, "actor")
     whole = state.load()
@@ -233,7 +214,7 @@ def test_prime_run_shards_its_prm_and_resumes_exactly(tiny, tmp_path, monkeypatc
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     ref_out = tmp_path / "ref"
-    _fit(_cfg(tiny, ref_out, **PRIME))
+    fit(_cfg(tiny, ref_out, **PRIME))
     ckpt = ref_out / "checkpoints" / "global_step_2"
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     assert [f for f in files if f.startswith("prm")] == ["prm/rank_0.json", "prm/rank_0.safetensors",
@@ -245,7 +226,7 @@ def test_prime_run_shards_its_prm_and_resumes_exactly(tiny, tmp_path, monkeypatc
     out = tmp_path / "resumed"
     shutil.copytree(ref_out, out)
     shutil.rmtree(out / "checkpoints" / "global_step_3")
-    resumed = _fit(_cfg(tiny, out, **PRIME))
+    resumed = fit(_cfg(tiny, out, **PRIME))
     assert resumed["resumed_from"].endswith("global_step_2")
-    want, got = _metrics(ref_out), _metrics(out)
+    want, got = logged_metrics(ref_out), logged_metrics(out)
     assert got[3] == want[3] and want[3]["reward_model/grad_norm"] > 0

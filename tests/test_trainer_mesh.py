@@ -18,8 +18,7 @@ ray = pytest.importorskip("ray")
 from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402
-
-VOLATILE = ("timing_s/", "perf/", "memory/")  # measurements of the machine, not of the run
+from _ray_trainer import fit, logged_metrics  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +49,6 @@ def _cfg(path, out, mesh, **over):
     return cfg
 
 
-def _fit(cfg):
-    from portrl.trainer.resources import settle_config
-    from portrl.trainer.rl_trainer import RLTrainer
-
-    trainer = RLTrainer(settle_config(cfg))
-    try:
-        return trainer.fit()
-    finally:
-        for group in (trainer.actor, trainer.critic):
-            if group is not None:
-                group.shutdown()
-
-
-def _metrics(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows}
-
-
 SP_TP = {"actor.sequence_parallel_size": 2, "critic.tensor_parallel_size": 2}
 TP_SP = {"actor.tensor_parallel_size": 2, "critic.sequence_parallel_size": 2}
 
@@ -78,8 +59,8 @@ def test_ppo_trains_under_a_mesh_and_resumes_under_another(tiny, tmp_path, monke
 
     monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
     ref_out = tmp_path / "ref"
-    summary = _fit(_cfg(tiny, ref_out, SP_TP))
-    want = _metrics(ref_out)
+    summary = fit(_cfg(tiny, ref_out, SP_TP))
+    want = logged_metrics(ref_out)
     assert {1, 2, 3} <= set(want)
     for step in (1, 2, 3):
         assert want[step]["actor/grad_norm"] > 0 and math.isfinite(want[step]["critic/vf_loss"])
@@ -94,8 +75,8 @@ def test_ppo_trains_under_a_mesh_and_resumes_under_another(tiny, tmp_path, monke
     kept = [line for line in (ref_out / "metrics.jsonl").read_text().splitlines()
             if line.strip() and json.loads(line)["step"] <= 2]
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    resumed = _fit(_cfg(tiny, out, TP_SP, **{"trainer.export_hf": False}))
+    resumed = fit(_cfg(tiny, out, TP_SP, **{"trainer.export_hf": False}))
     assert resumed["resumed_from"].endswith("global_step_2")
-    got = _metrics(out)[3]
+    got = logged_metrics(out)[3]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
         assert got[key] == pytest.approx(want[3][key], rel=1e-4, abs=1e-6), key
