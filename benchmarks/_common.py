@@ -108,6 +108,15 @@ def prompt_rows(data: str, n: int, seed: int = 0):
     return gsm8k_rows(n) if data == "gsm8k" else arith_rows(n, seed)
 
 
+def status_kb(key: str) -> int:
+    """A ``/proc/self/status`` field in kB (``VmRSS``, ``VmHWM``, ...; Linux only)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status (Linux only)")
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

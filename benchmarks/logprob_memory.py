@@ -20,14 +20,6 @@ import sys
 import time
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status (Linux only)")
-
-
 def run_side(side: str, tokens: int, hidden: int, vocab: int, chunk: int | None, repeats: int) -> dict:
     import torch
 
@@ -47,9 +39,9 @@ def run_side(side: str, tokens: int, hidden: int, vocab: int, chunk: int | None,
         ((lp * gl).sum() + (ent * ge).sum()).backward()
         return lp.detach(), ent.detach()
 
-    base = _status_kb("VmRSS")
+    base = _common.status_kb("VmRSS")
     lp, ent = step()
-    peak = _status_kb("VmHWM") - base
+    peak = _common.status_kb("VmHWM") - base
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -57,14 +57,6 @@ import _common  # noqa: E402
 GOALS = {2: 0.6, 4: 0.35}  # issue 60: peak activation memory per rank against SP=1
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status (Linux only)")
-
-
 def _reset_hwm() -> bool:
     """Reset this process's resident high-water mark to its resident size now (Linux >= 4.0)."""
     try:
@@ -146,14 +138,14 @@ def _measure(backend, model, module, opts: dict, timer: _CollectiveTimer) -> dic
         backend.reset_peak_memory()
         if i == 0:
             reset = _reset_hwm()
-            rss = _status_kb("VmRSS")
+            rss = _common.status_kb("VmRSS")
         start = time.perf_counter()
         logp = step()
         seconds = time.perf_counter() - start
         stats = backend.memory_stats()
         comm = timer.take()
         if i == 0:
-            out["resident_growth_mb"] = (_status_kb("VmHWM") - rss) / 1024 if reset else 0.0
+            out["resident_growth_mb"] = (_common.status_kb("VmHWM") - rss) / 1024 if reset else 0.0
             out["grad_norm"] = clip_grad_norm(model.parameters(), 0.0)
             out["logp"] = logp[0].tolist()
             continue

@@ -88,14 +88,19 @@ def parallelize(model: nn.Module, pm: ParallelMesh, blocks: set, mp_policy: Any 
     """``model`` (a causal LM, its peft wrapper, ``ForwardModule`` over one, or the critic's value model)
     parallelized in place over ``pm`` (see the module docstring); ``blocks``: the transformer block classes FSDP2
     shards one by one; ``mp_policy``: FSDP2's MixedPrecisionPolicy or None."""
-    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
-
     if pm.tp is not None:
         apply_tensor_parallel(model, pm.tp)
     if pm.sp_group is not None:
         for decoder in _decoders(model):
             setattr(decoder, SEQUENCE_GROUP_ATTR, pm.sp_group)
-    kwargs: dict[str, Any] = {"mesh": pm.fsdp}
+    return shard_blocks(model, blocks, pm.fsdp, mp_policy)
+
+
+def shard_blocks(model: nn.Module, blocks: set, fsdp_mesh: DeviceMesh, mp_policy: Any = None) -> nn.Module:
+    """FSDP2 (``fully_shard``) over ``fsdp_mesh``: every module of a class in ``blocks``, then the root; in place."""
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
+
+    kwargs: dict[str, Any] = {"mesh": fsdp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for m in model.modules():

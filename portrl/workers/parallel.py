@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from portrl.workers.mesh import ParallelMesh, grad_norm_groups, parallelize
+from portrl.workers.mesh import ParallelMesh, grad_norm_groups, parallelize, shard_blocks
 
 if TYPE_CHECKING:
     from portrl.device.backend import Backend
@@ -215,7 +215,7 @@ def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Opt
     if strategy == "ddp":
         ids = None if device.type == "cpu" else [device]
         return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415  (FSDP: only in a sharded run)
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # noqa: PLC0415  (FSDP: only in a sharded run)
 
     compute = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     policy = None
@@ -224,14 +224,7 @@ def wrap_model(model: nn.Module, strategy: str, backend: Backend, *, device: Opt
     blocks = _block_classes(model)
     if mesh is not None:
         return parallelize(model, mesh, blocks, policy)
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device.type, (dp_world_size(),))}
-    if policy is not None:
-        kwargs["mp_policy"] = policy
-    for m in model.modules():
-        if type(m) in blocks:
-            fully_shard(m, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return shard_blocks(model, blocks, init_device_mesh(device.type, (dp_world_size(),)), policy)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
