@@ -149,6 +149,17 @@ def test_a_program_that_exits_before_the_tests_fails(exit_call):
         assert (result["score"], result["status"]) == (0.0, "wrong"), tests
 
 
+@pytest.mark.parametrize("after, status", [("time.sleep(0.5)\nos._exit(0)\n", "wrong"),
+                                           ("while True:\n    pass\n", "timeout")])
+def test_a_program_that_closes_its_pipes_is_judged_by_how_it_exits(after, status):
+    """The program's answers stop (its reply pipe closes) a while before it exits: its status is its own exit's,
+    not the kill that ends the case (CI saw "runtime_error" for an exit(0) on a loaded machine)."""
+    check = json.dumps({"test": "def check(candidate):\n    assert candidate(1) == 2\n", "entry_point": "f"})
+    program = f"import os, time\ndef f(x):\n    return 0\nos.closerange(3, 1024)\n{after}"
+    result = compute_score(fenced(program), check, **FAST)
+    assert (result["score"], result["status"]) == (0.0, status)
+
+
 @pytest.mark.parametrize("program, status", [
     ("while True:\n    pass\n", "timeout"),
     ("def f(:\n", "syntax_error"),

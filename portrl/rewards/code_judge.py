@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import subprocess
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -117,6 +118,8 @@ def run_judged(program_file: str, judge_file: str, limits: SandboxLimits) -> tup
     judge_out, judge_err = b"", b""
     try:
         verdict, ended, err, timed_out, over, judge_out, judge_err = _relay(program, judge, limits)
+        if ended and not (timed_out or over):
+            timed_out = not _exited_by(program, program.deadline)
     finally:
         try:
             finish(judge, judge_out, judge_err, False, False)
@@ -125,6 +128,16 @@ def run_judged(program_file: str, judge_file: str, limits: SandboxLimits) -> tup
     if not (ended or timed_out or over):
         result.status = "ok"  # alive and answering at the verdict: it was stopped afterwards, by the relay
     return verdict.get("verdict") == "pass" and not timed_out and not over, result
+
+
+def _exited_by(started: Started, deadline: float) -> bool:
+    """Whether a program whose stdout has closed exits on its own by ``deadline``: its exit status is its own,
+    not the kill that ``finish`` sends (a loaded machine can take a while between the two)."""
+    try:
+        started.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _relay(program: Started, judge: Started, limits: SandboxLimits):
