@@ -2,9 +2,10 @@
 
 One sender (trainer rank 0, group rank 0) and R receivers (the rollout workers, group ranks 1..R).
 
-* :meth:`TransportSender.send` ``(named_tensors, version) -> SyncStats`` sends full tensors (sharded ones
-  gathered first); ``version`` is the policy version (an int the trainer chooses: its step) and travels in the
-  sync's header with the tensors' names, shapes and dtypes.
+* :meth:`TransportSender.send` ``(named_tensors, version, meta=None) -> SyncStats`` sends full tensors;
+  ``version`` is the policy version (an int the trainer chooses: its step) and travels in the sync's header with
+  the tensors' names, shapes and dtypes. Given those first (``meta``), a ``bucketed`` sync takes the tensors
+  bucket by bucket, so a sharded model is gathered as it is sent (a training mesh never holds a full copy).
 * :meth:`TransportReceiver.receive` yields ``(name, tensor)`` bucket by bucket; once the stream is drained,
   ``last_stats`` and ``last_version`` describe the sync. A yielded tensor belongs to the caller (no transport
   reuses its memory), so an engine may keep it. ``receive`` assumes nothing of the thread it runs on: a
@@ -173,6 +174,18 @@ class DeltaTracker:
                 self._sent[name] = (tuple(t.shape), str(t.dtype), raw.to("cpu", copy=True))
 
 
+def _take(source: Iterator[Tuple[str, torch.Tensor]], want: Meta) -> torch.Tensor:
+    """The next tensor of a sync's stream, which must be the one its metadata ``want`` announced."""
+    got = next(source, None)
+    if got is None:
+        raise ValueError(f"weight sync: the tensors ended before {want[0]!r}, which the metadata announced")
+    name, t = got
+    have = (name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    if have != tuple(want):
+        raise ValueError(f"weight sync: got tensor {have} where the metadata announced {tuple(want)}")
+    return t.detach()
+
+
 class TransportSender(ABC):
     """Group rank 0 of a transport. Subclasses implement ``_send_header``, ``_send_bucket`` and ``_end``."""
 
@@ -182,24 +195,42 @@ class TransportSender(ABC):
         self.mode, self.bucket_bytes = mode, int(bucket_mb * 1024 * 1024)
         self._delta = DeltaTracker() if mode == "delta" else None
 
-    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> SyncStats:
+    def send(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int,
+             meta: Optional[Sequence[Meta]] = None) -> SyncStats:
         """Send full tensors to every receiver as policy ``version``; returns once every bucket is out (the
-        receivers may still be loading the last). See the module docstring for the modes."""
+        receivers may still be loading the last). See the module docstring for the modes.
+
+        ``meta``: the tensors' ``(name, shape, dtype name)`` in the order ``named_tensors`` yields them, known
+        before any is made. In ``bucketed`` mode the header is then planned from it and the tensors are taken
+        from the iterable bucket by bucket: a sharded model's tensors are gathered as they are sent, so this
+        side holds at most one bucket of them besides its buffer. The iterable is drained to its end, so the
+        other ranks of a collective gather finish theirs. Without ``meta`` (and in ``full`` and ``delta``, which
+        need every tensor before the header) all tensors are taken first."""
         started = time.perf_counter()
-        items = [(n, t.detach()) for n, t in named_tensors]
-        if self._delta is not None:
-            items = self._delta.changed(items)
-        meta: List[Meta] = [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in items]
-        header = SyncHeader(int(version), self.mode, meta, plan_sync(meta, self.mode, self.bucket_bytes))
+        streamed = meta is not None and self.mode == "bucketed"
+        if not streamed:
+            items = [(n, t.detach()) for n, t in named_tensors]
+            if self._delta is not None:
+                items = self._delta.changed(items)
+            meta = [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in items]
+            source: Iterator[Tuple[str, torch.Tensor]] = iter(())
+        else:
+            meta, source, items = [(n, tuple(s), d) for n, s, d in meta], iter(named_tensors), []
+        header = SyncHeader(int(version), self.mode, list(meta), plan_sync(meta, self.mode, self.bucket_bytes))
         self._send_header(header)
         total = largest = 0
-        for k, idx in enumerate(header.buckets):
+        for k, idx in enumerate(header.buckets):  # bucketed: consecutive indices in order, so a stream fits
+            tensors = [_take(source, meta[i]) if streamed else items[i][1] for i in idx]
             total += sum(numel(meta[i][1]) * element_size(meta[i][2]) for i in idx)
-            largest = max(largest, self._send_bucket(k, [items[i][1] for i in idx]))
+            largest = max(largest, self._send_bucket(k, tensors))
+            del tensors
+        extra = next(source, None)
+        if extra is not None:
+            raise ValueError(f"weight sync: tensor {extra[0]!r} came after the {len(meta)} its metadata announced")
         self._end(header)
         if self._delta is not None:
             self._delta.commit(items)
-        return SyncStats(len(items), len(header.buckets), total, time.perf_counter() - started, self.mode,
+        return SyncStats(len(meta), len(header.buckets), total, time.perf_counter() - started, self.mode,
                          int(version), largest)
 
     @abstractmethod

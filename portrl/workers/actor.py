@@ -39,7 +39,7 @@ from portrl.workers.actor_correction import (UNREJECTED_MASK, apply_rejection, c
                                              normalize_is_weights, proximal_before_update)
 from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
-from portrl.workers.lora import apply_lora, merged_weights
+from portrl.workers.lora import apply_lora, merged_weight_meta, merged_weights
 from portrl.workers.master_weights import load_dtype
 from portrl.agent.rollout import AgentRollout, agent_rollout
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
@@ -314,6 +314,10 @@ class ActorRolloutWorker(TrainedModelWorker):
         checkpoint, LoRA deltas merged in (:func:`portrl.workers.lora.merged_weights`). Under FSDP2 the
         shards are gathered as it is iterated: every rank must iterate it."""
         return merged_weights(self.module)
+
+    def weight_meta(self) -> List[Tuple[str, Tuple[int, ...], str]]:
+        """``(name, full shape, dtype name)`` of :meth:`named_weights`, in order, with nothing gathered."""
+        return merged_weight_meta(self.module)
 
     def sync_weights(self) -> bool:
         """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module

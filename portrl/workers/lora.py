@@ -107,10 +107,9 @@ def _delta(layer: HFModule) -> torch.Tensor | None:
     return delta
 
 
-def merged_weights(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of the full model with every LoRA delta merged in, named as in the base model, in
-    the base model's dtype. The training model is not changed. Sharded (DTensor) parameters are gathered, so
-    under FSDP every rank must iterate it. A model without adapters yields its own state."""
+def _merged_entries(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor, Any]]:
+    """``(base-model name, the state's tensor as held (a DTensor when sharded), the LoRA layer whose delta merges
+    into it or None)`` of each tensor :func:`merged_weights` yields, in its order; nothing is gathered."""
     wrapped: HFModule = model
     base: HFModule = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
     layers = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
@@ -118,10 +117,29 @@ def merged_weights(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
         if ".lora_" in name or "lora_magnitude" in name:
             continue
         owner, _, leaf = name.rpartition(".")
-        t = _full(t).detach()
+        layer = None
         if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
             owner = owner[: -len(".base_layer")]
-            delta = _delta(layers[owner]) if leaf == "weight" else None
-            if delta is not None:
-                t = (t.float() + delta.to(t.device)).to(t.dtype)
-        yield f"{owner}.{leaf}" if owner else leaf, t
+            layer = layers[owner] if leaf == "weight" else None
+        yield f"{owner}.{leaf}" if owner else leaf, t, layer
+
+
+def merged_weights(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the full model with every LoRA delta merged in, named as in the base model, in
+    the base model's dtype. The training model is not changed. Sharded (DTensor) parameters are gathered one
+    at a time as it is iterated, so under FSDP or a mesh every rank must iterate it. A model without adapters
+    yields its own state."""
+    for name, t, layer in _merged_entries(model):
+        t = _full(t).detach()
+        delta = None if layer is None else _delta(layer)
+        if delta is not None:
+            t = (t.float() + delta.to(t.device)).to(t.dtype)
+        yield name, t
+
+
+def merged_weight_meta(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, full shape, dtype name)`` of each tensor of :func:`merged_weights`, in its order, read without
+    gathering anything (a DTensor's shape is its global one): what a weight sync announces before the tensors
+    are gathered bucket by bucket (portrl.device.weight_transport.TransportSender.send's ``meta``)."""
+    return [(name, tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t, _ in _merged_entries(model)]

@@ -104,10 +104,16 @@ class WorkerHost:
                       else make_receiver(spec, self.backend, addr, port, group_rank, group_size, timeout_s=86400.0))
 
     def push_weights(self, version: int = 0) -> Optional[Dict[str, Any]]:
-        """Every trainer rank gathers ``worker.named_weights()`` (a collective under FSDP); the sender sends them
-        as policy ``version`` and returns its stats."""
-        named = [(n, _full(t)) for n, t in self.worker.named_weights()]
-        return asdict(self._sync.send(named, version)) if isinstance(self._sync, TransportSender) else None
+        """Every trainer rank iterates ``worker.named_weights()`` (its gathers are collective under FSDP or a mesh);
+        the sender sends them as policy ``version`` and returns its stats. With the worker's ``weight_meta()``
+        the sender gathers bucket by bucket and the other ranks one tensor at a time: no rank holds a full copy."""
+        named = ((n, _full(t)) for n, t in self.worker.named_weights())
+        if not isinstance(self._sync, TransportSender):
+            for _ in named:
+                pass
+            return None
+        weight_meta = getattr(self.worker, "weight_meta", None)
+        return asdict(self._sync.send(named, version, meta=None if weight_meta is None else weight_meta()))
 
     def pull_weights(self) -> Dict[str, Any]:
         """``worker.update_weights(...)`` with the received tensors (drained fully, so the sync completes)."""
