@@ -208,14 +208,14 @@ class TransportSender(ABC):
         need every tensor before the header) all tensors are taken first."""
         started = time.perf_counter()
         streamed = meta is not None and self.mode == "bucketed"
-        if not streamed:
+        if meta is not None and streamed:
+            meta, source, items = [(n, tuple(s), d) for n, s, d in meta], iter(named_tensors), []
+        else:
             items = [(n, t.detach()) for n, t in named_tensors]
             if self._delta is not None:
                 items = self._delta.changed(items)
             meta = [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in items]
-            source: Iterator[Tuple[str, torch.Tensor]] = iter(())
-        else:
-            meta, source, items = [(n, tuple(s), d) for n, s, d in meta], iter(named_tensors), []
+            source = iter(())
         header = SyncHeader(int(version), self.mode, list(meta), plan_sync(meta, self.mode, self.bucket_bytes))
         self._send_header(header)
         total = largest = 0
