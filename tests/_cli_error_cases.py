@@ -303,6 +303,9 @@ CASES: list[tuple[str, list[str], str, dict]] = [
      "which shards the model with FSDP2: set actor.strategy=auto or fsdp", {}),
     ("mesh-verl-alias", ["train", "trainer.num_workers=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
      "actor.tensor_parallel_size=3 does not divide the model's 4 attention heads", {}),
+    ("rollout-tp-heads", ["train", "rollout.tensor_model_parallel_size=3"],
+     "rollout.tensor_model_parallel_size=3: the rollout engine splits the attention over its workers and the built-in "
+     "tiny model (model.path empty) has 4 attention heads and 2 key/value heads; valid sizes: 1, 2, 4", {}),
     ("mesh-verl-alias-conflict", ["train", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                                   "actor.sequence_parallel_size=4"],
      "override actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (verl's name for actor.sequence_parallel_size) "

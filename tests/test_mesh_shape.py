@@ -164,3 +164,31 @@ def test_the_preflight_refuses_a_mesh_where_fsdp2_cannot_run(monkeypatch):
                                         r"shards the model with FSDP2, which cannot run here \(torch 2\.3 has no "
                                         r"fully_shard\); use both sizes 1 on this machine$"):
         mesh_check.check_meshes(cfg, backend)
+
+
+@pytest.mark.parametrize("heads, kv, valid", [
+    (28, 4, [1, 2, 4, 28]),  # Qwen2.5-7B: 7 and 14 divide the heads, but 4 key/value heads neither split nor copy evenly
+    (40, 8, [1, 2, 4, 8, 40]),  # Qwen2.5-32B
+    (64, 8, [1, 2, 4, 8, 16, 32, 64]),  # Qwen2.5-72B: above 8 workers each key/value head is copied
+    (4, 2, [1, 2, 4]),  # the built-in tiny model
+])
+def test_the_rollout_split_follows_the_heads_and_key_value_heads(heads, kv, valid):
+    from portrl.trainer.mesh_check import rollout_tp_sizes
+
+    assert rollout_tp_sizes(heads, kv) == valid
+
+
+def test_the_rollout_split_is_checked_only_for_engines_that_split(tmp_path):
+    from portrl.config import compose
+    from portrl.errors import UserError
+    from portrl.trainer.mesh_check import check_rollout_split
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_attention_heads": 28,
+                                                      "num_key_value_heads": 4}))
+    wrong = ["rollout.tensor_model_parallel_size=8", f"model.path={tmp_path}"]
+    with pytest.raises(UserError, match=r"^rollout.tensor_model_parallel_size=8: .* has 28 attention heads and 4 "
+                                        r"key/value heads; valid sizes: 1, 2, 4, 28$"):
+        check_rollout_split(compose(overrides=wrong, check=False))
+    check_rollout_split(compose(overrides=wrong + ["rollout.engine=hf"], check=False))  # one whole model per rank
+    check_rollout_split(compose(overrides=["rollout.tensor_model_parallel_size=4", f"model.path={tmp_path}"],
+                                check=False))

@@ -16,6 +16,9 @@ the actor's mesh), in this order, a :class:`~portrl.errors.UserError` (one line)
   model's ``text_config``) without loading it; the built-in tiny model's from ``model.tiny`` and its tokenizer;
 * sequence parallelism only through portrl's varlen attention implementations: Ulysses exchanges heads inside
   them, and transformers' own (``hf_sdpa``, ``hf_eager``) cannot take it.
+
+Then the rollout engine's own split, ``rollout.tensor_model_parallel_size``, of the policy's attention
+(:func:`check_rollout_split`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,35 @@ def check_meshes(cfg: PortRLConfig, backend: Backend) -> None:
         if problems:
             raise UserError(f"{where} does not split over the {role}'s mesh: {problems[0]}")
         _check_attention(cfg, backend, role, sp)
+    check_rollout_split(cfg)
+
+
+def rollout_tp_sizes(num_heads: int, num_kv_heads: int, up_to: int = 64) -> list[int]:
+    """The rollout tensor-parallel sizes (at most ``up_to``) a model's attention splits over, as the engines that
+    shard it require: the attention heads divide evenly, and the key/value heads too, or, where there are fewer
+    of them than workers, each is copied to a whole number of workers (``tp % num_kv_heads == 0``)."""
+    return [tp for tp in range(1, up_to + 1) if num_heads % tp == 0
+            and (num_kv_heads % tp == 0 if tp <= num_kv_heads else tp % num_kv_heads == 0)]
+
+
+def check_rollout_split(cfg: PortRLConfig) -> None:
+    """UserError (one line) when ``rollout.tensor_model_parallel_size`` does not split the policy's attention
+    (:func:`rollout_tp_sizes`), read from its config.json before any engine starts. The ``hf`` engine keeps one
+    whole model per rank and takes no size, so it is not checked for it."""
+    tp = int(cfg.rollout.tensor_model_parallel_size)
+    if tp == 1 or cfg.rollout.engine == "hf":
+        return
+    where, path = _model_of(cfg, "actor")
+    dims = model_dims(cfg, path)
+    if dims["num_heads"] is None:
+        raise UserError(f"{where}: its config.json has no num_attention_heads, which rollout.tensor_model_parallel_size"
+                        f"={tp} splits; use rollout.tensor_model_parallel_size=1 for this model")
+    heads, kv = int(dims["num_heads"]), int(dims["num_kv_heads"])
+    valid = rollout_tp_sizes(heads, kv)
+    if tp not in valid:
+        raise UserError(f"rollout.tensor_model_parallel_size={tp}: the rollout engine splits the attention over its "
+                        f"workers and {where} has {heads} attention heads and {kv} key/value heads; valid sizes: "
+                        f"{', '.join(map(str, valid))}")
 
 
 def _check_fsdp(backend: Backend, role: str, tp: int, sp: int) -> None:
