@@ -240,7 +240,9 @@ def test_update_weights_runs_worker_extension(fake_vllm):
     w = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     engine.update_weights([("w", w)])
     assert [c for c in llm.calls if c[0] == "collective_rpc"] == [
-        ("collective_rpc", "portrl_stage_weights"), ("collective_rpc", "portrl_commit_weights")]
+        ("collective_rpc", "portrl_begin_weights"), ("collective_rpc", "portrl_load_weights"),
+        ("collective_rpc", "portrl_finish_weights")]
+    assert engine.load_modes == ("direct",)  # the stand-in has no layer-wise reload: buckets load straight in
     assert llm.calls[-2:] == [("reset_prefix_cache",), ("reset_encoder_cache",)], \
         "the prefix cache holds KV of the old weights, the encoder cache their image embeddings"
     model = llm.worker.model_runner.model

