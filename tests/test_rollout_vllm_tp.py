@@ -97,7 +97,8 @@ def synced(tmp_path_factory):
     engine = None
     try:
         engine = make_engine("vllm", model_path=str(old_dir), tokenizer=AutoTokenizer.from_pretrained(old_dir),
-                             backend="cpu", dtype="float32", max_model_len=256, seed=0, tensor_parallel_size=2)
+                             backend="cpu", dtype="float32", max_model_len=256, seed=0, tensor_parallel_size=2,
+                             sync_bucket_mb=BUCKET_MB)  # the engine's own buckets as small: each loads as it comes
         sample = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=4)
         before = engine.generate(PROMPTS, sample)
         try:
@@ -109,7 +110,7 @@ def synced(tmp_path_factory):
         greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4))
         models = {name: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
                   for name, d in (("old", old_dir), ("new", new_dir))}
-        yield dict(before=before, after=after, greedy=greedy, models=models, received=receiver,
+        yield dict(before=before, after=after, greedy=greedy, models=models, received=receiver, engine=engine,
                    sent=json.loads((root / "sender.json").read_text()))
     finally:
         for p in ranks.processes:  # still running only when this side failed
@@ -133,6 +134,8 @@ def test_the_trainer_is_tensor_parallel_and_the_sync_is_bucketed_under_its_cap(s
     assert got.bytes == sent["bytes"] == sum(torch.Size(s).numel() * 4 for _, s, _ in meta)
     assert 0 < got.buffer_bytes <= cap and 0 < sent["buffer_bytes"] <= cap
     assert cap < got.bytes  # a full sync would have needed more than the cap
+    # both tensor-parallel workers loaded bucket by bucket, re-processing each layer once its tensors all came
+    assert synced["engine"].load_modes == ("layerwise", "layerwise")
 
 
 def test_the_engine_generates_as_the_new_model(synced):
