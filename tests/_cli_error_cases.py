@@ -295,9 +295,10 @@ CASES: list[tuple[str, list[str], str, dict]] = [
      "is model_type 'qwen2_5_vl', a vision-language model, whose forward (portrl/models/multimodal.py) is not "
      "sequence-parallel; use actor.sequence_parallel_size=1 (actor.tensor_parallel_size > 1 splits its language model)",
      {}),
-    ("mesh-lora-tp", ["train", "trainer.num_workers=2", "actor.tensor_parallel_size=2", "actor.lora_rank=8"],
-     "actor.lora_rank=8 with actor.tensor_parallel_size=2: peft's LoRA layers are not nn.Linear, so the tensor-parallel "
-     "plans cannot split them; use actor.tensor_parallel_size=1 with LoRA", {}),
+    ("mesh-lora-tp", ["train", "trainer.num_workers=2", "actor.tensor_parallel_size=2", "actor.lora_rank=8",
+                      "actor.lora_target_modules=[q_proj,embed_tokens]"],
+     "actor.lora_target_modules ['embed_tokens'] with actor.tensor_parallel_size=2: tensor parallelism splits the "
+     "embedding and the LM head by vocabulary", {}),
     ("mesh-ddp", ["train", "trainer.num_workers=2", "actor.sequence_parallel_size=2", "actor.strategy=ddp"],
      "actor.strategy=ddp cannot run the actor's mesh (actor.tensor_parallel_size=1, actor.sequence_parallel_size=2), "
      "which shards the model with FSDP2: set actor.strategy=auto or fsdp", {}),

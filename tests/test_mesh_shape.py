@@ -137,13 +137,15 @@ def test_the_preflight_allows_tensor_parallelism_for_the_families_with_plans():
 
 @pytest.mark.parametrize("overrides, refused", [
     (["actor.lora_rank=8", "actor.sequence_parallel_size=2"], None),  # Ulysses takes peft's layers
-    (["actor.lora_rank=8", "actor.tensor_parallel_size=2"], "actor.lora_rank=8 with actor.tensor_parallel_size=2"),
+    (["actor.lora_rank=8", "actor.tensor_parallel_size=2"], None),  # the adapters split with their layers
+    (["actor.lora_rank=8", "actor.tensor_parallel_size=2", "actor.lora_target_modules=[q_proj,lm_head]"],
+     "actor.lora_target_modules ['lm_head'] with actor.tensor_parallel_size=2"),
     (["actor.strategy=fsdp", "actor.tensor_parallel_size=2"], None),
     (["actor.strategy=ddp", "actor.sequence_parallel_size=2"], "actor.strategy=ddp cannot run the actor's mesh"),
     (["actor.strategy=ddp", "algorithm=ppo", "critic.tensor_parallel_size=2"], "cannot run the critic's mesh"),
     (["actor.strategy=ddp"], None),  # no mesh: data parallel alone
 ])
-def test_the_config_refuses_lora_under_tensor_parallelism_and_a_mesh_without_fsdp(overrides, refused):
+def test_the_config_refuses_lora_on_vocabulary_split_layers_and_a_mesh_without_fsdp(overrides, refused):
     from portrl.config import compose
     from portrl.config.checks_mesh import check_mesh
 

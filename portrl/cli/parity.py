@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mesh = sub.add_parser("mesh", help="GRPO steps under tensor, sequence and data parallel meshes (CPU processes "
                           "over gloo) against one rank")
     mesh.add_argument("--case", action="append", help="only these meshes (repeatable; default: all of "
-                      "portrl.parity.mesh.CASES: tp2, sp2, tp2_fsdp2, sp2_fsdp2, sp4_gqa)")
+                      "portrl.parity.mesh.CASES: tp2, sp2, tp2_fsdp2, sp2_fsdp2, sp4_gqa, tp2_fsdp2_lora)")
     mesh.add_argument("--report", default=None, help="JSON report to write")
     mesh.add_argument("--work-dir", default=None, help="where the cases write (a temporary folder inside it)")
     add_on_existing_argument(mesh)

@@ -8,9 +8,10 @@
 * sequence parallelism splits packed sequences: it needs ``model.use_packing=true``;
 * a mesh (any tensor or sequence parallel size > 1) shards with FSDP2: ``actor.strategy`` (every trained model's)
   ``auto`` or ``fsdp``, not ``ddp`` (portrl.workers.parallel.wrap_model);
-* LoRA (``actor.lora_rank > 0``) only with ``actor.tensor_parallel_size=1``: peft's LoRA layers are not
-  ``nn.Linear``, so the tensor-parallel plans (torch's ColwiseParallel / RowwiseParallel) cannot split them;
-  sequence parallelism and FSDP take them.
+* LoRA (``actor.lora_rank > 0``) under ``actor.tensor_parallel_size > 1`` only on the decoder's linear layers:
+  their adapters split with them (portrl.models.tensor_parallel), but the embedding and the LM head are split by
+  vocabulary, which adapters on them cannot follow (``embed_tokens`` / ``lm_head`` in
+  ``actor.lora_target_modules`` is refused).
 
 What needs the model (its heads, key/value heads, MLP width, vocabulary, family) or the backend (its attention) is
 the preflight's (portrl/trainer/mesh_check.py).
@@ -97,7 +98,8 @@ def check_mesh(cfg: PortRLConfig) -> List[str]:
 
 
 def _strategy_and_lora(cfg: PortRLConfig) -> List[str]:
-    """A mesh needs FSDP2 (``actor.strategy`` auto or fsdp); LoRA's layers take no tensor-parallel plan."""
+    """A mesh needs FSDP2 (``actor.strategy`` auto or fsdp); LoRA adapters on the embedding or the head cannot
+    follow their vocabulary split."""
     problems: List[str] = []
     meshes = [(role, *mesh_sizes(cfg, role)[:2]) for role in mesh_roles(cfg)]
     meshes = [(role, tp, sp) for role, tp, sp in meshes if tp * sp > 1]
@@ -108,8 +110,10 @@ def _strategy_and_lora(cfg: PortRLConfig) -> List[str]:
                         f"{role}.sequence_parallel_size={sp}), which shards the model with FSDP2: set actor.strategy="
                         f"auto or fsdp, or both sizes 1")
     lora, tp = int(cfg.actor.lora_rank), int(cfg.actor.tensor_parallel_size)
-    if lora > 0 and tp > 1:
-        problems.append(f"actor.lora_rank={lora} with actor.tensor_parallel_size={tp}: peft's LoRA layers are not "
-                        f"nn.Linear, so the tensor-parallel plans cannot split them; use actor.tensor_parallel_size=1 "
-                        f"with LoRA (sequence parallelism and FSDP take it), or actor.lora_rank=0")
+    vocab_split = [t for t in cfg.actor.lora_target_modules if t in ("embed_tokens", "lm_head")]
+    if lora > 0 and tp > 1 and vocab_split:
+        problems.append(f"actor.lora_target_modules {vocab_split} with actor.tensor_parallel_size={tp}: tensor "
+                        f"parallelism splits the embedding and the LM head by vocabulary, which LoRA adapters on them "
+                        f"cannot follow; adapt the decoder's linear layers (q_proj, k_proj, v_proj, o_proj, "
+                        f"gate_proj, up_proj, down_proj, or [all-linear]), or actor.tensor_parallel_size=1")
     return problems

@@ -14,6 +14,9 @@ Each decoder layer (Megatron's split, one all-reduce after attention and one aft
   :func:`vocab_shard` and computes log-probs and entropy with portrl.ops.logprobs_tp, which never gathers the
   full logits.
 
+LoRA adapters (peft) on the decoder's linear layers split with them (:func:`_layer_plan`); on the embedding or the
+head they cannot, and are refused.
+
 Norms and the rotary embedding stay plain, replicated tensors: every rank computes them on the same input, so
 their gradients are equal on every rank without a collective (the column-wise layers' input gradient, a partial
 sum, is all-reduced by DTensor before it reaches them).
@@ -37,6 +40,26 @@ SUPPORTED = ("qwen2", "llama", "qwen2_5_vl")
 _LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                "mlp.down_proj": "rowwise"}
+
+
+def _layer_plan(layer: nn.Module) -> dict[str, str]:
+    """The decoder layer's plan: :data:`_LAYER_PLAN`, where a linear layer carrying LoRA adapters (peft's
+    ``base_layer``, ``lora_A``, ``lora_B``) splits as one linear map ``W + s B A``: column-wise, ``base_layer``
+    and each ``lora_B`` split their output rows and ``lora_A`` stays whole on every rank; row-wise,
+    ``base_layer`` and each ``lora_A`` split their input columns (``A x``, a sum over them, is all-reduced into
+    the replicated rank-``r`` activations) and ``lora_B`` stays whole. The replicated adapters see the same
+    input and output gradient on every rank, so their gradients are equal without a collective."""
+    plan: dict[str, str] = {}
+    for name, kind in _LAYER_PLAN.items():
+        linear = layer.get_submodule(name)
+        if not hasattr(linear, "lora_A"):
+            plan[name] = kind
+            continue
+        plan[f"{name}.base_layer"] = kind
+        part = "lora_B" if kind == "colwise" else "lora_A"
+        adapters: Any = getattr(linear, part)  # a ModuleDict: adapter name -> nn.Linear
+        plan.update({f"{name}.{part}.{adapter}": kind for adapter in adapters})
+    return plan
 
 
 def _text_decoder(model: nn.Module) -> Any:
@@ -72,7 +95,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
         raise ValueError(f"tensor parallelism has plans for {list(SUPPORTED)}, not model_type {model_type!r}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in decoder.layers:
-        parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in _LAYER_PLAN.items()})
+        parallelize_module(layer, tp_mesh, {name: styles[kind]() for name, kind in _layer_plan(layer).items()})
+    for module in (decoder.embed_tokens, _lm_head(model)):
+        if module is not None and hasattr(module, "lora_A"):
+            raise ValueError("tensor parallelism splits the embedding and the LM head by vocabulary, which LoRA "
+                             "adapters on them cannot follow: leave embed_tokens and lm_head out of "
+                             "actor.lora_target_modules")
     head = _lm_head(model)
     tied = head is not None and head.weight is decoder.embed_tokens.weight
     parallelize_module(decoder.embed_tokens, tp_mesh,

@@ -32,11 +32,12 @@ from portrl.models.tiny import write_tiny_model
 from portrl.parity.mesh_step import MeshCase, rank_main, run_steps
 from portrl.workers.parallel import find_free_port
 
-#: the meshes CI checks (issue 60's list, plus Ulysses with fewer key/value heads than ranks); the two 4-rank
-#: meshes of the list train with gradient checkpointing, as the actor does by default (the one-rank reference
-#: without: recomputation changes no value)
+#: the meshes CI checks (issue 60's list, plus Ulysses with fewer key/value heads than ranks, and LoRA adapters
+#: split with their layers against LoRA on one rank); the two 4-rank meshes of the list train with gradient
+#: checkpointing, as the actor does by default (the one-rank reference without: recomputation changes no value)
 CASES = (MeshCase("tp2", 2, tp=2), MeshCase("sp2", 2, sp=2), MeshCase("tp2_fsdp2", 4, tp=2, checkpointing=True),
-         MeshCase("sp2_fsdp2", 4, sp=2, checkpointing=True), MeshCase("sp4_gqa", 4, sp=4))
+         MeshCase("sp2_fsdp2", 4, sp=2, checkpointing=True), MeshCase("sp4_gqa", 4, sp=4),
+         MeshCase("tp2_fsdp2_lora", 4, tp=2, lora_rank=4))
 LOGP_ATOL = 1e-5
 REL_TOL = 1e-5
 STEPS = 3
@@ -106,9 +107,10 @@ def run_mesh_parity(cases: Optional[Iterable[str]] = None, work_dir: Optional[st
         work = Path(tmp)
         # 4 query heads over 2 key/value heads (GQA; sp=4 repeats them), vocabulary 112 (tp=2 splits it)
         model_dir = str(write_tiny_model(work / "model", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2))
-        ref = run_steps(model_dir, None, 0, STEPS)
+        refs = {r: run_steps(model_dir, None, 0, STEPS, lora_rank=r) for r in sorted({c.lora_rank for c in chosen})}
         rows = [{"case": case.name, "world": case.world, "tp": case.tp, "sp": case.sp, "fsdp_size": case.fsdp_size,
-                 **compare(_run_case(case, model_dir, work, ctx), ref)} for case in chosen]
+                 "lora_rank": case.lora_rank, **compare(_run_case(case, model_dir, work, ctx), refs[case.lora_rank])}
+                for case in chosen]
     verdict = "pass" if all(r["verdict"] == "pass" for r in rows) else "fail"
     return {"tier": "mesh", "steps": STEPS, "bounds": {"logp_max_abs": LOGP_ATOL, "relative": REL_TOL},
             "cases": rows, "verdict": verdict}

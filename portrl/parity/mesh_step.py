@@ -36,6 +36,8 @@ from portrl.device.mesh_shape import MeshShape
 from portrl.device.registry import get_backend
 from portrl.models import compute_logprobs
 from portrl.models.loader import load_causal_lm
+from portrl.config.schema import ActorConfig
+from portrl.workers.lora import ALL_LINEAR, apply_lora
 from portrl.workers.mesh import build_mesh
 from portrl.workers.parallel import ForwardModule, clip_grad_norm, full_state_dict, init_distributed, wrap_model
 
@@ -54,6 +56,7 @@ class MeshCase:
     sp: int = 1
     fsdp_size: int = -1
     checkpointing: bool = False  # gradient checkpointing: the backward recomputes each layer, collectives included
+    lora_rank: int = 0  # > 0: LoRA adapters on every linear layer of the decoder train, the base weights frozen
 
     @property
     def shape(self) -> MeshShape:
@@ -86,12 +89,17 @@ def _advantages(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def run_steps(model_dir: str, shape: Optional[MeshShape], rank: int, steps: int,
-              checkpointing: bool = False) -> dict[str, Any]:
+              checkpointing: bool = False, lora_rank: int = 0) -> dict[str, Any]:
     """``steps`` GRPO steps of the model in ``model_dir`` under ``shape`` (None: one rank, no process group), with
-    gradient ``checkpointing`` or without; the results of the module docstring (every rank returns the same)."""
+    gradient ``checkpointing`` or without, with LoRA adapters of ``lora_rank`` (portrl.workers.lora.apply_lora,
+    ``[all-linear]``, as the actor applies them) or without; the results of the module docstring (every rank
+    returns the same)."""
     torch.manual_seed(0)
     backend = get_backend("cpu")
     model = load_causal_lm(model_dir, "float32", backend=backend, gradient_checkpointing=checkpointing)
+    if lora_rank > 0:
+        model = apply_lora(model, ActorConfig(lora_rank=lora_rank, lora_alpha=2 * lora_rank,
+                                              lora_target_modules=[ALL_LINEAR]))
     dp, dp_rank = 1, 0
     module: torch.nn.Module = ForwardModule(model, compute_logprobs)
     if shape is not None:
@@ -145,7 +153,7 @@ def rank_main(rank: int, case: MeshCase, model_dir: str, port: int, out_dir: str
     torch.set_num_threads(1)
     try:
         init_distributed(get_backend("cpu"), rank, case.world, "127.0.0.1", port, timeout_s=300)
-        result = run_steps(model_dir, case.shape, rank, steps, case.checkpointing)
+        result = run_steps(model_dir, case.shape, rank, steps, case.checkpointing, case.lora_rank)
         if rank == 0:
             tmp = Path(out_dir) / f".{case.name}.json.tmp"
             tmp.write_text(json.dumps({"case": asdict(case), **result}))
