@@ -3,6 +3,7 @@ the critic tensor parallel, trains, checkpoints and exports; a resume under the 
 critic sequence parallel) continues it, and its next step equals the uninterrupted run's up to float32 reordering.
 Both meshes put the two workers in one data-parallel group (dp = 1), so rank 0 generates every rollout and the
 runs see the same rows. PRIME's implicit PRM under SP=2 checkpoints and resumes as plain FSDP2, its next step equal.
+LoRA under TP=2 trains as under SP=2 and exports merged weights.
 The numerics of each mesh against one rank are `portrl parity mesh`'s (.ci/run)."""
 
 import json
@@ -83,7 +84,6 @@ def test_ppo_trains_under_a_mesh_and_resumes_under_another(tiny, tmp_path, monke
         assert got[key] == pytest.approx(want[3][key], rel=1e-4, abs=1e-6), key
 
 
-
 # PRIME (its implicit PRM trained online, no critic) with the actor sequence parallel in every run (dp = 1: the same
 # rows); one PRM mini-batch per update, since each rank cuts its own share of rows into mini-batches, so with several
 # a mini-batch holds other rows under dp = 2 than under dp = 1
@@ -123,3 +123,34 @@ def test_prime_prm_under_a_mesh_resumes_without_it_and_steps_alike(tiny, tmp_pat
     assert want["reward_model/grad_norm"] > 0 and want["reward_model/ce_loss"] < math.log(2) - 1e-3
     for key in keys:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+# GRPO training LoRA adapters (every linear layer of the decoder), the actor on both workers in one data-parallel
+# group (dp = 1: the same rows) either way
+LORA = {"algorithm.adv_estimator": "grpo", "actor.lora_rank": 4, "actor.lora_alpha": 8,
+        "actor.lora_target_modules": ["all-linear"], "actor.optim.lr": 1e-2, "trainer.total_steps": 2,
+        "trainer.save_freq": 0}
+
+
+@pytest.mark.slow  # two GRPO runs of two Ray workers, 2 steps each (40-80 s)
+def test_lora_trains_under_tensor_parallelism_as_under_sequence_parallelism(tiny, tmp_path, monkeypatch):
+    """LoRA under TP=2 (each adapter split with its layer) and under SP=2 (adapters whole) log the same actor update
+    on the same rows, within rel 1e-4, abs 1e-6 (float32 sums in another order), and the TP run exports the base
+    model with the trained adapters merged in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PORTRL_CACHE", str(tmp_path / "cache"))
+    sp_out, tp_out = tmp_path / "sp", tmp_path / "tp"
+    fit(_cfg(tiny, sp_out, {**LORA, "actor.sequence_parallel_size": 2, "trainer.export_hf": False}))
+    summary = fit(_cfg(tiny, tp_out, {**LORA, "actor.tensor_parallel_size": 2}))
+    want, got = logged_metrics(sp_out), logged_metrics(tp_out)
+    for step in (1, 2):
+        assert want[step]["actor/grad_norm"] > 0
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
+    base = AutoModelForCausalLM.from_pretrained(tiny, local_files_only=True).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(summary["export_dir"], local_files_only=True).state_dict()
+    assert merged.keys() == base.keys()
+    moved = [k for k in base if not torch.equal(merged[k], base[k])]
+    assert moved and all(".layers." in k and k.endswith("proj.weight") for k in moved)  # the adapted layers only
