@@ -33,6 +33,27 @@ def test_the_builtin_placements():
     assert placement_needs_ray(cfg) and not placement_needs_ray(colocated)
 
 
+def test_a_tensor_parallel_rollout_worker_takes_that_many_devices():
+    """Each separated rollout worker's engine spreads over rollout.tensor_model_parallel_size devices: the device
+    count leaves them out of the trainer's, and the worker's Ray bundle asks for them (a trainer worker for one)."""
+    from portrl.device import get_backend
+    from portrl.workers.actor import ActorRolloutWorker
+    from portrl.workers.ray_env import ResourcePool
+    from portrl.workers.ray_launcher import devices_per_worker
+    from portrl.workers.rollout_worker import RolloutWorker
+
+    cfg = compose(overrides=["rollout.placement=separated", "rollout.num_rollout_workers=3",
+                             "rollout.tensor_model_parallel_size=2"])
+    assert SEPARATED.devices_taken(cfg) == (6, "rollout.num_rollout_workers=3 x rollout.tensor_model_parallel_size=2")
+    assert devices_per_worker(RolloutWorker, cfg) == 2.0 and devices_per_worker(ActorRolloutWorker, cfg) == 1.0
+
+    class Accelerator(type(get_backend("cpu"))):  # a backend whose devices Ray schedules as GPUs
+        ray_resource = "GPU"
+
+    pool = ResourcePool("rollout", 3, Accelerator(), devices_per_worker=devices_per_worker(RolloutWorker, cfg))
+    assert pool.bundle() == {"CPU": 1.0, "GPU": 2.0}
+
+
 def test_an_unknown_placement_is_one_line():
     with pytest.raises(UserError) as err:
         get_placement("remote")

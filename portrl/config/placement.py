@@ -121,12 +121,19 @@ def _provided(name: str) -> BuildRollout:
     return build
 
 
+def _rollout_devices(cfg: Any) -> Tuple[int, str]:
+    """The devices separated rollout workers take: each worker's engine spreads over
+    ``rollout.tensor_model_parallel_size`` of them (portrl.workers.rollout_worker.RolloutWorker.devices_needed)."""
+    n, tp = int(cfg.rollout.num_rollout_workers), int(cfg.rollout.tensor_model_parallel_size)
+    setting = f"rollout.num_rollout_workers={n}" + (f" x rollout.tensor_model_parallel_size={tp}" if tp > 1 else "")
+    return n * tp, setting
+
+
 COLOCATED = register_placement(Placement(
     "colocated", "actor and rollout engine in one process", actor_holds_engine=True, needs_ray=False,
     devices_taken=lambda cfg: (0, "")))
 SEPARATED = register_placement(Placement(
     "separated", "rollout.num_rollout_workers rollout workers with models of their own, as Ray actors",
     actor_holds_engine=False, needs_ray=True,
-    devices_taken=lambda cfg: (int(cfg.rollout.num_rollout_workers),
-                               f"rollout.num_rollout_workers={int(cfg.rollout.num_rollout_workers)}"),
+    devices_taken=lambda cfg: _rollout_devices(cfg),
     build_rollout=_provided("separated"), splits_compute=True))

@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 LISTENER = "listener"  # the concurrency group of WorkerHost.listen_for_weights
 
 
+def devices_per_worker(worker_cls: Any, cfg: Any) -> float:
+    """The devices one worker of ``worker_cls`` asks Ray for: its ``devices_needed(cfg)`` (a rollout worker's
+    engine spreads its tensor-parallel workers over ``rollout.tensor_model_parallel_size`` devices), else 1."""
+    needed = getattr(worker_cls, "devices_needed", None)
+    return float(needed(cfg)) if needed is not None else 1.0
+
+
 def _full(t: Any) -> Any:
     """A sharded (DTensor) weight gathered to the full tensor; a plain one as it is."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -174,7 +181,8 @@ class RayLauncher:
         pinning = group_pinning(cfg, backend, worker_cls, self.num_workers)  # None: every worker on every core
         if self.pool is None:  # a pinned worker asks Ray for the CPUs it is pinned to
             self.pool = ResourcePool(group.role, self.num_workers, backend,
-                                     cpus_per_worker=pinning.ray_cpus if pinning else 1.0)
+                                     cpus_per_worker=pinning.ray_cpus if pinning else 1.0,
+                                     devices_per_worker=devices_per_worker(worker_cls, cfg))
         if self.pool.num_workers != self.num_workers:
             raise ValueError(f"WorkerGroup {group.role}: pool {self.pool.name!r} has {self.pool.num_workers} "
                              f"bundles for {self.num_workers} workers")

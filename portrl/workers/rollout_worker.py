@@ -125,6 +125,12 @@ class RolloutWorker(ProfiledWorker):
     config_sections = ("trainer", "device", "model", "data", "rollout", "async_training", "sandbox")  # reads (group.py)
     compute_side = ROLLOUT  # its cores in a separated run are the rollout side's (portrl.workers.placement)
 
+    @staticmethod
+    def devices_needed(cfg: Any) -> int:
+        """Devices of one rollout worker: its engine's tensor-parallel size (the engine starts that many workers of
+        its own, one per device the worker was given)."""
+        return int(cfg.rollout.tensor_model_parallel_size)
+
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.backend, self.device = start_worker(cfg, rank)
