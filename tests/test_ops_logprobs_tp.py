@@ -6,20 +6,16 @@ one rank (or none) is the native op; a label no rank holds stops every rank with
 
 from __future__ import annotations
 
-import io
 import math
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from portrl.device import get_backend
 from portrl.ops.logprobs import logprobs_entropy, logprobs_entropy_full
 from portrl.ops.logprobs_tp import vocab_parallel_logprobs_entropy
-from portrl.workers.parallel import find_free_port, init_distributed
+from _gloo_ranks import run_ranks
 
-ADDR = "127.0.0.1"
 WORLDS = (2, 3)
 
 # name -> (random rows added to the edge labels, vocab, hidden, dtype, temperature, bias, chunk_size, used outputs);
@@ -103,45 +99,13 @@ def _rank_results(rank: int, world: int) -> dict:
     return out
 
 
-def _member(rank: int, world: int, port: int, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        init_distributed(get_backend("cpu"), rank, world, ADDR, port, timeout_s=60)
-        buf = io.BytesIO()
-        torch.save(_rank_results(rank, world), buf)
-        queue.put((rank, buf.getvalue(), None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 _RUNS: dict = {}  # world size -> {rank: results}: one set of processes per world size
 
 
 def _run(world: int) -> dict:
-    if world in _RUNS:
-        return _RUNS[world]
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = find_free_port(ADDR)
-    procs = [ctx.Process(target=_member, args=(r, world, port, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, payload, error = queue.get(timeout=120)
-            assert error is None, f"rank {rank} of {world} failed:\n{error}"
-            results[rank] = torch.load(io.BytesIO(payload))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    _RUNS[world] = results
-    return results
+    if world not in _RUNS:
+        _RUNS[world] = run_ranks(_rank_results, world, timeout_s=120)
+    return _RUNS[world]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

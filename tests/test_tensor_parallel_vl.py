@@ -14,34 +14,30 @@ k * 2^-24 of its magnitude. This model's initialisation is large (0.2, so that o
 log-probs reach 13 in magnitude, where one float32 step is 9.5e-7, so the log-probs (and entropy) get LOGP_ATOL =
 2e-5, about 20 steps (parity mesh's 1e-5 is as many steps at its log-probs of ~5); the gradient norm (~13) gets
 REL_TOL = 1e-5 relative and every gradient REL_TOL of max(its largest entry, 1), parity mesh's bounds. Measured:
-log-probs 3.8e-6, entropy 3.3e-6, gradient norm 5.2e-7 relative, worst gradient entry 9.3e-7 (4.5e-6 of that
-tensor's largest entry). A wrong split (a head, token or image embedding in the wrong place, a missing or doubled
+log-probs 3.8e-6, entropy 3.3e-6, gradient norm 4.2e-7 relative (the prompts and images of
+tests/test_models_vl.py's mixed_prompts). A wrong split (a head, token or image embedding in the wrong place, a missing or doubled
 reduction) moves them by 1e-2 or more: other pixels move the image rows' log-probs by 4 or more, and every gradient
 tensor here has entries of 5e-3 or more.
 """
 
 from __future__ import annotations
 
-import io
 import multiprocessing
-import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from PIL import Image, ImageDraw
 
-from portrl.data.multimodal import encode_image_prompt
 from portrl.device import get_backend
 from portrl.device.mesh_shape import MeshShape
 from portrl.models import compute_logprobs, load_causal_lm, load_processor, write_tiny_vl_model
 from portrl.models.multimodal import batch_image_inputs
 from portrl.workers.batch import build_rollout_batch
 from portrl.workers.mesh import build_mesh
-from portrl.workers.parallel import ForwardModule, clip_grad_norm, find_free_port, init_distributed, wrap_model
+from _gloo_ranks import run_ranks
+from test_models_vl import mixed_prompts
+from portrl.workers.parallel import ForwardModule, clip_grad_norm, wrap_model
 
-ADDR = "127.0.0.1"
 TP2 = MeshShape.of(2, tp=2)
 TEMPERATURE = 0.7
 HEADS = ("tied", "untied")
@@ -50,30 +46,11 @@ LOGP_ATOL = 2e-5
 REL_TOL = 1e-5
 
 
-def _image(size: tuple[int, int], seed: int) -> Image.Image:
-    """A white picture with a black triangle (a stand-in for a geometry diagram, as tests/test_models_vl.py)."""
-    img = Image.new("RGB", size, "white")
-    w, h = size[0] - 1, size[1] - 1
-    ImageDraw.Draw(img).polygon([(seed % 7, h), (w // 2, seed % 5), (w, h)], outline="black")
-    return img
-
-
 def _batch(model_dir: str) -> dict:
     """The batch (built once, given to every rank): prompts with a 56x56 image (4 image tokens), a 112x84 image
     (12) and none, 2 responses each, through the processor as the dataset encodes them; fixed advantages."""
     processor = load_processor(model_dir)
-    prompts: list[list[int]] = []
-    entries: list[Any] = []
-    for size, question in (((56, 56), "Find x."), ((112, 84), "What is the area?"), (None, "What is 2+3?")):
-        messages = [{"role": "user", "content": ("<image>" if size else "") + question}]
-        if size is None:
-            text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            prompts.append(processor.tokenizer(text)["input_ids"])
-            entries.append(None)
-            continue
-        prompt = encode_image_prompt(processor, messages, [_image(size, seed=len(question))])
-        prompts.append(prompt.ids)
-        entries.append({"inputs": prompt.inputs})
+    prompts, entries = mixed_prompts(processor)
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (6, 3, 5, 7, 2, 4)]
     batch = build_rollout_batch(prompts, responses, pad_token_id=processor.tokenizer.pad_token_id, n=2,
@@ -137,18 +114,9 @@ def run(model_dir: str, b: dict, shape: MeshShape | None = None, rank: int = 0) 
             "loss": float(loss.detach()), "grads": grads, "grad_norm": norm, "layout": _layout(model)}
 
 
-def _member(rank: int, world: int, port: int, model_dirs: dict, batch: dict, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        init_distributed(get_backend("cpu"), rank, world, ADDR, port, timeout_s=120)
-        buf = io.BytesIO()
-        torch.save({head: run(d, batch, TP2, rank) for head, d in model_dirs.items()}, buf)
-        queue.put((rank, buf.getvalue(), None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _heads(rank: int, world: int, model_dirs: dict, batch: dict) -> dict:
+    """One TP2 rank's results of each model: ``{head: run(...)}``."""
+    return {head: run(d, batch, TP2, rank) for head, d in model_dirs.items()}
 
 
 def _ranks(model_dirs: dict, batch: dict) -> dict:
@@ -158,25 +126,7 @@ def _ranks(model_dirs: dict, batch: dict) -> dict:
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
         multiprocessing.set_forkserver_preload([__name__, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"])
-    ctx: Any = torch.multiprocessing.get_context(method)
-    queue = ctx.Queue()
-    port = find_free_port(ADDR)
-    procs = [ctx.Process(target=_member, args=(r, TP2.world, port, model_dirs, batch, queue), daemon=True)
-             for r in range(TP2.world)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, payload, error = queue.get(timeout=180)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            results[rank] = torch.load(io.BytesIO(payload))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    return run_ranks(_heads, TP2.world, (model_dirs, batch), start_method=method)
 
 
 @pytest.fixture(scope="module")
