@@ -23,9 +23,9 @@ A GRPO step on a CPU has two halves with different limits (benchmarks/vs_trl.py 
 
 Percentages are achieved / ceiling; both ceilings run on ``torch.get_num_threads()`` threads, which the
 caller sets to the threads its workload ran on. :class:`DecodeProbe` times portrl's decode (prefill, steps)
-by wrapping the hf engine's fast path; :class:`ReplayProbe` tells which updates replayed the rollout's
-forward; :func:`report` and :func:`print_report` turn a benchmark side's pooled steps and ceilings into the
-figures above.
+by wrapping the hf engine's fast path (the two ceilings' functions live in backends/cpu/ceilings.py, where the
+cpu backend measures its peak with them); :class:`ReplayProbe` tells which updates replayed the rollout's forward;
+:func:`report` and :func:`print_report` turn a benchmark side's pooled steps and ceilings into the figures above.
 """
 
 from __future__ import annotations
@@ -36,61 +36,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from portrl.backends.cpu.ceilings import (READ_MAX_BYTES, READ_MIN_BYTES, last_level_cache_bytes,  # noqa: F401
+                                          matmul_flops, memory_read_bandwidth, read_tensor_bytes)
 from portrl.models import forward_tape
 from portrl.rollout import fast_decode, hf_engine
-
-#: the memory-read tensor: this many times the last-level cache, and at least / at most these sizes
-READ_CACHE_MULTIPLE = 4
-READ_MIN_BYTES = 1 << 30
-READ_MAX_BYTES = 4 << 30
-
-
-def last_level_cache_bytes() -> int:
-    """Size of the largest CPU cache Linux reports (/sys/devices/system/cpu/cpu0/cache), 0 when unknown."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            sizes.append(int(text.rstrip("KMG")) * scale)
-        except ValueError:
-            continue
-    return max(sizes, default=0)
-
-
-def read_tensor_bytes() -> int:
-    """Bytes of the memory-read benchmark's tensor: READ_CACHE_MULTIPLE x the last-level cache, clamped."""
-    return min(max(READ_CACHE_MULTIPLE * last_level_cache_bytes(), READ_MIN_BYTES), READ_MAX_BYTES)
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first touch of pages, kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def memory_read_bandwidth(nbytes: int | None = None, repeats: int = 5) -> dict:
-    """Plain memory-read bandwidth: ``nbytes / seconds`` of the fastest of ``repeats`` ``torch.sum`` over a
-    float32 tensor of ``nbytes`` (default :func:`read_tensor_bytes`). Returns ``{"bytes", "seconds",
-    "bytes_per_s"}``."""
-    nbytes = int(nbytes or read_tensor_bytes())
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    seconds = _best_seconds(x.sum, repeats)
-    return {"bytes": nbytes, "seconds": seconds, "bytes_per_s": nbytes / seconds}
-
-
-def matmul_flops(n: int = 4096, repeats: int = 3) -> dict:
-    """Dense float32 matmul throughput: ``2 n^3 / seconds`` of the fastest of ``repeats`` ``n x n @ n x n``
-    products (``torch.matmul`` into a preallocated output). Returns ``{"n", "seconds", "flops_per_s"}``."""
-    a = torch.randn(n, n, dtype=torch.float32)
-    b = torch.randn(n, n, dtype=torch.float32)
-    out = torch.empty(n, n, dtype=torch.float32)
-    seconds = _best_seconds(lambda: torch.matmul(a, b, out=out), repeats)
-    return {"n": n, "seconds": seconds, "flops_per_s": 2.0 * n ** 3 / seconds}
 
 
 def matmul_params(model: torch.nn.Module) -> dict:

@@ -190,6 +190,8 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("device-config-file", ["train", "--config", "{npu_yaml}"], "npu.yaml) is not usable", {}),
     ("device-preset-mismatch", ["train", "--device", "cpu", "--preset", "h100"], "is for device 'cuda', not 'cpu'", {}),
     ("device-bad-kernel", ["train", "--device", "cpu", "device.kernels.rms_norm=nosuch"], "device.kernels.rms_norm", {}),
+    ("device-model-unknown", ["train", "--device", "cpu", "device.model=h100"],
+     "device.model='h100' is not a device model of backend 'cpu'", {}),
     ("sft-device-npu", ["sft", "--device", "npu"], "device 'npu' (from --device) is not usable here", {}),
     ("engine-not-here", ["train", "rollout.engine=vllm"], "rollout.engine=vllm is not available on backend 'cpu'", {}),
     ("dtype-not-here", ["train", "--device", "cpu", "device.dtype=float16"], "dtype 'float16' is not supported", {}),

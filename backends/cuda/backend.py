@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import ClassVar, Sequence
 
 from portrl.backends.cuda import env as env_tables
+from portrl.backends.cuda.peaks import DEVICE_MODELS
 from portrl.device.backend import (Backend, KernelRegistry, ProbeResult, module_available, torch_memory_available,
                                    torch_memory_stats)
 from portrl.device.versions import CompatRow, package_version
@@ -55,6 +56,7 @@ class CUDABackend(Backend):
     detect_priority = 10
     declared_env = env_tables.DECLARED  # device.env: backends/cuda/env.py
     refused_env = env_tables.REFUSED_HERE
+    device_models = DEVICE_MODELS  # the peak table: backends/cuda/peaks.py
     version_packages: ClassVar[tuple[str, ...]] = ("torch", "transformers", "triton", "vllm", "flash-attn")
     compat_rows: ClassVar[tuple[CompatRow, ...]] = (
         CompatRow({"torch": "2.8.0", "vllm": "0.11.0", "flash-attn": "2.8.3"},

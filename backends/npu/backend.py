@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from portrl.backends.npu import env as env_tables
+from portrl.backends.npu.peaks import DEVICE_MODELS
 from portrl.backends.npu.versions import (
     CANN_SET_ENV,
     COMPAT_ROWS,
@@ -59,6 +60,7 @@ def davinci_devices(pattern: str = DAVINCI_NODES) -> list[str]:
 
 class NPUBackend(Backend):
     name = "npu"
+    device_models = DEVICE_MODELS  # the peak table (models without published peaks): backends/npu/peaks.py
     device_type = "npu"
     dist_backend = "hccl"
     ray_resource = "NPU"

@@ -19,6 +19,7 @@ import os
 
 from portrl.backends.cuda.backend import WSL_GPU_NODE, CUDABackend
 from portrl.backends.rocm import env as env_tables
+from portrl.backends.rocm.peaks import DEVICE_MODELS
 from portrl.device.backend import KernelRegistry, ProbeResult, module_available
 from portrl.device.checks import FAIL, OK, WARN, Check, version_satisfies
 from portrl.device.versions import CompatRow, package_version
@@ -90,6 +91,7 @@ class ROCmBackend(CUDABackend):
     CUDABackend's, read through torch.cuda from HIP; fp8 is its own (from the GPU's gcnArchName)."""
 
     name = "rocm"
+    device_models = DEVICE_MODELS  # the peak table: backends/rocm/peaks.py
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL implements the NCCL API
     ray_resource = "GPU"

@@ -23,7 +23,8 @@
   is refused with the reason a backend gives, :func:`check_env`);
 * backend: ``device.name`` is registered; ``device.attn_impl`` / ``model.attn_impl`` and every
   ``device.kernels`` entry are implementations that backend lists in ``kernel_preferences()``;
-  ``rollout.weight_transport`` is ``auto`` or one the backend offers (``weight_transports``).
+  ``rollout.weight_transport`` is ``auto`` or one the backend offers (``weight_transports``); ``device.model`` is
+  a model of the backend's peak table (``device_models``).
   Whether an implementation *runs* on a given machine is decided at run time (``portrl.ops``).
 
 All problems are collected and raised together as one :class:`ConfigError`.
@@ -49,8 +50,10 @@ from portrl.config.checks_mesh import check_mesh
 from portrl.config.placement import placement_names, placement_needs_ray
 from portrl.config.presets import ConfigError
 from portrl.device.backend import module_available
+from portrl.device.peaks import named_model
 from portrl.device.registry import BackendError, all_backends, get_backend
 from portrl.device.weight_transport import SYNC_MODES, transport_names
+from portrl.errors import UserError
 from portrl.rollout.registry import engine_names
 
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -355,6 +358,11 @@ def check_backend(cfg) -> list[str]:
         return [str(exc)]
     prefs = backend.kernel_preferences()
     problems = []
+    if cfg.device.get("model"):
+        try:
+            named_model(backend.device_models, str(cfg.device.model), name)
+        except UserError as exc:
+            problems.append(str(exc))
     transport = cfg.rollout.weight_transport
     if transport != "auto" and transport in transport_names() and transport not in backend.weight_transports:
         problems.append(f"rollout.weight_transport={transport!r} is not offered by backend {name!r}; it offers: "

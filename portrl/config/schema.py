@@ -374,6 +374,9 @@ class DeviceConfig:
     # and env_presets); a loader, plugin or hook variable (LD_PRELOAD, RAY_JEMALLOC_LIB_PATH) is refused with why
     env: Dict[str, str] = field(default_factory=dict)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
+    # the device model of the backend's peak table (h100, mi300x, ...: each device preset sets its own); None
+    # = detected from the device's name; MFU and the rooflines divide by its peaks (docs/performance.md)
+    model: Optional[str] = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ Method families:
   engine's fast decoder's KV cache layout and what the backend runs its own way in a decode step)
 * rollout engines: :meth:`rollout_engines`, :meth:`check_and_update_engine_options`
 * placement: :meth:`split_compute` (a separated run's trainer and rollout workers on disjoint devices or cores)
+* peaks: ``device_models`` (the peak table), :meth:`device_name`, :meth:`peak_throughput` (portrl/device/peaks.py)
 * profiling: :meth:`step_profiler` (one step's trace, ``trainer.profile.steps``), ``profiler_activities``,
   :meth:`range_push` / :meth:`range_pop` (the vendor's range API around each phase: ``range_api``)
 * environment: :meth:`env_presets`; what a config's ``device.env`` may set: ``declared_env``,
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Protocol
 
+from portrl.device.peaks import DeviceModel, PeakThroughput, model_of_name, named_model
 from portrl.device.profiler import TorchStepProfiler
 from portrl.device.split import ComputeSplit
 from portrl.device.versions import CompatRow, package_version
@@ -334,6 +336,24 @@ class Backend:
     def host_checks(self) -> list[Check]:
         """Traps this backend's installed packages set for every backend on the host (run for all backends)."""
         return []
+
+    # --- peaks (portrl/device/peaks.py) -------------------------------------------------------
+    device_models: ClassVar[tuple[DeviceModel, ...]] = ()  # the peak table: models, their datasheet peaks per dtype
+
+    def device_name(self) -> str:
+        """The current device's name as the vendor's runtime reports it ("" where it cannot tell)."""
+        try:
+            mod = self._module()
+            return str(mod.get_device_name(mod.current_device()))
+        except (AttributeError, RuntimeError, AssertionError):
+            return ""
+
+    def peak_throughput(self, dtype: str, model: str | None = None) -> PeakThroughput | None:
+        """The peaks of device ``model`` (``device.model``; None: the model :meth:`device_name` names) in ``dtype``,
+        None where none is declared; an unknown ``model`` is a UserError listing this backend's models."""
+        found = named_model(self.device_models, model, self.name) if model else \
+            model_of_name(self.device_models, self.device_name())
+        return found.peaks.get(dtype) if found is not None else None
 
     # --- misc ---------------------------------------------------------------------------------
     def __repr__(self) -> str:
