@@ -62,6 +62,15 @@ def test_user_docs_carry_no_internal_run_labels(path):
     assert not labels, f"{path.name}: internal run labels {labels}"
 
 
+def test_benchmark_results_hold_the_current_figures_of_every_benchmark():
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert len(results.splitlines()) <= 400, "benchmarks/RESULTS.md: current results only; the history stays in git"
+    assert "git log -p benchmarks/RESULTS.md" in results
+    missing = [p.name for p in sorted((ROOT / "benchmarks").glob("[!_]*.py")) if f"`{p.name}`" not in results]
+    assert not missing, f"benchmarks/RESULTS.md has no result of {missing}"
+    assert "`benchmarks/RESULTS.md`" in (ROOT / "docs" / "performance.md").read_text()
+
+
 @pytest.mark.skipif(shutil.which("mkdocs") is None and not Path(sys.executable).with_name("mkdocs").exists(),
                     reason="the docs extra is not installed")
 def test_site_builds_strict(tmp_path):
