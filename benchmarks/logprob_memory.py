@@ -18,6 +18,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
 
 
 def run_side(side: str, tokens: int, hidden: int, vocab: int, chunk: int | None, repeats: int) -> dict:
