@@ -187,5 +187,18 @@ def load_causal_lm(path, dtype="float32", backend: Backend | None = None, attn_i
         model.config.use_cache = False
     if device is not None:
         model.to(device)
+    own_host_tensors(model)
     log.info("loaded %s (%s, %s) attention=%s logprobs=%s", p, type(model).__name__, dtype, impl, lp_impl)
     return model
+
+
+def own_host_tensors(model: torch.nn.Module) -> None:
+    """Copy each host-memory parameter and buffer out of the weights file it was mapped from, into memory the
+    process allocates: a mapped file's pages are not counted as the device's allocated memory (the CPU backend
+    counts what its allocator hands out, backends/cpu/heap.py), so a run's measured peaks would leave the policy's
+    weights out, and the optimizer's first write of each page would fault a private copy of it anyway. A tensor on
+    an accelerator is the device's own already and is left alone."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device.type == "cpu" and t.numel():
+                t.data = t.data.clone()

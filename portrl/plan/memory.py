@@ -1,0 +1,165 @@
+"""Each phase's peak memory per device, predicted from the model's shape, the mesh, the dtypes and the step's sizes.
+
+A phase's peak is what stays on the device through the run (the *state*) plus what the phase allocates while
+it runs (its *work*), as a device's ``max_memory_allocated`` counts it (the CPU: backends/cpu/heap.py)::
+
+    state   = weights + masters + AdamW moments + reference copy + critic + recorded rollout forward
+    gen     = state + the engine's share (hf: KV cache, fused q/k/v and gate/up weights, prefill workspace;
+              an engine that reserves memory up front: rollout.gpu_memory_utilization x device memory)
+    logp    = state + one micro-batch's forward without gradients (its logits, per chunk when chunked)
+    update  = state + gradients + one micro-batch's saved activations and logits
+
+with, per device (``S``: the ranks a weight is split over, FSDP group x tensor parallel; ``P``: parameters)::
+
+    weights  P b / S      b: the compute dtype's bytes (FSDP keeps float32 shards and gathers one layer at a time)
+    masters  4 P / S      only when computing in a 16-bit dtype without FSDP (portrl.workers.master_weights)
+    moments  8 P_t / S    AdamW's two float32 moments of the trainable parameters, allocated with the optimizer
+    grads    4 P_t / S    (b P_t / S more without FSDP in a 16-bit dtype: the compute copy's gradient)
+    ref      P b          the reference policy, an unsharded copy on every rank (portrl.workers.actor._plain_copy)
+    tape     (prompts x prompt_len + rows x (response_len - 1)) x (q+k+v + o + gate+up + down widths) x L x b
+             the hf engine's recording of the rollout's matmuls, kept until the update replays it
+             (portrl.models.forward_tape.tape_nbytes; on only where portrl.workers.actor records)
+
+An activation's bytes per token and layer are counted from the layer's tensors autograd keeps (see
+:func:`activation_bytes_per_token`); the logits' from the vocabulary and the element size the code path really
+holds them in (float32: the log-prob op upcasts). What is measured against these figures, and how close they are,
+is benchmarks/memory_plan.py's table and tests/test_plan_memory.py's tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from portrl.plan.shape import ModelShape
+
+#: bytes of a float32 element (master weights, AdamW moments, gradients of the masters, logits)
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The sizes one device handles in one step (the preflight's from the config's maxima, a running step's from
+    its batch). ``tokens``: the packed tokens of the device's rows (a shared prompt once); ``micro_tokens``: the most
+    tokens one micro-batch runs; ``response_tokens_micro``: the response tokens of that micro-batch (the positions
+    whose logits are kept)."""
+
+    prompts: int
+    n: int
+    prompt_len: int
+    response_len: int
+    micro_tokens: int
+    response_tokens_micro: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.n
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the run holds its models on one device."""
+
+    dtype_bytes: int  # the compute dtype's element size
+    shards: int = 1  # ranks a weight is split over (FSDP group x tensor parallel)
+    tensor_parallel: int = 1
+    sequence_parallel: int = 1
+    fsdp: bool = False
+    checkpointing: bool = False
+    reference: bool = False
+    critic: bool = False
+    tape: bool = False  # the hf engine records the rollout's forward for the update to replay
+    engine: str = "hf"  # hf: portrl's own (memory as it goes); reserving: an engine taking a share up front
+    engine_reserve: int = 0  # bytes an up-front engine takes (utilization x device memory)
+    logprob_chunk: int | None = None  # tokens per chunk of the log-prob op; None: all of a micro-batch at once
+    trainable_fraction: float = 1.0  # LoRA: the adapters' share of the parameters (about; 1.0: full fine-tuning)
+
+
+@dataclass
+class PhasePeak:
+    """One phase's predicted peak bytes per device and the terms that make it (name -> bytes)."""
+
+    phase: str
+    terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.terms.values())
+
+
+def tape_bytes(shape: ModelShape, w: Workload, dtype_bytes: int) -> int:
+    """portrl.models.forward_tape.tape_nbytes from the shape: slots x the four recorded widths x layers x b."""
+    a, k, d = shape.heads, shape.kv_heads, shape.head_dim
+    widths = (a * d + 2 * k * d) + shape.hidden + 2 * shape.intermediate + shape.hidden
+    slots = w.prompts * w.prompt_len + w.rows * max(w.response_len - 1, 0)
+    return slots * widths * shape.layers * dtype_bytes
+
+
+def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, checkpointing: bool) -> int:
+    """Bytes one token's saved activations take over all layers in a training forward.
+
+    Without checkpointing, a layer keeps (elements per token): its input and the attention's (the two norms'
+    inputs and outputs, 4h), q, k and v before and after rotary (2 (a d + 2 k d)), the attention output (a d),
+    the gate and up projections, SiLU(gate) and the product (4 i), plus float32 norm statistics (ignored).
+    With checkpointing a layer keeps its input only (h), and the one layer being recomputed holds the full set.
+    """
+    a, k, d, h, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    full = 4 * h + 2 * (a * d + 2 * k * d) + a * d + 4 * i
+    if checkpointing:
+        return (shape.layers * h + full) * dtype_bytes
+    return shape.layers * full * dtype_bytes
+
+
+def _state(shape: ModelShape, lay: Layout) -> dict[str, int]:
+    p, b, s = shape.params, lay.dtype_bytes, lay.shards
+    trainable = int(p * lay.trainable_fraction)
+    weights = p * (F32 if lay.fsdp else b) // s
+    terms = {"weights": weights, "adamw_moments": 2 * F32 * trainable // s}
+    if b < F32 and not lay.fsdp:
+        terms["master_weights"] = F32 * trainable // s
+    if lay.reference:
+        terms["reference"] = p * b
+    if lay.critic:  # a critic of the policy's shape (value head: one row instead of the vocabulary)
+        terms["critic"] = (weights + 2 * F32 * p // s)
+    return terms
+
+
+def _gen_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
+    if lay.engine != "hf":
+        return {"engine_reserve": lay.engine_reserve}
+    b = lay.dtype_bytes
+    kv = w.rows * (w.prompt_len + w.response_len) * shape.kv_bytes_per_token * b // lay.tensor_parallel
+    a, k, d, h, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    fused = shape.layers * (h * (a * d + 2 * k * d) + 2 * h * i) * b
+    prefill = w.prompts * w.prompt_len * (h + a * d + 2 * k * d + 2 * i) * b
+    logits = w.rows * shape.vocab * F32
+    return {"kv_cache": kv, "fused_weights": fused, "prefill_work": prefill, "step_logits": logits}
+
+
+def _logits_bytes(shape: ModelShape, w: Workload, lay: Layout, backward: bool) -> int:
+    """The log-prob op's float32 logits of a micro-batch's response positions (a chunk at a time when chunked),
+    twice in backward (the logits and their gradient)."""
+    positions = w.response_tokens_micro if lay.logprob_chunk is None else min(lay.logprob_chunk,
+                                                                              w.response_tokens_micro)
+    return positions * shape.vocab * F32 // lay.tensor_parallel * (2 if backward else 1)
+
+
+def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
+    """The peaks of ``gen``, ``logp`` (old and reference log-probs), ``values`` (with a critic), ``update_actor``
+    and ``update_critic`` (with a critic), per device."""
+    state = _state(shape, lay)
+    if lay.tape:
+        state["rollout_recording"] = tape_bytes(shape, w, lay.dtype_bytes)
+    tokens = w.micro_tokens // lay.sequence_parallel
+    hidden = tokens * shape.hidden * lay.dtype_bytes
+    trainable = int(shape.params * lay.trainable_fraction)
+    grads = F32 * trainable // lay.shards + (lay.dtype_bytes * trainable // lay.shards
+                                              if lay.dtype_bytes < F32 and not lay.fsdp else 0)
+    acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel
+    phases = [PhasePeak("gen", {**state, **_gen_work(shape, w, lay)}),
+              PhasePeak("logp", {**state, "hidden_states": 2 * hidden, "logits": _logits_bytes(shape, w, lay, False)}),
+              PhasePeak("update_actor", {**state, "gradients": grads, "activations": acts,
+                                         "logits": _logits_bytes(shape, w, lay, True)})]
+    if lay.critic:
+        phases.append(PhasePeak("values", {**state, "hidden_states": 2 * hidden}))
+        phases.append(PhasePeak("update_critic", {**state, "gradients": grads, "activations": acts}))
+    return phases
