@@ -32,6 +32,9 @@ def test_qwen2_update_and_rollout():
     # gradient checkpointing adds the layers' forward: 2*1152*8 = 18432 and 4*34*16 = 2176
     assert executed_train_flops(QWEN2, [3, 5], checkpointing=True) == 86400 + 20608
     assert executed_train_flops(QWEN2, [3, 5], checkpointing=False) == 86400
+    # the two rows share a 2-token prompt, run once: T = 6, 6*1664*6 = 59904 + 6528; recomputed 2*1152*6 + 2176
+    assert executed_train_flops(QWEN2, [3, 5], checkpointing=False, tokens=6) == 66432
+    assert executed_train_flops(QWEN2, [3, 5], checkpointing=True, tokens=6) == 66432 + 13824 + 2176
     # N_fwd = 1152 + 32*8 (the head once) = 1408. Rows (p 2, r 1): s 3 -> 2*1408*2 + 2*16*3*2 = 5632 + 192;
     # (p 3, r 2): s 5 -> 2*1408*4 + 2*16*5*4 = 11264 + 640; total 5824 + 11904
     assert forward_params(QWEN2) == 1408

@@ -22,10 +22,12 @@ from portrl.device.peaks import PeakThroughput
 READ_CACHE_MULTIPLE = 4
 READ_MIN_BYTES = 1 << 30
 READ_MAX_BYTES = 4 << 30
-#: :func:`measured_peak`'s sizes: a read tensor of 4x the last-level cache within these bounds, an n x n matmul
+#: :func:`measured_peak`'s sizes: a read tensor of 4x the last-level cache within these bounds; matmuls from
+#: n = 256 up, 1.5x larger each time, until one product takes QUICK_MATMUL_SECONDS (small products reach half the
+#: FLOP/s of large ones; an emulated bf16 one takes that long at once) or n reaches QUICK_MATMUL_MAX_N
 QUICK_READ_BYTES = (64 << 20, 512 << 20)
-QUICK_MATMUL_N = {"float32": 768}
-QUICK_MATMUL_N_OTHER = 384  # bf16 / fp16 are emulated on most CPUs, 20-30x slower than float32
+QUICK_MATMUL_SECONDS = 0.04
+QUICK_MATMUL_MAX_N = 2048
 
 
 def last_level_cache_bytes() -> int:
@@ -83,7 +85,12 @@ def measured_peak(dtype: str) -> PeakThroughput:
     """This process's matmul FLOP/s in ``dtype`` (a torch dtype name) and memory read bandwidth, measured once
     per process and dtype on the current torch threads, with the small sizes of ``QUICK_*``."""
     threads = torch.get_num_threads()
-    mm = matmul_flops(QUICK_MATMUL_N.get(dtype, QUICK_MATMUL_N_OTHER), repeats=3, dtype=getattr(torch, dtype))
+    n = 256
+    while True:
+        mm = matmul_flops(n, repeats=2, dtype=getattr(torch, dtype))
+        if mm["seconds"] >= QUICK_MATMUL_SECONDS or n >= QUICK_MATMUL_MAX_N:
+            break
+        n = n * 3 // 2
     read = memory_read_bandwidth(read_tensor_bytes(*QUICK_READ_BYTES), repeats=3)
     return PeakThroughput(mm["flops_per_s"], read["bytes_per_s"],
                           f"measured on {threads} threads: {mm['n']}^3 {dtype} matmul, sum over "

@@ -50,6 +50,8 @@ def format_summary(summary: dict) -> str:
     lines.append(f"time               {summary.get('time_s', 0):.1f}s")
     tps = summary.get("tokens_per_s")
     lines.append(f"tokens/s           {'n/a' if tps is None else f'{tps:.0f}'}")
+    for line in summary.get("speed") or []:  # a stage more than 2x off its roofline (portrl.trainer.speed)
+        lines.append(f"speed              {line}")
     lines.append(f"run directory      {summary.get('run_dir')}")
     for plot in summary.get("plots") or []:
         lines.append(f"plot               {plot}")

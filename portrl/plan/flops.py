@@ -10,8 +10,9 @@ which verl also uses for Llama and Qwen2.5-VL), so that ``perf/mfu/actor`` compa
 
 ``2 V h`` counts the embedding and the LM head as two matmuls even when they are tied (verl does the same: the
 embedding is a gather, so this overstates a tied model's work by ``6 V h T``), and attention is counted over the
-full ``s x s`` square, not its causal half. What a run executes on top (:func:`executed_train_flops`): under
-gradient checkpointing the layers' forward runs again in backward, ``2 (N - 2 V h) T + 4 sum(s^2) d a L``.
+full ``s x s`` square, not its causal half. What a run executes (:func:`executed_train_flops`): ``T`` counts a
+prompt that rows share once where the packed forward runs it once, and under gradient checkpointing the layers'
+forward runs again in backward, ``2 (N - 2 V h) T + 4 sum(s^2) d a L``.
 
 **Rollout** (:func:`rollout_flops`), what runs: each position ``t`` of a sequence (1-based, the prompt's in the
 prefill, then one per decode step; the last sampled token is never fed back, so ``s - 1`` positions) costs
@@ -49,13 +50,17 @@ def train_flops(shape: ModelShape, seqlens: Sequence[int]) -> float:
     return 6.0 * verl_dense_params(shape) * tokens + 12.0 * squares * _attention_width(shape)
 
 
-def executed_train_flops(shape: ModelShape, seqlens: Sequence[int], checkpointing: bool) -> float:
-    """:func:`train_flops` plus, under gradient checkpointing, the layers' recomputed forward
-    ``2 L layer_matmul_params T + 4 sum(s^2) d a L`` (the head and the embedding are not checkpointed)."""
-    flops = train_flops(shape, seqlens)
+def executed_train_flops(shape: ModelShape, seqlens: Sequence[int], checkpointing: bool,
+                         tokens: int | None = None) -> float:
+    """:func:`train_flops` with ``T = tokens`` in its ``6 N T`` (the tokens the forward runs: fewer than
+    ``sum(seqlens)`` where rows that share a prompt run it once; default ``sum(seqlens)``), plus, under gradient
+    checkpointing, the layers' recomputed forward ``2 L layer_matmul_params T + 4 sum(s^2) d a L`` (the head and the
+    embedding are not checkpointed)."""
+    run = sum(seqlens) if tokens is None else tokens
+    squares = sum(s * s for s in seqlens)
+    flops = 6.0 * verl_dense_params(shape) * run + 12.0 * squares * _attention_width(shape)
     if checkpointing:
-        tokens, squares = sum(seqlens), sum(s * s for s in seqlens)
-        flops += 2.0 * shape.layers * shape.layer_matmul_params * tokens + 4.0 * squares * _attention_width(shape)
+        flops += 2.0 * shape.layers * shape.layer_matmul_params * run + 4.0 * squares * _attention_width(shape)
     return flops
 
 

@@ -63,6 +63,7 @@ from portrl.trainer.run_checkpoints import ReferenceCopy, load_run_checkpoint, r
 from portrl.trainer.run_dir import prepare_run_dir
 from portrl.trainer.run_end import run_failure
 from portrl.trainer.run_identity import run_identity
+from portrl.trainer.speed import StepSpeed
 from portrl.trainer.step_schedule import StepSchedule
 from portrl.trainer.tracking import Tracker, read_metrics_up_to
 from portrl.trainer.traces import TraceWriter
@@ -107,6 +108,7 @@ class RLTrainer:
         # a placement whose actor holds no engine (separated): its own rollout workers and a weight link
         self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
+        self.speed = StepSpeed(cfg, self.backend, self.actor.num_workers, getattr(self.rollout, "num_workers", None))
         self.critic = None
         if critic_enabled(cfg):
             self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend,
@@ -196,6 +198,7 @@ class RLTrainer:
         m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         m["perf/gen_tokens_per_s"] = float(batch.tensors["response_mask"].sum()) / max(timer.times.get("gen", 0), 1e-9)
         m["perf/num_tokens"] = tokens
+        m.update(self.speed.step(batch, timer.times))  # MFU, throughput per device, rooflines (speed.py)
         return m
 
     def validate(self, step: int) -> Dict[str, float]:
@@ -370,6 +373,7 @@ class RLTrainer:
                         "time_s": time.perf_counter() - started})
         tps = [h["perf/tokens_per_s"] for h in records if "perf/tokens_per_s" in h]
         summary["tokens_per_s"] = sum(tps) / len(tps) if tps else None
+        summary.update(self.speed.summary(records))
         return summary
 
 
