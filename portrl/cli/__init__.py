@@ -29,6 +29,7 @@ EXIT_WORKER_DIED = 1  # a worker process died or hung: the run failed, but not b
 # command -> (module under portrl.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "RL post-training (with no argument: the built-in arith demo on a tiny model)"),
+    "plan": ("plan", "predict each phase's peak memory per device before a run: fits or not, and the smallest fix"),
     "sft": ("sft", "supervised fine-tuning on prompt / response parquet (packed)"),
     "eval": ("evaluate", "accuracy of a model directory or checkpoint on a dataset"),
     "devices": ("devices", "list every registered device backend and whether it can run here"),

@@ -377,6 +377,9 @@ class DeviceConfig:
     # the device model of the backend's peak table (h100, mi300x, ...: each device preset sets its own); None
     # = detected from the device's name; MFU and the rooflines divide by its peaks (docs/performance.md)
     model: Optional[str] = None
+    # memory of one device in GiB (each device preset sets what the device reports); None = the backend's figure at
+    # run time (the CPU: the host's available memory). The memory plan checks each phase's peak against it
+    memory_gib: Optional[float] = None
 
 
 @dataclass

@@ -40,6 +40,8 @@ class ProfileConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = 40
+    # the preflight refuses a run its memory plan predicts will not fit one device (portrl plan); false: go on anyway
+    memory_check: bool = True
     # sync: every step generates, then trains | one_step_off: the rollout of step k+1 runs on the separated rollout
     # workers while step k trains (staleness 1) | async: async_training.* (portrl/trainer/rollout_pipeline.py)
     mode: str = "sync"

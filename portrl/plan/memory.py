@@ -15,7 +15,7 @@ with, per device (``S``: the ranks a weight is split over, FSDP group x tensor p
     masters  4 P / S      only when computing in a 16-bit dtype without FSDP (portrl.workers.master_weights)
     moments  8 P_t / S    AdamW's two float32 moments of the trainable parameters, allocated with the optimizer
     grads    4 P_t / S    (b P_t / S more without FSDP in a 16-bit dtype: the compute copy's gradient)
-    ref      P b          the reference policy, an unsharded copy on every rank (portrl.workers.actor._plain_copy)
+    ref      P b / tp     the reference policy: under FSDP a whole copy on every rank (portrl.workers.actor._plain_copy)
     tape     (prompts x prompt_len + rows x (response_len - 1)) x (q+k+v + o + gate+up + down widths) x L x b
              the hf engine's recording of the rollout's matmuls, kept until the update replays it
              (portrl.models.forward_tape.tape_nbytes; on only where portrl.workers.actor records)
@@ -49,6 +49,8 @@ class Workload:
     response_len: int
     micro_tokens: int
     response_tokens_micro: int
+    inference_tokens: int = 0  # ... of a no-grad pass's micro-batch (log-probs, values)
+    response_tokens_inference: int = 0
 
     @property
     def rows(self) -> int:
@@ -116,8 +118,8 @@ def _state(shape: ModelShape, lay: Layout) -> dict[str, int]:
     terms = {"weights": weights, "adamw_moments": 2 * F32 * trainable // s}
     if b < F32 and not lay.fsdp:
         terms["master_weights"] = F32 * trainable // s
-    if lay.reference:
-        terms["reference"] = p * b
+    if lay.reference:  # a deep copy keeps tensor-parallel shards; under FSDP it is loaded whole
+        terms["reference"] = p * b // (1 if lay.fsdp else lay.tensor_parallel)
     if lay.critic:  # a critic of the policy's shape (value head: one row instead of the vocabulary)
         terms["critic"] = (weights + 2 * F32 * p // s)
     return terms
@@ -135,12 +137,22 @@ def _gen_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
     return {"kv_cache": kv, "fused_weights": fused, "prefill_work": prefill, "step_logits": logits}
 
 
-def _logits_bytes(shape: ModelShape, w: Workload, lay: Layout, backward: bool) -> int:
-    """The log-prob op's float32 logits of a micro-batch's response positions (a chunk at a time when chunked),
-    twice in backward (the logits and their gradient)."""
-    positions = w.response_tokens_micro if lay.logprob_chunk is None else min(lay.logprob_chunk,
-                                                                              w.response_tokens_micro)
-    return positions * shape.vocab * F32 // lay.tensor_parallel * (2 if backward else 1)
+def _logits_bytes(shape: ModelShape, positions: int, lay: Layout) -> int:
+    """The log-prob op's float32 logits and their log-softmax (or gradient, in backward) at a micro-batch's
+    response ``positions``, a chunk at a time when chunked."""
+    if lay.logprob_chunk is not None:
+        positions = min(lay.logprob_chunk, positions)
+    return 2 * positions * shape.vocab * F32 // lay.tensor_parallel
+
+
+def _no_grad_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
+    """A forward without gradients over a no-grad micro-batch: the residual stream and one layer's widest
+    intermediates (its input, the normed copy, gate, up and their product: ``2 h + 3 i`` per token), and the
+    response positions' logits."""
+    tokens = w.inference_tokens // lay.sequence_parallel
+    width = 2 * shape.hidden + 3 * shape.intermediate // lay.tensor_parallel
+    return {"layer_work": tokens * width * lay.dtype_bytes,
+            "logits": _logits_bytes(shape, w.response_tokens_inference // lay.sequence_parallel, lay)}
 
 
 def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
@@ -150,16 +162,16 @@ def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
     if lay.tape:
         state["rollout_recording"] = tape_bytes(shape, w, lay.dtype_bytes)
     tokens = w.micro_tokens // lay.sequence_parallel
-    hidden = tokens * shape.hidden * lay.dtype_bytes
     trainable = int(shape.params * lay.trainable_fraction)
     grads = F32 * trainable // lay.shards + (lay.dtype_bytes * trainable // lay.shards
                                               if lay.dtype_bytes < F32 and not lay.fsdp else 0)
     acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel
     phases = [PhasePeak("gen", {**state, **_gen_work(shape, w, lay)}),
-              PhasePeak("logp", {**state, "hidden_states": 2 * hidden, "logits": _logits_bytes(shape, w, lay, False)}),
+              PhasePeak("logp", {**state, **_no_grad_work(shape, w, lay)}),
               PhasePeak("update_actor", {**state, "gradients": grads, "activations": acts,
-                                         "logits": _logits_bytes(shape, w, lay, True)})]
+                                         "logits": _logits_bytes(shape, w.response_tokens_micro // lay.sequence_parallel,
+                                                                 lay)})]
     if lay.critic:
-        phases.append(PhasePeak("values", {**state, "hidden_states": 2 * hidden}))
+        phases.append(PhasePeak("values", {**state, "layer_work": _no_grad_work(shape, w, lay)["layer_work"]}))
         phases.append(PhasePeak("update_critic", {**state, "gradients": grads, "activations": acts}))
     return phases

@@ -103,7 +103,7 @@ def vision_tower_params(vision: Mapping[str, Any], out_hidden: int) -> int:
     bias), ``depth`` blocks (two norms, a fused qkv and an output projection with biases, a gated MLP with biases;
     Qwen2-VL's blocks: LayerNorms with biases and a two-matrix MLP of ``mlp_ratio`` width) and the patch merger
     (a norm, then ``merge^2 e -> merge^2 e -> out_hidden`` with biases)."""
-    e = int(vision.get("hidden_size") or vision.get("embed_dim"))
+    e = int(vision.get("hidden_size") or vision.get("embed_dim") or 0)
     depth = int(vision["depth"])
     patch, temporal, chans = int(vision["patch_size"]), int(vision.get("temporal_patch_size", 2)), int(
         vision.get("in_channels", vision.get("in_chans", 3)))

@@ -62,6 +62,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_cache import generator_options
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
+from portrl.trainer.memory_plan import check_memory_plan
 from portrl.trainer.mesh_check import check_meshes
 from portrl.trainer.run_dir import check_run_dir
 from portrl.trainer.sandbox_check import check_remote_code_rows, check_sandbox, sandbox_users
@@ -96,6 +97,7 @@ def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> No
         fit_warm_start(cfg)  # other data than a task's generated rows: a preset's warm start off with a note
         fit_val_files(cfg)  # empty (or a preset's elsewhere): the test split beside the training split, or off
         fit_token_budget(cfg)  # a null micro-batch token budget sized by the model (>= 100M parameters)
+        check_memory_plan(cfg, backend)  # each phase's predicted peak against the device's memory (portrl plan)
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)

@@ -51,6 +51,7 @@ from portrl.trainer.data_fit import warm_start_task
 from portrl.trainer.divergence import DivergenceWatch, nonfinite_roles
 from portrl.trainer.generation import StepGeneration, generation_seed, prompt_batch, run_dataset
 from portrl.trainer.interrupts import StopSignals, stop_signals, stopped_message, worker_timeout
+from portrl.trainer.memory_plan import StepPlan
 from portrl.trainer.metrics import Timer, data_metrics
 from portrl.trainer.plot import plot_run
 from portrl.trainer.prime_phase import build_prime_phase
@@ -109,6 +110,7 @@ class RLTrainer:
         self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.speed = StepSpeed(cfg, self.backend, self.actor.num_workers, getattr(self.rollout, "num_workers", None))
+        self.memory_plan = StepPlan(cfg, self.actor.num_workers)  # memory/plan_gib/<phase> beside measured peaks
         self.critic = None
         if critic_enabled(cfg):
             self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend,
@@ -192,13 +194,12 @@ class RLTrainer:
                 with timer("sync"):
                     m.update(self.sync_weights(step))
         elapsed = time.perf_counter() - t0
-        m.update(data_metrics(batch, int(cfg.data.max_response_length)))
-        m.update(timer.metrics())
+        m.update({**data_metrics(batch, int(cfg.data.max_response_length)), **timer.metrics()})
         tokens = float(batch.tensors["attention_mask"].sum())
         m["perf/tokens_per_s"] = tokens / max(elapsed, 1e-9)
         m["perf/gen_tokens_per_s"] = float(batch.tensors["response_mask"].sum()) / max(timer.times.get("gen", 0), 1e-9)
         m["perf/num_tokens"] = tokens
-        m.update(self.speed.step(batch, timer.times))  # MFU, throughput per device, rooflines (speed.py)
+        m.update({**self.speed.step(batch, timer.times), **self.memory_plan.metrics(batch, m)})  # speed.py, memory_plan.py
         return m
 
     def validate(self, step: int) -> Dict[str, float]:

@@ -1,0 +1,85 @@
+"""Whether a run fits its devices' memory, and the smallest change that would make it fit.
+
+The changes tried, each alone, in this order (the first that fits is the answer): gradient checkpointing on;
+the micro-batch token budget halved until it fits (not below one prompt's group of rows); the rollout engine's
+share of the device lowered (an engine that reserves memory up front); sequence parallelism doubled while the
+devices allow. None fits: the plan says so and names the phase.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, cast
+
+from omegaconf import OmegaConf
+
+from portrl.errors import UserError
+from portrl.plan.run_plan import GIB, RunPlan, plan_run
+from portrl.plan.shape import ModelShape
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
+#: the smallest token budget the search offers
+MIN_TOKEN_BUDGET = 256
+
+
+def _with(cfg: PortRLConfig, key: str, value: object) -> PortRLConfig:
+    out = OmegaConf.create(cast(dict, OmegaConf.to_container(cfg, resolve=False)))  # the run's config: read-only
+    OmegaConf.update(out, key, value, merge=False)
+    return out  # type: ignore[return-value]
+
+
+def _candidates(cfg: PortRLConfig, shape: ModelShape, world: int) -> Iterator[tuple[str, object]]:
+    if not cfg.model.gradient_checkpointing:
+        yield "model.gradient_checkpointing", True
+    budget = cfg.actor.max_tokens_per_micro_batch
+    group = int(cfg.data.max_prompt_length) + int(cfg.rollout.n) * int(cfg.data.max_response_length)
+    start = int(budget) if budget else group * max(1, int(cfg.actor.ppo_micro_batch_size_per_device) //
+                                                    max(1, int(cfg.rollout.n)))
+    tokens = start // 2
+    while tokens >= max(MIN_TOKEN_BUDGET, group):
+        yield "actor.max_tokens_per_micro_batch", tokens
+        tokens //= 2
+    util = float(cfg.rollout.gpu_memory_utilization)
+    for lower in (0.5, 0.4, 0.3):
+        if lower < util:
+            yield "rollout.gpu_memory_utilization", lower
+    sp = int(cfg.actor.sequence_parallel_size) * 2
+    while sp * int(cfg.actor.tensor_parallel_size) <= world and shape.heads % sp == 0:
+        yield "actor.sequence_parallel_size", sp
+        sp *= 2
+
+
+def smallest_fix(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int) -> Optional[str]:
+    """``key=value`` of the first change of the module docstring's list that makes every phase fit, else None."""
+    for key, value in _candidates(cfg, shape, world):
+        try:
+            if plan_run(_with(cfg, key, value), shape, world, memory).fits:
+                return f"{key}={value}"
+        except ValueError:  # a mesh these devices cannot form
+            continue
+    return None
+
+
+def refusal(plan: RunPlan, fix: Callable[[], Optional[str]]) -> Optional[str]:
+    """The one line refusing a plan that does not fit (None when it fits or the memory is unknown)."""
+    if plan.fits is not False or plan.device_memory is None:
+        return None
+    peak = plan.peak
+    change = fix()
+    how = f"{change} fits" if change else "no single change of micro-batch tokens, checkpointing, rollout share " \
+                                          "or sequence parallelism fits: use more devices or a smaller model"
+    return (f"the memory plan predicts phase {peak.phase} needs {peak.bytes / GIB:.2f} GiB per device, more than "
+            f"the {plan.device_memory / GIB:.2f} GiB available; {how} (see `portrl plan`; "
+            "trainer.memory_check=false runs anyway)")
+
+
+def check_fits(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int]) -> RunPlan:
+    """The run's plan; UserError (one line: the phase, predicted against available, the change that fits) when
+    it does not fit and ``trainer.memory_check`` is on."""
+    plan = plan_run(cfg, shape, world, memory)
+    if bool(cfg.trainer.memory_check):
+        line = refusal(plan, lambda: smallest_fix(cfg, shape, world, memory or 0))
+        if line:
+            raise UserError(line)
+    return plan

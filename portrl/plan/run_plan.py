@@ -1,0 +1,158 @@
+"""A run's memory plan from its config: the sizes one device handles (:class:`~portrl.plan.memory.Workload`), how it
+holds its models (:class:`~portrl.plan.memory.Layout`), each phase's peak, whether it fits the device's memory,
+and the smallest change that makes it fit.
+
+The preflight's sizes are the config's maxima (every prompt ``data.max_prompt_length`` tokens, every response
+``data.max_response_length``): the worst step the run can meet. A running step's are its batch's
+(:func:`workload_of_batch`), so the trainer logs what the plan says of the step it measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
+
+from portrl.algo.spec import critic_enabled, reference_enabled
+from portrl.device.mesh_shape import MeshShape
+from portrl.plan.memory import Layout, PhasePeak, Workload, plan_phases, tape_bytes
+from portrl.plan.shape import ModelShape
+from portrl.rollout.fast_decode import SUPPORTED_MODEL_TYPES as FAST_DECODE_MODEL_TYPES
+from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS
+from portrl.workers.tape_budget import TAPE_PARAM_MULTIPLE
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+def run_dtype(cfg: PortRLConfig) -> str:
+    """``device.dtype`` > ``model.dtype`` > float32 on the CPU, bfloat16 on an accelerator (the presets' choice)."""
+    return str(cfg.device.dtype or cfg.model.dtype or ("float32" if _on_host(cfg) else "bfloat16"))
+
+
+def _on_host(cfg: PortRLConfig) -> bool:
+    return str(cfg.device.name) in ("cpu", "auto")
+
+
+def checkpointing_on(cfg: PortRLConfig, shape: ModelShape) -> bool:
+    """``model.gradient_checkpointing``, or (null) on for models of at least AUTO_CHECKPOINTING_PARAMS."""
+    flag = cfg.model.gradient_checkpointing
+    return bool(flag) if flag is not None else shape.params >= AUTO_CHECKPOINTING_PARAMS
+
+
+def mesh_of(cfg: PortRLConfig, world: int) -> MeshShape:
+    a = cfg.actor
+    return MeshShape.of(world, int(a.tensor_parallel_size), int(a.sequence_parallel_size), int(a.fsdp_size))
+
+
+def workload_of_config(cfg: PortRLConfig, mesh: MeshShape) -> Workload:
+    """The worst step of the config on one device: its data-parallel share of the prompts, every sequence at the
+    longest lengths, micro-batches of ``actor.max_tokens_per_micro_batch`` tokens (else
+    ``actor.ppo_micro_batch_size_per_device`` rows)."""
+    d, a = cfg.data, cfg.actor
+    prompts = max(1, -(-int(d.train_batch_size) // mesh.dp))
+    n, p_len, r_len = int(cfg.rollout.n), int(d.max_prompt_length), int(d.max_response_length)
+    return _micro(Workload(prompts, n, p_len, r_len, 0, 0), cfg)
+
+
+def workload_of_batch(cfg: PortRLConfig, mesh: MeshShape, prompts: int, prompt_len: int,
+                      response_len: int) -> Workload:
+    """A running step's sizes on one device: its batch's prompts (all devices), longest prompt and response."""
+    n = int(cfg.rollout.n)
+    return _micro(Workload(max(1, -(-prompts // mesh.dp)), n, prompt_len, response_len, 0, 0), cfg)
+
+
+def _micro_tokens(w: Workload, cfg: PortRLConfig, rows: int) -> tuple[int, int]:
+    """(tokens, response tokens) of a micro-batch of at most ``rows`` rows: a shared prompt once and each of its
+    rows' responses, up to ``actor.max_tokens_per_micro_batch`` (portrl.workers.training.split_micro_batches)."""
+    budget = cfg.actor.max_tokens_per_micro_batch
+    shared = bool(cfg.model.share_prompts) and bool(cfg.model.use_packing)
+    group = (w.prompt_len if shared else w.n * w.prompt_len) + w.n * w.response_len  # one prompt's rows
+    rows = min(rows, w.rows)
+    tokens = -(-rows // w.n) * group if shared else rows * (w.prompt_len + w.response_len)
+    if budget:
+        tokens = min(tokens, max(int(budget), group))
+    return tokens, tokens * w.n * w.response_len // group
+
+
+def _micro(w: Workload, cfg: PortRLConfig) -> Workload:
+    """``w`` with its update's micro-batch (``actor.ppo_micro_batch_size_per_device`` rows) and its no-grad
+    passes' (4 x those rows: portrl.workers.training.inference_micro_batches)."""
+    rows = int(cfg.actor.ppo_micro_batch_size_per_device)
+    tokens, response = _micro_tokens(w, cfg, rows)
+    inf_tokens, inf_response = _micro_tokens(w, cfg, 4 * rows)
+    return replace(w, micro_tokens=tokens, response_tokens_micro=response, inference_tokens=inf_tokens,
+                   response_tokens_inference=inf_response)
+
+
+def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpointing: bool, w: Workload) -> bool:
+    """Whether the hf engine records the rollout's forward for the update (portrl.workers.actor: colocated, one
+    generate call per step, a fast-decode family, packed with shared prompts; under checkpointing only within
+    TAPE_PARAM_MULTIPLE x the weights' bytes, the first bound of portrl.workers.tape_budget)."""
+    m = cfg.model
+    if not (engine == "hf" and str(cfg.rollout.placement) == "colocated" and bool(m.reuse_rollout_forward)
+            and bool(m.use_packing) and bool(m.share_prompts) and not bool(cfg.rollout.multi_turn.enable)
+            and shape.model_type in FAST_DECODE_MODEL_TYPES and str(cfg.trainer.mode) == "sync"):
+        return False
+    if not checkpointing:
+        return True
+    b = DTYPE_BYTES[run_dtype(cfg)]
+    return tape_bytes(shape, w, b) <= TAPE_PARAM_MULTIPLE * shape.params * b
+
+
+def engine_of(cfg: PortRLConfig) -> str:
+    """hf (portrl's own engine: memory as it goes) or reserving (an engine that takes
+    ``rollout.gpu_memory_utilization`` of the device up front)."""
+    engine = str(cfg.rollout.engine)
+    if engine == "auto":
+        return "hf" if _on_host(cfg) else "reserving"
+    return "hf" if engine == "hf" else "reserving"
+
+
+def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: Workload,
+                     device_memory: Optional[int]) -> Layout:
+    dtype = run_dtype(cfg)
+    fsdp = str(cfg.actor.strategy) in ("auto", "fsdp") and mesh.fsdp > 1
+    engine = engine_of(cfg)
+    ckpt = checkpointing_on(cfg, shape)
+    lora = int(cfg.actor.lora_rank) > 0
+    return Layout(dtype_bytes=DTYPE_BYTES[dtype], shards=(mesh.fsdp if fsdp else 1) * mesh.tp,
+                  tensor_parallel=mesh.tp, sequence_parallel=mesh.sp, fsdp=fsdp, checkpointing=ckpt,
+                  reference=reference_enabled(cfg), critic=critic_enabled(cfg),
+                  tape=records_forward(cfg, shape, engine, ckpt, w), engine=engine,
+                  engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
+                  logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,
+                  trainable_fraction=0.01 if lora else 1.0)
+
+
+@dataclass
+class RunPlan:
+    """Each phase's predicted peak per device against the device's memory (None: unknown)."""
+
+    phases: list[PhasePeak]
+    device_memory: Optional[int]
+
+    @property
+    def peak(self) -> PhasePeak:
+        return max(self.phases, key=lambda p: p.bytes)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory is None else self.peak.bytes <= self.device_memory
+
+    def as_dict(self) -> dict:
+        return {"device_memory_gib": None if self.device_memory is None else self.device_memory / GIB,
+                "fits": self.fits, "peak_phase": self.peak.phase,
+                "phases": {p.phase: {"gib": p.bytes / GIB, "terms_gib": {k: v / GIB for k, v in p.terms.items()}}
+                           for p in self.phases}}
+
+
+def plan_run(cfg: PortRLConfig, shape: ModelShape, world: int, device_memory: Optional[int],
+             workload: Optional[Workload] = None) -> RunPlan:
+    """The plan of ``cfg`` on ``world`` devices of ``device_memory`` bytes each (``workload``: a running step's
+    sizes instead of the config's worst step)."""
+    mesh = mesh_of(cfg, world)
+    w = workload or workload_of_config(cfg, mesh)
+    return RunPlan(plan_phases(shape, w, layout_of_config(cfg, shape, mesh, w, device_memory)), device_memory)

@@ -1,0 +1,85 @@
+"""The memory plan in a run: the preflight refuses a run predicted not to fit (portrl/plan/fit.py), and every step
+logs what the plan predicts of that step beside what it measured.
+
+* :func:`check_memory_plan` (preflight, before a model loads): the plan of the config's worst step against the
+  device's memory, ``device.memory_gib`` or the backend's available memory (on the CPU the host's physical
+  memory, shared by the run's workers: each gets its share). One line and exit 2 when a phase does not fit, naming the phase, predicted
+  against available and the change that fits; ``trainer.memory_check=false`` goes on anyway.
+* :class:`StepPlan` (the trainer, where its workers run in its process and memory is measured): per step,
+  ``memory/plan_gib/<phase>`` for each measured ``memory/peak_gib/<phase>``, the plan evaluated at the step's
+  own sizes (its prompts, its longest prompt and response). The no-grad pass (``logp``) is the plan of both
+  ``old_log_prob`` and ``ref``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from portrl.device.backend import Backend
+from portrl.plan.fit import check_fits
+from portrl.plan.run_plan import GIB, mesh_of, plan_run, workload_of_batch
+from portrl.plan.shape import ModelShape, shape_of_folder
+from portrl.trainer.resources import resolve_model_path
+from portrl.workers.setup import auto_num_workers
+
+if TYPE_CHECKING:
+    from portrl.config.schema import PortRLConfig
+
+log = logging.getLogger(__name__)
+#: a plan phase -> the trainer's Timer phases it predicts
+MEASURED_AS = {"gen": ("gen",), "logp": ("old_log_prob", "ref"), "update_actor": ("update_actor",),
+               "values": ("values",), "update_critic": ("update_critic",)}
+
+
+def device_memory(cfg: PortRLConfig, backend: Backend, world: int) -> Optional[int]:
+    """Bytes one device holds for the run: ``device.memory_gib``, else the backend's available memory; on the CPU
+    the host's physical memory divided among the run's ``world`` workers (its available memory moves with every
+    other process: a check against it would refuse a run by chance). None when nothing is known."""
+    if cfg.device.memory_gib is not None:
+        return int(float(cfg.device.memory_gib) * GIB)
+    if backend.device_type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+        except (ValueError, OSError, AttributeError):  # no such figure on this system
+            return None
+    return backend.memory_available()
+
+
+def run_world(cfg: PortRLConfig, backend: Backend) -> int:
+    return int(cfg.trainer.num_workers) if cfg.trainer.num_workers is not None else auto_num_workers(cfg, backend)[0]
+
+
+def check_memory_plan(cfg: PortRLConfig, backend: Backend) -> None:
+    """The preflight's check (module docstring); logs the predicted peak when it fits."""
+    if cfg.reward_model.enable or cfg.rollout.placement != "colocated":
+        return  # the PRM's and separated rollout workers' memory are not in the plan yet (docs/performance.md)
+    shape = shape_of_folder(resolve_model_path(cfg))
+    world = run_world(cfg, backend)
+    memory = device_memory(cfg, backend, world)
+    plan = check_fits(cfg, shape, world, memory)
+    log.info("memory plan: peak %s %.2f GiB per device of %s (portrl plan shows every phase)", plan.peak.phase,
+             plan.peak.bytes / GIB, "unknown" if memory is None else f"{memory / GIB:.1f} GiB")
+
+
+class StepPlan:
+    """The plan of each step's sizes, for the trainer's ``memory/plan_gib/<phase>`` metrics."""
+
+    def __init__(self, cfg: PortRLConfig, world: int):
+        self.cfg, self.world = cfg, world
+        self.shape: ModelShape = shape_of_folder(str(cfg.model.path))
+
+    def metrics(self, batch: Any, measured: Dict[str, float]) -> Dict[str, float]:
+        """``memory/plan_gib/<phase>`` for each phase of ``measured`` (a step's metrics) the plan predicts."""
+        t = batch.tensors
+        prompts = len(set(batch.meta["uid"])) if "uid" in batch.meta else len(t["responses"]) // int(self.cfg.rollout.n)
+        prompt_len = int(t["attention_mask"][:, : -t["responses"].shape[1]].sum(-1).max())
+        response_len = int(t["response_mask"].sum(-1).max())
+        w = workload_of_batch(self.cfg, mesh_of(self.cfg, self.world), prompts, prompt_len, response_len)
+        out = {}
+        for phase in plan_run(self.cfg, self.shape, self.world, None, w).phases:
+            for name in MEASURED_AS[phase.phase]:
+                if f"memory/peak_gib/{name}" in measured:
+                    out[f"memory/plan_gib/{name}"] = phase.bytes / GIB
+        return out
