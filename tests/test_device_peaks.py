@@ -62,3 +62,13 @@ def test_the_cpu_measures_its_own_once_per_process():
     peak = cpu.peak_throughput("float32")
     assert peak.flops_per_s > 1e8 and peak.bytes_per_s > 1e8 and peak.source.startswith("measured")
     assert cpu.peak_throughput("float32") is peak  # cached: no second measurement
+
+
+def test_a_gpu_is_named_without_a_context_of_the_trainers_own(monkeypatch):
+    """The cuda backend asks NVML first; without it, torch only where this process already initialised the device
+    (a Ray run's trainer process holds none): here, with no GPU, there is no name and no peak."""
+    cuda = get_backend("cuda")
+    monkeypatch.setattr(type(cuda), "_device_name_without_init", lambda self: "NVIDIA H100 80GB HBM3")
+    assert cuda.peak_throughput("bfloat16").flops_per_s == 989.4e12
+    monkeypatch.setattr(type(cuda), "_device_name_without_init", lambda self: "")
+    assert cuda.device_name() == "" and cuda.peak_throughput("bfloat16") is None

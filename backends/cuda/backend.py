@@ -131,6 +131,16 @@ class CUDABackend(Backend):
         except Exception:  # NVML missing or refusing: the name is cosmetic
             return ""
 
+    def device_name(self) -> str:
+        """GPU 0's name from NVML (no CUDA context), else torch's where this process has already initialised CUDA:
+        the trainer's process of a Ray run holds no device, and a context there would take memory on one."""
+        name = self._device_name_without_init()
+        if name:
+            return name
+        import torch  # noqa: PLC0415  (torch: the doctor runs without it)
+
+        return super().device_name() if torch.cuda.is_initialized() else ""
+
     # --- memory (torch.cuda's caching allocator counts it) ------------------------------------
     def memory_stats(self) -> dict[str, int]:
         return torch_memory_stats(self._module())
