@@ -4,8 +4,8 @@ Qwen2.5-VL under its vision tower), on tiny shapes read from config.json diction
 
 from __future__ import annotations
 
-from portrl.plan.flops import (executed_train_flops, forward_params, rollout_flops, rollout_read_bytes,
-                               train_flops, verl_dense_params, weight_read_bytes)
+from portrl.plan.flops import (executed_train_flops, forward_params, prefill_flops, rollout_flops,
+                               rollout_read_bytes, train_flops, verl_dense_params, weight_read_bytes)
 from portrl.plan.shape import shape_of_raw
 
 
@@ -39,6 +39,8 @@ def test_qwen2_update_and_rollout():
     # (p 3, r 2): s 5 -> 2*1408*4 + 2*16*5*4 = 11264 + 640; total 5824 + 11904
     assert forward_params(QWEN2) == 1408
     assert rollout_flops(QWEN2, [2, 3], [1, 2]) == 17728
+    # a 3-token prompt's prefill: 2*1408*3 + 2*16*3*4 = 8448 + 384
+    assert prefill_flops(QWEN2, 3) == 8832
 
 
 def test_qwen2_decode_bytes():

@@ -59,9 +59,10 @@ def _records(update, rollout):
 def test_the_flag_is_a_mean_share_below_one_half():
     assert speed_lines(_records([0.6, 0.5], [0.9, 0.8]), "datasheet", "h100") == []
     lines = speed_lines(_records([0.6, 0.3], [0.9, 0.8]), "datasheet", "h100")  # update: mean 0.45
-    assert lines == ["update at 45.0% of its roofline (FLOP-bound), more than 2x off; peak: datasheet"]
+    assert lines == ["update at 45.0% of its roofline (bound by FLOPs), more than 2x off; peak: datasheet"]
     lines = speed_lines(_records([0.5], [0.1]), "datasheet", "h100")
-    assert lines == ["rollout at 10.0% of its roofline (decode: memory-read-bound), more than 2x off; peak: datasheet"]
+    assert lines == ["rollout at 10.0% of its roofline (bound by its memory reads or FLOPs, the larger), more than 2x "
+                     "off; peak: datasheet"]
     assert speed_lines([], "datasheet", "h100") == []  # no step measured: nothing to flag
     assert speed_lines(_records([0.1], [0.1]), None, "ascend-910b") == [
         "no peak figure for ascend-910b (docs/performance.md): MFU and rooflines not measured"]
@@ -78,13 +79,13 @@ def test_step_metrics_from_a_declared_peak(tiny_model):
                                      "response_mask": torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]])},
                             meta={"uid": ["a", "a"]})
     m = speed.step(batch, {"gen": 2.0, "update_actor": 4.0, "step": 10.0})
-    from portrl.plan.flops import executed_train_flops, rollout_flops, rollout_read_bytes, train_flops
+    from portrl.plan.flops import executed_train_flops, prefill_flops, rollout_flops, rollout_read_bytes, train_flops
 
     assert m["perf/throughput"] == 10 / 10.0 / 2
     assert m["perf/mfu/actor"] == pytest.approx(train_flops(speed.shape, [5, 5]) / 4.0 / 2e9)
     # two trainer workers: no replayed forward; the shared prompt runs once, 7 of the 10 tokens
     assert m["perf/roofline/update"] == pytest.approx(executed_train_flops(speed.shape, [5, 5], False, 7) / 4.0 / 2e9)
-    flops = rollout_flops(speed.shape, [3, 3], [2, 2])
+    flops = rollout_flops(speed.shape, [3, 3], [2, 2]) - prefill_flops(speed.shape, 3)  # the prompt prefilled once
     weights, cache = rollout_read_bytes(speed.shape, [3, 3], [2, 2], 4)
     assert m["perf/mfu/rollout"] == pytest.approx(flops / 2.0 / 2e9)
     # 1 MB/s against 1 GFLOP/s: the decode is bound by its reads here

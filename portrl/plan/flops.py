@@ -80,6 +80,13 @@ def rollout_flops(shape: ModelShape, prompt_lens: Sequence[int], response_lens: 
     return total
 
 
+def prefill_flops(shape: ModelShape, prompt_len: int) -> float:
+    """A prompt's prefill alone, positions ``1..p``: ``2 N_fwd p + 2 L a d p (p + 1)``; an engine that prefills a
+    prompt its ``n`` samples share once runs this ``n - 1`` times less than :func:`rollout_flops` counts."""
+    p = prompt_len
+    return 2.0 * forward_params(shape) * p + 2.0 * _attention_width(shape) * p * (p + 1)
+
+
 def weight_read_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     """Bytes of weights one forward of the language model reads: every parameter (a tied table once, as the head)
     but an untied input embedding's and the vision tower's."""

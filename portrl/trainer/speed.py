@@ -5,7 +5,7 @@ device model and dtype (portrl/device/peaks.py; the cpu measures its own). docs/
 Per step (verl's names where verl has the metric), with ``D`` the devices of a stage and ``P`` the peak::
 
     perf/mfu/actor        = train_flops(seqlens) * ppo_epochs / update seconds / (P.flops * D_update)
-    perf/mfu/rollout      = rollout_flops / generation seconds / (P.flops * D_rollout)
+    perf/mfu/rollout      = rollout FLOPs (a shared prompt prefilled once) / generation seconds / (P.flops * D_rollout)
     perf/throughput       = tokens (prompts and responses) / step seconds / (D_update + separated rollout devices)
     perf/roofline/update  = (executed FLOPs / (P.flops * D_update)) / update seconds       (bound by FLOPs)
     perf/roofline/rollout = max(rollout FLOPs / (P.flops * D_rollout),
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from portrl.device.peaks import named_model
 from portrl.errors import UserError
-from portrl.plan.flops import executed_train_flops, rollout_flops, rollout_read_bytes, train_flops
+from portrl.plan.flops import (executed_train_flops, prefill_flops, rollout_flops, rollout_read_bytes,
+                               train_flops)
 from portrl.plan.shape import ModelShape, shape_of_config
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, resolve_dtype
 
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 FLAG_FACTOR = 2.0  # a stage this many times slower than its roofline is flagged
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-STAGES = {"update": "FLOP-bound", "rollout": "decode: memory-read-bound"}
+STAGES = {"update": "bound by FLOPs", "rollout": "bound by its memory reads or FLOPs, the larger"}
 
 
 class StepSpeed:
@@ -98,13 +99,25 @@ class StepSpeed:
             m["perf/roofline/update"] = self._executed(shape, batch, seqlens, prompts) / update_s / flops_s
         if gen_s > 0:
             rows = [int(r) for r in responses]
-            flops = rollout_flops(shape, prompts, rows)
+            flops = rollout_flops(shape, prompts, rows) - self._shared_prefill(shape, batch, prompts)
             weights, cache = rollout_read_bytes(shape, prompts, rows, DTYPE_BYTES.get(self.dtype, 4))
             flops_s = peak.flops_per_s * self.rollout_devices
             read_s = (weights / self.tp + cache / self.rollout_devices) / peak.bytes_per_s
             m["perf/mfu/rollout"] = flops / gen_s / flops_s
             m["perf/roofline/rollout"] = max(flops / flops_s, read_s) / gen_s
         return m
+
+    @staticmethod
+    def _shared_prefill(shape: ModelShape, batch: Batch, prompts: list[int]) -> float:
+        """The prefill FLOPs of rows whose prompt another row of the same ``uid`` already prefilled (the hf engine
+        prefills a prompt once for its ``n`` samples; vLLM's prefix cache does the same)."""
+        seen: set = set()
+        repeated = 0.0
+        for uid, p in zip(batch.meta.get("uid", ()), prompts):
+            if uid in seen:
+                repeated += prefill_flops(shape, p)
+            seen.add(uid)
+        return repeated
 
     def _executed(self, shape: ModelShape, batch: Batch, seqlens: list[int], prompts: list[int]) -> float:
         """The update's executed FLOPs over its epochs: a prompt its rows share run once (``uid``), and less the
