@@ -5,6 +5,7 @@ measures its own peaks once per process."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from portrl.config import compose
 from portrl.device.peaks import model_of_name
@@ -62,6 +63,12 @@ def test_the_cpu_measures_its_own_once_per_process():
     peak = cpu.peak_throughput("float32")
     assert peak.flops_per_s > 1e8 and peak.bytes_per_s > 1e8 and peak.source.startswith("measured")
     assert cpu.peak_throughput("float32") is peak  # cached: no second measurement
+    threads = torch.get_num_threads()
+    try:  # measured again on other threads (a run's device.num_threads)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert cpu.peak_throughput("float32") is not peak
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_gpu_is_named_without_a_context_of_the_trainers_own(monkeypatch):

@@ -80,11 +80,14 @@ def matmul_flops(n: int = 4096, repeats: int = 3, dtype: torch.dtype = torch.flo
     return {"n": n, "seconds": seconds, "flops_per_s": 2.0 * n ** 3 / seconds}
 
 
-@functools.lru_cache(maxsize=None)
 def measured_peak(dtype: str) -> PeakThroughput:
-    """This process's matmul FLOP/s in ``dtype`` (a torch dtype name) and memory read bandwidth, measured once
-    per process and dtype on the current torch threads, with the small sizes of ``QUICK_*``."""
-    threads = torch.get_num_threads()
+    """This process's matmul FLOP/s in ``dtype`` (a torch dtype name) and memory read bandwidth on its current
+    torch threads, measured once per process, dtype and thread count, with the small sizes of ``QUICK_*``."""
+    return _measure(dtype, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(dtype: str, threads: int) -> PeakThroughput:
     n = 256
     while True:
         mm = matmul_flops(n, repeats=2, dtype=getattr(torch, dtype))

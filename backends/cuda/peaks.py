@@ -9,7 +9,7 @@ from __future__ import annotations
 from portrl.device.peaks import DeviceModel, half_precision
 
 
-DEVICE_MODELS = (
+DEVICE_MODELS: tuple[DeviceModel, ...] = (
     DeviceModel("h100", ("h100 80gb hbm3", "h100 sxm"), half_precision(
         989.4e12, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet, SXM5: BF16 1,979 TFLOPS with sparsity, 3.35 TB/s")),
     DeviceModel("h200", ("h200",), half_precision(

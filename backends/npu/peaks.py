@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from portrl.device.peaks import DeviceModel
 
-DEVICE_MODELS = (
+DEVICE_MODELS: tuple[DeviceModel, ...] = (
     DeviceModel("ascend-910b", ("910b",)),
     DeviceModel("ascend-910c", ("910c",)),
 )

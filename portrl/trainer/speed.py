@@ -110,7 +110,7 @@ class StepSpeed:
     @staticmethod
     def _shared_prefill(shape: ModelShape, batch: Batch, prompts: list[int]) -> float:
         """The prefill FLOPs of rows whose prompt another row of the same ``uid`` already prefilled (the hf engine
-        prefills a prompt once for its ``n`` samples; vLLM's prefix cache does the same)."""
+        prefills a prompt once for its ``n`` samples; an engine's prefix cache does the same)."""
         seen: set = set()
         repeated = 0.0
         for uid, p in zip(batch.meta.get("uid", ()), prompts):
