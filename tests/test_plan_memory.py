@@ -132,3 +132,37 @@ def test_portrl_plan_prints_json_and_refuses_a_folder_without_config_json(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "portrl", "plan", f"model.path={empty}"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "config.json" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_auto_token_budget_is_the_largest_the_plan_fits_and_needs_a_memory_figure(tmp_path):
+    from portrl.plan.fit import AUTO_HEADROOM
+    from portrl.trainer.memory_plan import resolve_auto_budget
+
+    folder = tmp_path / "qwen2.5-0.5b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**QWEN25_72B, "hidden_size": 896, "num_hidden_layers": 24,
+                                                    "num_attention_heads": 14, "num_key_value_heads": 2,
+                                                    "intermediate_size": 4864, "vocab_size": 151936,
+                                                    "tie_word_embeddings": True}))
+    shape = shape_of_folder(folder)
+    overrides = [f"model.path={folder}", "data=gsm8k", "actor.ppo_micro_batch_size_per_device=256",
+                 "model.gradient_checkpointing=false", "rollout.gpu_memory_utilization=0.3",
+                 "actor.max_tokens_per_micro_batch=auto"]
+    cfg = compose(preset="h100", overrides=overrides)
+    memory = 32 * 2**30
+    resolve_auto_budget(cfg, shape, 1, memory)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    assert isinstance(budget, int) and budget % 256 == 0
+    room = int(memory * AUTO_HEADROOM)
+    at = compose(preset="h100", overrides=[*overrides[:-1], f"actor.max_tokens_per_micro_batch={budget}"])
+    above = compose(preset="h100", overrides=[*overrides[:-1], f"actor.max_tokens_per_micro_batch={budget + 256}"])
+    assert plan_run(at, shape, 1, room).fits and not plan_run(above, shape, 1, room).fits
+    with pytest.raises(UserError, match="device.memory_gib"):
+        resolve_auto_budget(compose(preset="h100", overrides=overrides), shape, 1, None)
+
+
+def test_a_token_budget_that_is_not_a_number_null_or_auto_is_refused():
+    from portrl.config.presets import ConfigError
+
+    with pytest.raises(ConfigError, match="null or auto"):
+        compose(overrides=["actor.max_tokens_per_micro_batch=lots"])

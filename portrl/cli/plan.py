@@ -50,18 +50,25 @@ def run(args) -> int:
     from portrl.plan.run_plan import GIB, plan_run  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.plan.shape import shape_of_folder  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.trainer.data_fit import fit_token_budget  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.memory_plan import resolve_auto_budget  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.trainer.resources import resolve_model_path  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
     shape = shape_of_folder(resolve_model_path(cfg))
     fit_token_budget(cfg)  # a null budget sized by the model, as `portrl train` sizes it
     world = int(cfg.trainer.num_workers or 1)
     memory, source = device_memory(cfg, world)
+    auto = cfg.actor.max_tokens_per_micro_batch == "auto"
+    if auto:  # the largest the plan fits
+        resolve_auto_budget(cfg, shape, world, memory)
     plan = plan_run(cfg, shape, world, memory)
     fix = smallest_fix(cfg, shape, world, memory) if plan.fits is False and memory else None
     if opts.json:
         print(json.dumps({**plan.as_dict(), "memory_source": source, "world": world, "params": shape.params,
-                          "smallest_fix": fix}, indent=2))
+                          "smallest_fix": fix, "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch},
+                         indent=2))
         return 0
+    if auto:
+        print(f"actor.max_tokens_per_micro_batch=auto -> {cfg.actor.max_tokens_per_micro_batch} tokens")
     print(f"{PROG}: {shape.model_type}, {shape.params / 1e6:,.1f}M parameters, {world} device(s), "
           f"{'%.1f GiB' % (memory / GIB) if memory else 'unknown memory'} per device ({source})")
     for p in plan.phases:

@@ -131,6 +131,10 @@ def check_consistency(cfg) -> list[str]:
         problems.append(problem)
     if a.ppo_micro_batch_size_per_device < 1:
         problems.append("actor.ppo_micro_batch_size_per_device must be >= 1")
+    budget = a.max_tokens_per_micro_batch
+    if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                    or budget < 1):
+        problems.append(f"actor.max_tokens_per_micro_batch={budget!r} must be a number of tokens >= 1, null or auto")
     if r.n < 1:
         problems.append(f"rollout.n={r.n} must be >= 1")
     problems += check_algorithm(cfg)  # what the algorithm needs of the config (portrl/config/checks_algorithm.py)

@@ -11,7 +11,7 @@ sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from portrl.config.schema_agent import MultiTurnConfig
 from portrl.config.schema_trainer import AsyncTrainingConfig, TrainerConfig
@@ -187,7 +187,9 @@ class PolicyLossConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int = 16  # sequences per forward/backward (gradient accumulation)
-    max_tokens_per_micro_batch: Optional[int] = None  # tokens per micro-batch the forward runs (a shared prompt once)
+    # tokens per micro-batch the forward runs (a shared prompt once); null = rows alone; auto = the largest the memory
+    # plan fits in the device's memory (portrl plan), resolved when the run starts
+    max_tokens_per_micro_batch: Any = None
     ppo_epochs: int = 1
     shuffle: bool = False
     clip_ratio: float = 0.2

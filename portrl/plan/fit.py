@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 #: the smallest token budget the search offers
 MIN_TOKEN_BUDGET = 256
+#: ``auto`` budgets fit the plan in this share of the memory: the plan's error on measured peaks is within 15 %
+AUTO_HEADROOM = 0.85
 
 
 def _with(cfg: PortRLConfig, key: str, value: object) -> PortRLConfig:
@@ -83,3 +85,27 @@ def check_fits(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optiona
         if line:
             raise UserError(line)
     return plan
+
+
+def largest_token_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int) -> Optional[int]:
+    """The largest ``actor.max_tokens_per_micro_batch`` (a multiple of 256, at least one prompt's group of rows,
+    at most a no-grad micro-batch's rows) whose plan fits AUTO_HEADROOM of ``memory`` bytes per device; None when
+    even the smallest does not."""
+    n = int(cfg.rollout.n)
+    group = int(cfg.data.max_prompt_length) + n * int(cfg.data.max_response_length)
+    prompts = -(-int(cfg.data.train_batch_size) // max(1, world))
+    # beyond a no-grad micro-batch's rows (4 x ppo_micro_batch_size_per_device) a larger budget changes nothing
+    groups = min(prompts, -(-4 * int(cfg.actor.ppo_micro_batch_size_per_device) // n))
+    low, high = -(-group // 256), max(-(-group // 256), -(-groups * group // 256))  # in units of 256 tokens
+
+    room = int(memory * AUTO_HEADROOM)
+
+    def fits(units: int) -> bool:
+        return bool(plan_run(_with(cfg, "actor.max_tokens_per_micro_batch", units * 256), shape, world, room).fits)
+
+    if not fits(low):
+        return None
+    while low < high:  # the largest that fits: fits(low) holds throughout
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * 256

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from portrl.ops.logprobs import CHUNK_ELEMENTS
 from portrl.plan.shape import ModelShape
 
 #: bytes of a float32 element (master weights, AdamW moments, gradients of the masters, logits)
@@ -139,10 +140,11 @@ def _gen_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
 
 def _logits_bytes(shape: ModelShape, positions: int, lay: Layout) -> int:
     """The log-prob op's float32 logits and their log-softmax (or gradient, in backward) at a micro-batch's
-    response ``positions``, a chunk at a time when chunked."""
-    if lay.logprob_chunk is not None:
-        positions = min(lay.logprob_chunk, positions)
-    return 2 * positions * shape.vocab * F32 // lay.tensor_parallel
+    response ``positions``, a chunk of rows at a time: ``model.logprob_chunk_size``, else the op's default of about
+    CHUNK_ELEMENTS logits (portrl.ops.logprobs; a backend kernel that holds less is counted on the safe side)."""
+    vocab = shape.vocab // lay.tensor_parallel
+    chunk = lay.logprob_chunk or max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    return 2 * min(chunk, positions) * vocab * F32
 
 
 def _no_grad_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:

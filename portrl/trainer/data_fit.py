@@ -92,7 +92,7 @@ def held_notes(cfg: PortRLConfig) -> Iterator[None]:
 
 
 @contextmanager
-def _writable(section: object) -> Iterator[None]:
+def writable(section: object) -> Iterator[None]:
     """omegaconf's ``read_write`` on ``section``: the run config or one of its sections (the schema's dataclass to
     mypy, a DictConfig at run time) opened for the block."""
     if not isinstance(section, Node):
@@ -151,7 +151,7 @@ def fit_val_files(cfg: PortRLConfig) -> None:
         new = default_val_files(cfg, train, f"the data preset's data.val_files {missing} does not exist")
     else:
         return
-    with _writable(d):
+    with writable(d):
         d.val_files = new
 
 
@@ -185,7 +185,7 @@ def fit_warm_start(cfg: PortRLConfig) -> None:
                         "--train-files SFT.parquet --output sft` and train from it with model.path=sft")
     note_once(cfg, f"model.sft_warm_start is built in for the generated rows of data.name={tasks} only: off for "
               f"{data} (fine-tune first with `portrl sft --train-files SFT.parquet` to warm-start on your data)")
-    with _writable(cfg.model):
+    with writable(cfg.model):
         cfg.model.sft_warm_start = False
 
 
@@ -217,7 +217,7 @@ def fit_train_batch(cfg: PortRLConfig, usable: int, total: int, files: list[str]
     note_once(cfg, f"data.train_batch_size={want} (not set by you) is more than the {usable} training rows{short} of "
                    f"{where}: lowered to {usable} prompts per step, actor.ppo_mini_batch_size {mini} -> {new_mini}; set "
                    "data.train_batch_size to choose", logging.WARNING)
-    with _writable(cfg):
+    with writable(cfg):
         d.train_batch_size = usable
         a.ppo_mini_batch_size = new_mini
 
@@ -250,5 +250,5 @@ def fit_token_budget(cfg: PortRLConfig) -> None:
     budget = token_budget(int(c.hidden_size), int(c.num_hidden_layers), int(c.intermediate_size))
     note_once(cfg, f"actor.max_tokens_per_micro_batch=null -> {budget} tokens per micro-batch for {path} (about "
                    f"{MICRO_BATCH_ACTIVATION_BYTES >> 30} GiB of activations; set it to choose)")
-    with _writable(cfg):
+    with writable(cfg):
         a.max_tokens_per_micro_batch = budget

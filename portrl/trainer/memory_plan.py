@@ -13,21 +13,21 @@ logs what the plan predicts of that step beside what it measured.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from portrl.device.backend import Backend
-from portrl.plan.fit import check_fits
+from portrl.plan.fit import check_fits, largest_token_budget
 from portrl.plan.run_plan import GIB, mesh_of, plan_run, workload_of_batch
 from portrl.plan.shape import ModelShape, shape_of_folder
+from portrl.errors import UserError
+from portrl.trainer.data_fit import note_once, writable
 from portrl.trainer.resources import resolve_model_path
 from portrl.workers.setup import auto_num_workers
 
 if TYPE_CHECKING:
     from portrl.config.schema import PortRLConfig
 
-log = logging.getLogger(__name__)
 #: a plan phase -> the trainer's Timer phases it predicts
 MEASURED_AS = {"gen": ("gen",), "logp": ("old_log_prob", "ref"), "update_actor": ("update_actor",),
                "values": ("values",), "update_critic": ("update_critic",)}
@@ -59,8 +59,34 @@ def check_memory_plan(cfg: PortRLConfig, backend: Backend) -> None:
     world = run_world(cfg, backend)
     memory = device_memory(cfg, backend, world)
     plan = check_fits(cfg, shape, world, memory)
-    log.info("memory plan: peak %s %.2f GiB per device of %s (portrl plan shows every phase)", plan.peak.phase,
-             plan.peak.bytes / GIB, "unknown" if memory is None else f"{memory / GIB:.1f} GiB")
+    note_once(cfg, f"memory plan: peak {plan.peak.phase} {plan.peak.bytes / GIB:.2f} GiB per device of "
+                   f"{'unknown' if memory is None else f'{memory / GIB:.1f} GiB'} (portrl plan shows every phase)")
+
+
+def fit_auto_token_budget(cfg: PortRLConfig, backend: Backend) -> None:
+    """``actor.max_tokens_per_micro_batch=auto`` resolved for this machine's devices (:func:`resolve_auto_budget`)."""
+    if cfg.actor.max_tokens_per_micro_batch == "auto":
+        world = run_world(cfg, backend)
+        resolve_auto_budget(cfg, shape_of_folder(resolve_model_path(cfg)), world,
+                            device_memory(cfg, backend, world))
+
+
+def resolve_auto_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int]) -> None:
+    """``actor.max_tokens_per_micro_batch=auto`` becomes the largest budget the plan fits in ``memory`` bytes per
+    device (portrl.plan.fit.largest_token_budget), said in one note; UserError (one line) without a memory
+    figure, or when not even one prompt's rows fit."""
+    if memory is None:
+        raise UserError("actor.max_tokens_per_micro_batch=auto needs the device's memory, and none is known: set "
+                        "device.memory_gib (GiB per device; every device preset sets it) or give a number of tokens")
+    budget = largest_token_budget(cfg, shape, world, memory)
+    if budget is None:
+        raise UserError(f"actor.max_tokens_per_micro_batch=auto: not even one prompt's rows fit the memory plan in "
+                        f"{memory / GIB:.1f} GiB per device (see `portrl plan`); use more devices, shorter "
+                        "responses (data.max_response_length) or a smaller model")
+    with writable(cfg.actor):
+        cfg.actor.max_tokens_per_micro_batch = budget
+    note_once(cfg, f"actor.max_tokens_per_micro_batch=auto -> {budget} tokens per micro-batch: the largest the "
+                   f"memory plan fits in {memory / GIB:.1f} GiB per device")
 
 
 class StepPlan:

@@ -62,7 +62,7 @@ from portrl.trainer.checkpoint import check_compatible, read_meta, verify
 from portrl.trainer.data_cache import generator_options
 from portrl.trainer.data_fit import fit_token_budget, fit_train_batch, fit_val_files, fit_warm_start, held_notes
 from portrl.trainer.resources import TINY_VOCAB, no_train_files_message
-from portrl.trainer.memory_plan import check_memory_plan
+from portrl.trainer.memory_plan import check_memory_plan, fit_auto_token_budget
 from portrl.trainer.mesh_check import check_meshes
 from portrl.trainer.run_dir import check_run_dir
 from portrl.trainer.sandbox_check import check_remote_code_rows, check_sandbox, sandbox_users
@@ -86,6 +86,7 @@ def preflight(cfg: PortRLConfig, command: str = TRAIN, *, checkpoint: Optional[s
 def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> None:
     backend = _check_device(cfg)
     tokenizer = _check_model(cfg, command)
+    fit_auto_token_budget(cfg, backend)  # actor.max_tokens_per_micro_batch=auto: the largest the memory plan fits
     if command == TRAIN:
         check_meshes(cfg, backend)  # the mesh sizes against the workers, the models' dimensions and the attention
     _check_output_dir(cfg)
