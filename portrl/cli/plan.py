@@ -48,12 +48,13 @@ def run(args) -> int:
     cfg = compose_from(opts)
     from portrl.plan.fit import smallest_fix  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.plan.run_plan import GIB, plan_run  # noqa: PLC0415  (CLI start-up: loaded by the command)
-    from portrl.plan.shape import shape_of_folder  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.models.loader import check_model_dir  # noqa: PLC0415  (CLI start-up: loaded by the command)
     from portrl.trainer.data_fit import fit_token_budget  # noqa: PLC0415  (CLI start-up: loaded by the command)
-    from portrl.trainer.memory_plan import resolve_auto_budget  # noqa: PLC0415  (CLI start-up: loaded by the command)
-    from portrl.trainer.resources import resolve_model_path  # noqa: PLC0415  (CLI start-up: loaded by the command)
+    from portrl.trainer.memory_plan import policy_shape, resolve_auto_budget  # noqa: PLC0415  (CLI start-up: loaded by the command)
 
-    shape = shape_of_folder(resolve_model_path(cfg))
+    if cfg.model.path:
+        check_model_dir(str(cfg.model.path), "model.path")  # one line for a folder that is not a model's
+    shape = policy_shape(cfg)
     fit_token_budget(cfg)  # a null budget sized by the model, as `portrl train` sizes it
     world = int(cfg.trainer.num_workers or 1)
     memory, source = device_memory(cfg, world)

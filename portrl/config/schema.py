@@ -187,8 +187,7 @@ class PolicyLossConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (times rollout.n sequences)
     ppo_micro_batch_size_per_device: int = 16  # sequences per forward/backward (gradient accumulation)
-    # tokens per micro-batch the forward runs (a shared prompt once); null = rows alone; auto = the largest the memory
-    # plan fits in the device's memory (portrl plan), resolved when the run starts
+    # tokens per micro-batch the forward runs (a shared prompt once); null: rows alone; auto: the most the plan fits
     max_tokens_per_micro_batch: Any = None
     ppo_epochs: int = 1
     shuffle: bool = False

@@ -159,6 +159,13 @@ def shape_of_folder(path: str | Path) -> ModelShape:
     return shape_of_raw(raw, str(config))
 
 
+def tiny_shape(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> ModelShape:
+    """The built-in tiny model's shape (portrl.models.tiny.write_tiny_model: Qwen2, tied embeddings), without
+    writing it."""
+    return ModelShape(model_type="qwen2", hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                      head_dim=hidden // heads, intermediate=intermediate, vocab=vocab, tied=True, qkv_bias=True)
+
+
 def shape_of_config(cfg: PortRLConfig) -> ModelShape:
     """The policy's shape from ``model.path`` (a settled config's, where the built-in tiny model is a folder too:
     portrl.trainer.resources.resolve_model_path)."""

@@ -1,10 +1,13 @@
 """The memory plan in a run: the preflight refuses a run predicted not to fit (portrl/plan/fit.py), and every step
 logs what the plan predicts of that step beside what it measured.
 
-* :func:`check_memory_plan` (preflight, before a model loads): the plan of the config's worst step against the
-  device's memory, ``device.memory_gib`` or the backend's available memory (on the CPU the host's physical
-  memory, shared by the run's workers: each gets its share). One line and exit 2 when a phase does not fit, naming the phase, predicted
-  against available and the change that fits; ``trainer.memory_check=false`` goes on anyway.
+* :func:`check_memory_plan` (preflight, its last check, before a model loads): the plan of the config's worst
+  step against the device's memory, ``device.memory_gib`` or the backend's available memory (on the CPU the
+  host's physical memory, shared by the run's workers: each gets its share). One line and exit 2 when a phase
+  does not fit, naming the phase, predicted against available and the change that fits;
+  ``trainer.memory_check=false`` goes on anyway.
+* :func:`fit_auto_token_budget`: ``actor.max_tokens_per_micro_batch=auto`` resolved to the largest budget the
+  plan fits.
 * :class:`StepPlan` (the trainer, where its workers run in its process and memory is measured): per step,
   ``memory/plan_gib/<phase>`` for each measured ``memory/peak_gib/<phase>``, the plan evaluated at the step's
   own sizes (its prompts, its longest prompt and response). The no-grad pass (``logp``) is the plan of both
@@ -19,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from portrl.device.backend import Backend
 from portrl.plan.fit import check_fits, largest_token_budget
 from portrl.plan.run_plan import GIB, mesh_of, plan_run, workload_of_batch
-from portrl.plan.shape import ModelShape, shape_of_folder
+from portrl.plan.shape import ModelShape, shape_of_folder, tiny_shape
 from portrl.errors import UserError
 from portrl.trainer.data_fit import note_once, writable
-from portrl.trainer.resources import resolve_model_path
+from portrl.trainer.mesh_check import model_dims
 from portrl.workers.setup import auto_num_workers
 
 if TYPE_CHECKING:
@@ -47,6 +50,16 @@ def device_memory(cfg: PortRLConfig, backend: Backend, world: int) -> Optional[i
     return backend.memory_available()
 
 
+def policy_shape(cfg: PortRLConfig) -> ModelShape:
+    """The policy's shape from ``model.path``'s config.json, or the built-in tiny model's from ``model.tiny``
+    without writing it (a run refused before it starts writes nothing)."""
+    if cfg.model.path:
+        return shape_of_folder(str(cfg.model.path))
+    t, dims = cfg.model.tiny, model_dims(cfg, None)
+    return tiny_shape(int(t.hidden_size), int(t.num_layers), int(t.num_heads), int(t.num_kv_heads),
+                      int(t.intermediate_size), int(dims["vocab_size"]))
+
+
 def run_world(cfg: PortRLConfig, backend: Backend) -> int:
     return int(cfg.trainer.num_workers) if cfg.trainer.num_workers is not None else auto_num_workers(cfg, backend)[0]
 
@@ -55,7 +68,7 @@ def check_memory_plan(cfg: PortRLConfig, backend: Backend) -> None:
     """The preflight's check (module docstring); logs the predicted peak when it fits."""
     if cfg.reward_model.enable or cfg.rollout.placement != "colocated":
         return  # the PRM's and separated rollout workers' memory are not in the plan yet (docs/performance.md)
-    shape = shape_of_folder(resolve_model_path(cfg))
+    shape = policy_shape(cfg)
     world = run_world(cfg, backend)
     memory = device_memory(cfg, backend, world)
     plan = check_fits(cfg, shape, world, memory)
@@ -67,7 +80,7 @@ def fit_auto_token_budget(cfg: PortRLConfig, backend: Backend) -> None:
     """``actor.max_tokens_per_micro_batch=auto`` resolved for this machine's devices (:func:`resolve_auto_budget`)."""
     if cfg.actor.max_tokens_per_micro_batch == "auto":
         world = run_world(cfg, backend)
-        resolve_auto_budget(cfg, shape_of_folder(resolve_model_path(cfg)), world,
+        resolve_auto_budget(cfg, policy_shape(cfg), world,
                             device_memory(cfg, backend, world))
 
 

@@ -98,7 +98,6 @@ def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> No
         fit_warm_start(cfg)  # other data than a task's generated rows: a preset's warm start off with a note
         fit_val_files(cfg)  # empty (or a preset's elsewhere): the test split beside the training split, or off
         fit_token_budget(cfg)  # a null micro-batch token budget sized by the model (>= 100M parameters)
-        check_memory_plan(cfg, backend)  # each phase's predicted peak against the device's memory (portrl plan)
     train_rows, val_rows = _check_data(cfg, command, tokenizer)
     first = train_rows[0] if train_rows else (val_rows[0] if val_rows else _first_generated_row(cfg))
     _check_reward(cfg, first)
@@ -112,6 +111,7 @@ def _preflight(cfg: PortRLConfig, command: str, checkpoint: Optional[str]) -> No
         _check_resume(cfg)
         _check_loggers(cfg)
         check_run_dir(cfg)  # another run's output_dir, an old-format or foreign checkpoint (no checksums here)
+        check_memory_plan(cfg, backend)  # each phase's predicted peak against the device's memory (portrl plan)
     if checkpoint is not None:
         check_checkpoint_dir(checkpoint, "--checkpoint")
 
