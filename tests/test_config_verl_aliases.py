@@ -1,4 +1,4 @@
-"""verl's names of the mesh sizes (portrl/config/verl_aliases.py): accepted in overrides and in a user's YAML as
+"""verl's names of the mesh sizes and memory levers (portrl/config/verl_aliases.py): accepted in overrides and in a user's YAML as
 their portrl keys, listed in the configuration reference, and every other verl key is still refused."""
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ from portrl.config.reference_text import VERL_NAMES
 from portrl.config.verl_aliases import ALIASES, rewrite
 
 
+#: a value of each alias's type (2 elsewhere)
+VALUES = {"model.gradient_checkpointing": True, "rollout.gpu_memory_utilization": 0.4}
+
+
 @pytest.mark.parametrize("alias, key", ALIASES.items())
 def test_each_verl_name_sets_its_portrl_key(alias, key):
-    cfg = compose(overrides=[f"{alias}=2"], check=False)
-    assert OmegaConf.select(cfg, key) == 2
+    value = VALUES.get(key, 2)
+    cfg = compose(overrides=[f"{alias}={str(value).lower()}"], check=False)
+    assert OmegaConf.select(cfg, key) == value
     assert key in explicit_keys(cfg)  # the user set it: later steps tell it from a preset's value
     assert VERL_NAMES[key] == alias  # the reference's verl column names it
 

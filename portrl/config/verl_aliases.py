@@ -1,4 +1,4 @@
-"""verl's names of the mesh sizes, accepted in the config file a user passes (``--config``) and in overrides.
+"""verl's names of the mesh sizes and of the memory levers portrl has, accepted in the config file a user passes (``--config``) and in overrides.
 
 A verl recipe sets ``actor_rollout_ref.actor.ulysses_sequence_parallel_size=4``; portrl's key is
 ``actor.sequence_parallel_size``. :func:`apply_aliases` moves each name of :data:`ALIASES` to its portrl key before the
@@ -25,6 +25,10 @@ ALIASES: dict[str, str] = {
     "reward_model.megatron.tensor_model_parallel_size": "reward_model.model.tensor_parallel_size",
     "reward_model.ulysses_sequence_parallel_size": "reward_model.model.sequence_parallel_size",
     "reward_model.model.fsdp_config.fsdp_size": "reward_model.model.fsdp_size",
+    # the memory levers portrl has (portrl plan says which phases each lowers)
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
 }
 
 _MISSING = object()
