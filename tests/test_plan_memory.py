@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from portrl.config.composition import compose
 from portrl.errors import UserError
 from portrl.plan.fit import check_fits, smallest_fix
+from portrl.plan.memory import lora_params
 from portrl.plan.run_plan import plan_run
 from portrl.plan.shape import shape_of_folder, shape_of_raw
 from portrl.trainer.preflight import TRAIN, preflight
@@ -43,6 +44,17 @@ def test_parameter_count_is_the_real_classes(config):
     assert shape_of_raw(config.to_dict(), "config.json").params == sum(p.numel() for p in model.parameters())
 
 
+def test_lora_parameters_are_peft_s():
+    from peft import LoraConfig, get_peft_model
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, vocab_size=300, tie_word_embeddings=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(shape_of_raw(config.to_dict(), "config.json"), 4, targets) == trainable
+
+
 def test_vision_language_parameter_count_is_the_real_classes():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -69,8 +81,9 @@ def _measured_run(tmp_path, overrides):
     return [r for r in rows if "memory/peak_gib/step" in r][-1]
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"], ["algorithm=ppo"]],
-                         ids=["recorded-rollout", "checkpointing", "critic"])
+@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"], ["algorithm=ppo"],
+                                       ["device.dtype=bfloat16"], ["actor.lora_rank=8", "actor.optim.lr=1e-4"]],
+                         ids=["recorded-rollout", "checkpointing", "critic", "bfloat16", "lora"])
 def test_the_plan_of_a_step_is_within_15_percent_of_its_measured_peaks(tmp_path, overrides):
     m = _measured_run(tmp_path, overrides)
     if "memory/plan_gib/gen" not in m and "memory/peak_gib/gen" not in m:

@@ -74,7 +74,7 @@ class Layout:
     engine: str = "hf"  # hf: portrl's own (memory as it goes); reserving: an engine taking a share up front
     engine_reserve: int = 0  # bytes an up-front engine takes (utilization x device memory)
     logprob_chunk: int | None = None  # tokens per chunk of the log-prob op; None: all of a micro-batch at once
-    trainable_fraction: float = 1.0  # LoRA: the adapters' share of the parameters (about; 1.0: full fine-tuning)
+    trainable: int | None = None  # parameters trained (LoRA: the adapters'); None: all of them
 
 
 @dataclass
@@ -87,6 +87,17 @@ class PhasePeak:
     @property
     def bytes(self) -> int:
         return sum(self.terms.values())
+
+
+def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
+    """Parameters of LoRA adapters of ``rank`` on the ``targets`` modules of every layer: ``r (in + out)`` each (the
+    A and B matrices); ``embed_tokens`` and ``lm_head`` once, ``r (V + h)``."""
+    h, a, k, d, i = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    dims = {"q_proj": (h, a * d), "k_proj": (h, k * d), "v_proj": (h, k * d), "o_proj": (a * d, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
+    once = sum(rank * (shape.vocab + h) for t in targets if t in ("embed_tokens", "lm_head"))
+    return shape.layers * per_layer + once
 
 
 def tape_bytes(shape: ModelShape, w: Workload, dtype_bytes: int) -> int:
@@ -114,7 +125,7 @@ def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, checkpointin
 
 def _state(shape: ModelShape, lay: Layout) -> dict[str, int]:
     p, b, s = shape.params, lay.dtype_bytes, lay.shards
-    trainable = int(p * lay.trainable_fraction)
+    trainable = p if lay.trainable is None else lay.trainable
     weights = p * (F32 if lay.fsdp else b) // s
     terms = {"weights": weights, "adamw_moments": 2 * F32 * trainable // s}
     if b < F32 and not lay.fsdp:
@@ -164,7 +175,7 @@ def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
     if lay.tape:
         state["rollout_recording"] = tape_bytes(shape, w, lay.dtype_bytes)
     tokens = w.micro_tokens // lay.sequence_parallel
-    trainable = int(shape.params * lay.trainable_fraction)
+    trainable = shape.params if lay.trainable is None else lay.trainable
     acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel
     logits = _logits_bytes(shape, w.response_tokens_micro // lay.sequence_parallel, lay)
     phases = [PhasePeak("gen", {**state, **_gen_work(shape, w, lay)}),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from portrl.algo.spec import critic_enabled, reference_enabled
 from portrl.device.mesh_shape import MeshShape
-from portrl.plan.memory import Layout, PhasePeak, Workload, plan_phases, tape_bytes
+from portrl.plan.memory import Layout, PhasePeak, Workload, lora_params, plan_phases, tape_bytes
 from portrl.plan.shape import ModelShape
 from portrl.rollout.fast_decode import SUPPORTED_MODEL_TYPES as FAST_DECODE_MODEL_TYPES
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS
@@ -92,6 +92,8 @@ def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpoin
     generate call per step, a fast-decode family, packed with shared prompts; under checkpointing only within
     TAPE_PARAM_MULTIPLE x the weights' bytes, the first bound of portrl.workers.tape_budget)."""
     m = cfg.model
+    if int(cfg.actor.lora_rank) > 0:  # the fast decode path, which records, does not take a PEFT model
+        return False
     if not (engine == "hf" and str(cfg.rollout.placement) == "colocated" and bool(m.reuse_rollout_forward)
             and bool(m.use_packing) and bool(m.share_prompts) and not bool(cfg.rollout.multi_turn.enable)
             and shape.model_type in FAST_DECODE_MODEL_TYPES and str(cfg.trainer.mode) == "sync"):
@@ -124,7 +126,8 @@ def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: W
                   tape=records_forward(cfg, shape, engine, ckpt, w), engine=engine,
                   engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
                   logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,
-                  trainable_fraction=0.01 if lora else 1.0)
+                  trainable=lora_params(shape, int(cfg.actor.lora_rank), list(cfg.actor.lora_target_modules))
+                  if lora else None)
 
 
 @dataclass
