@@ -81,9 +81,15 @@ def _measured_run(tmp_path, overrides):
     return [r for r in rows if "memory/peak_gib/step" in r][-1]
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.gradient_checkpointing=true"], ["algorithm=ppo"],
-                                       ["device.dtype=bfloat16"], ["actor.lora_rank=8", "actor.optim.lr=1e-4"]],
-                         ids=["recorded-rollout", "checkpointing", "critic", "bfloat16", "lora"])
+#: each a 2-step run of ~15 s in a process of its own: the main suite runs two, the slow suite the rest
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param([], id="recorded-rollout"), pytest.param(["model.gradient_checkpointing=true"], id="checkpointing"),
+    pytest.param(["algorithm=ppo"], id="critic", marks=SLOW),
+    pytest.param(["device.dtype=bfloat16"], id="bfloat16", marks=SLOW),
+    pytest.param(["actor.lora_rank=8", "actor.optim.lr=1e-4"], id="lora", marks=SLOW)])
 def test_the_plan_of_a_step_is_within_15_percent_of_its_measured_peaks(tmp_path, overrides):
     m = _measured_run(tmp_path, overrides)
     if "memory/plan_gib/gen" not in m and "memory/peak_gib/gen" not in m:
