@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, cast
 from omegaconf import OmegaConf
 
 from portrl.errors import UserError
-from portrl.plan.run_plan import GIB, RunPlan, plan_run
+from portrl.plan.run_plan import GIB, Device, RunPlan, plan_run
 from portrl.plan.shape import ModelShape
 
 if TYPE_CHECKING:
@@ -52,11 +52,12 @@ def _candidates(cfg: PortRLConfig, shape: ModelShape, world: int) -> Iterator[tu
         sp *= 2
 
 
-def smallest_fix(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int) -> Optional[str]:
+def smallest_fix(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int,
+                 device: Device = Device()) -> Optional[str]:
     """``key=value`` of the first change of the module docstring's list that makes every phase fit, else None."""
     for key, value in _candidates(cfg, shape, world):
         try:
-            if plan_run(_with(cfg, key, value), shape, world, memory).fits:
+            if plan_run(_with(cfg, key, value), shape, world, memory, device=device).fits:
                 return f"{key}={value}"
         except ValueError:  # a mesh these devices cannot form
             continue
@@ -76,18 +77,20 @@ def refusal(plan: RunPlan, fix: Callable[[], Optional[str]]) -> Optional[str]:
             "trainer.memory_check=false runs anyway)")
 
 
-def check_fits(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int]) -> RunPlan:
+def check_fits(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int],
+               device: Device = Device()) -> RunPlan:
     """The run's plan; UserError (one line: the phase, predicted against available, the change that fits) when
     it does not fit and ``trainer.memory_check`` is on."""
-    plan = plan_run(cfg, shape, world, memory)
+    plan = plan_run(cfg, shape, world, memory, device=device)
     if bool(cfg.trainer.memory_check):
-        line = refusal(plan, lambda: smallest_fix(cfg, shape, world, memory or 0))
+        line = refusal(plan, lambda: smallest_fix(cfg, shape, world, memory or 0, device))
         if line:
             raise UserError(line)
     return plan
 
 
-def largest_token_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int) -> Optional[int]:
+def largest_token_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: int,
+                         device: Device = Device()) -> Optional[int]:
     """The largest ``actor.max_tokens_per_micro_batch`` (a multiple of 256, at least one prompt's group of rows,
     at most a no-grad micro-batch's rows) whose plan fits AUTO_HEADROOM of ``memory`` bytes per device; None when
     even the smallest does not."""
@@ -101,7 +104,8 @@ def largest_token_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memor
     room = int(memory * AUTO_HEADROOM)
 
     def fits(units: int) -> bool:
-        return bool(plan_run(_with(cfg, "actor.max_tokens_per_micro_batch", units * 256), shape, world, room).fits)
+        budget = _with(cfg, "actor.max_tokens_per_micro_batch", units * 256)
+        return bool(plan_run(budget, shape, world, room, device=device).fits)
 
     if not fits(low):
         return None

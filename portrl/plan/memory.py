@@ -35,6 +35,8 @@ from portrl.plan.shape import ModelShape
 
 #: bytes of a float32 element (master weights, AdamW moments, gradients of the masters, logits)
 F32 = 4
+#: bytes per element of each training dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)

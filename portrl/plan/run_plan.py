@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from portrl.algo.spec import critic_enabled, reference_enabled
 from portrl.device.mesh_shape import MeshShape
-from portrl.plan.memory import Layout, PhasePeak, Workload, lora_params, plan_phases, tape_bytes
+from portrl.plan.memory import DTYPE_BYTES, Layout, PhasePeak, Workload, lora_params, plan_phases, tape_bytes
 from portrl.plan.shape import ModelShape
 from portrl.rollout.fast_decode import SUPPORTED_MODEL_TYPES as FAST_DECODE_MODEL_TYPES
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS
@@ -23,17 +23,18 @@ from portrl.workers.tape_budget import TAPE_PARAM_MULTIPLE
 if TYPE_CHECKING:
     from portrl.config.schema import PortRLConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 2**30
 
 
-def run_dtype(cfg: PortRLConfig) -> str:
-    """``device.dtype`` > ``model.dtype`` > float32 on the CPU, bfloat16 on an accelerator (the presets' choice)."""
-    return str(cfg.device.dtype or cfg.model.dtype or ("float32" if _on_host(cfg) else "bfloat16"))
-
-
-def _on_host(cfg: PortRLConfig) -> bool:
+def on_host(cfg: PortRLConfig) -> bool:
+    """Whether the config runs on the CPU, as far as the config alone says (``device.name`` cpu, or auto)."""
     return str(cfg.device.name) in ("cpu", "auto")
+
+
+def run_dtype(cfg: PortRLConfig, host: bool) -> str:
+    """``device.dtype`` > ``model.dtype`` > float32 on the CPU, bfloat16 on an accelerator (the presets' choice;
+    a run with its backend at hand passes the backend's own answer, portrl.workers.setup.resolve_dtype)."""
+    return str(cfg.device.dtype or cfg.model.dtype or ("float32" if host else "bfloat16"))
 
 
 def checkpointing_on(cfg: PortRLConfig, shape: ModelShape) -> bool:
@@ -51,7 +52,7 @@ def workload_of_config(cfg: PortRLConfig, mesh: MeshShape) -> Workload:
     """The worst step of the config on one device: its data-parallel share of the prompts, every sequence at the
     longest lengths, micro-batches of ``actor.max_tokens_per_micro_batch`` tokens (else
     ``actor.ppo_micro_batch_size_per_device`` rows)."""
-    d, a = cfg.data, cfg.actor
+    d = cfg.data
     prompts = max(1, -(-int(d.train_batch_size) // mesh.dp))
     n, p_len, r_len = int(cfg.rollout.n), int(d.max_prompt_length), int(d.max_response_length)
     return _micro(Workload(prompts, n, p_len, r_len, 0, 0), cfg)
@@ -87,7 +88,8 @@ def _micro(w: Workload, cfg: PortRLConfig) -> Workload:
                    response_tokens_inference=inf_response)
 
 
-def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpointing: bool, w: Workload) -> bool:
+def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpointing: bool, w: Workload,
+                    dtype_bytes: int) -> bool:
     """Whether the hf engine records the rollout's forward for the update (portrl.workers.actor: colocated, one
     generate call per step, a fast-decode family, packed with shared prompts; under checkpointing only within
     TAPE_PARAM_MULTIPLE x the weights' bytes, the first bound of portrl.workers.tape_budget)."""
@@ -100,30 +102,29 @@ def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpoin
         return False
     if not checkpointing:
         return True
-    b = DTYPE_BYTES[run_dtype(cfg)]
+    b = dtype_bytes
     return tape_bytes(shape, w, b) <= TAPE_PARAM_MULTIPLE * shape.params * b
 
 
-def engine_of(cfg: PortRLConfig) -> str:
+def engine_of(cfg: PortRLConfig, host: bool) -> str:
     """hf (portrl's own engine: memory as it goes) or reserving (an engine that takes
     ``rollout.gpu_memory_utilization`` of the device up front)."""
     engine = str(cfg.rollout.engine)
     if engine == "auto":
-        return "hf" if _on_host(cfg) else "reserving"
+        return "hf" if host else "reserving"
     return "hf" if engine == "hf" else "reserving"
 
 
 def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: Workload,
-                     device_memory: Optional[int]) -> Layout:
-    dtype = run_dtype(cfg)
+                     device_memory: Optional[int], dtype: str, host: bool) -> Layout:
     fsdp = str(cfg.actor.strategy) in ("auto", "fsdp") and mesh.fsdp > 1
-    engine = engine_of(cfg)
+    engine = engine_of(cfg, host)
     ckpt = checkpointing_on(cfg, shape)
     lora = int(cfg.actor.lora_rank) > 0
     return Layout(dtype_bytes=DTYPE_BYTES[dtype], shards=(mesh.fsdp if fsdp else 1) * mesh.tp,
                   tensor_parallel=mesh.tp, sequence_parallel=mesh.sp, fsdp=fsdp, checkpointing=ckpt,
                   reference=reference_enabled(cfg), critic=critic_enabled(cfg),
-                  tape=records_forward(cfg, shape, engine, ckpt, w), engine=engine,
+                  tape=records_forward(cfg, shape, engine, ckpt, w, DTYPE_BYTES[dtype]), engine=engine,
                   engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
                   logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,
                   trainable=lora_params(shape, int(cfg.actor.lora_rank), list(cfg.actor.lora_target_modules))
@@ -152,10 +153,21 @@ class RunPlan:
                            for p in self.phases}}
 
 
+@dataclass(frozen=True)
+class Device:
+    """What a plan knows of the device beyond the config: the training dtype and whether it is the host (a run
+    passes its backend's answers; None: read from the config, :func:`run_dtype` and :func:`on_host`)."""
+
+    dtype: Optional[str] = None
+    host: Optional[bool] = None
+
+
 def plan_run(cfg: PortRLConfig, shape: ModelShape, world: int, device_memory: Optional[int],
-             workload: Optional[Workload] = None) -> RunPlan:
+             workload: Optional[Workload] = None, device: Device = Device()) -> RunPlan:
     """The plan of ``cfg`` on ``world`` devices of ``device_memory`` bytes each (``workload``: a running step's
     sizes instead of the config's worst step)."""
     mesh = mesh_of(cfg, world)
     w = workload or workload_of_config(cfg, mesh)
-    return RunPlan(plan_phases(shape, w, layout_of_config(cfg, shape, mesh, w, device_memory)), device_memory)
+    host = on_host(cfg) if device.host is None else device.host
+    layout = layout_of_config(cfg, shape, mesh, w, device_memory, device.dtype or run_dtype(cfg, host), host)
+    return RunPlan(plan_phases(shape, w, layout), device_memory)

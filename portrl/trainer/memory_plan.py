@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from portrl.device.backend import Backend
 from portrl.plan.fit import check_fits, largest_token_budget
-from portrl.plan.run_plan import GIB, mesh_of, plan_run, workload_of_batch
+from portrl.plan.run_plan import GIB, Device, mesh_of, plan_run, workload_of_batch
 from portrl.plan.shape import ModelShape, shape_of_folder, tiny_shape
 from portrl.errors import UserError
 from portrl.trainer.data_fit import note_once, writable
 from portrl.trainer.mesh_check import model_dims
-from portrl.workers.setup import auto_num_workers
+from portrl.workers.setup import auto_num_workers, resolve_dtype
 
 if TYPE_CHECKING:
     from portrl.config.schema import PortRLConfig
@@ -60,6 +60,11 @@ def policy_shape(cfg: PortRLConfig) -> ModelShape:
                       int(t.intermediate_size), int(dims["vocab_size"]))
 
 
+def device_of(cfg: PortRLConfig, backend: Backend) -> Device:
+    """The run's training dtype and whether its device is the host, as the backend answers."""
+    return Device(dtype=resolve_dtype(cfg, backend), host=backend.device_type == "cpu")
+
+
 def run_world(cfg: PortRLConfig, backend: Backend) -> int:
     return int(cfg.trainer.num_workers) if cfg.trainer.num_workers is not None else auto_num_workers(cfg, backend)[0]
 
@@ -71,7 +76,7 @@ def check_memory_plan(cfg: PortRLConfig, backend: Backend) -> None:
     shape = policy_shape(cfg)
     world = run_world(cfg, backend)
     memory = device_memory(cfg, backend, world)
-    plan = check_fits(cfg, shape, world, memory)
+    plan = check_fits(cfg, shape, world, memory, device_of(cfg, backend))
     note_once(cfg, f"memory plan: peak {plan.peak.phase} {plan.peak.bytes / GIB:.2f} GiB per device of "
                    f"{'unknown' if memory is None else f'{memory / GIB:.1f} GiB'} (portrl plan shows every phase)")
 
@@ -80,18 +85,19 @@ def fit_auto_token_budget(cfg: PortRLConfig, backend: Backend) -> None:
     """``actor.max_tokens_per_micro_batch=auto`` resolved for this machine's devices (:func:`resolve_auto_budget`)."""
     if cfg.actor.max_tokens_per_micro_batch == "auto":
         world = run_world(cfg, backend)
-        resolve_auto_budget(cfg, policy_shape(cfg), world,
-                            device_memory(cfg, backend, world))
+        resolve_auto_budget(cfg, policy_shape(cfg), world, device_memory(cfg, backend, world),
+                            device_of(cfg, backend))
 
 
-def resolve_auto_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int]) -> None:
+def resolve_auto_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory: Optional[int],
+                        device: Device = Device()) -> None:
     """``actor.max_tokens_per_micro_batch=auto`` becomes the largest budget the plan fits in ``memory`` bytes per
     device (portrl.plan.fit.largest_token_budget), said in one note; UserError (one line) without a memory
     figure, or when not even one prompt's rows fit."""
     if memory is None:
         raise UserError("actor.max_tokens_per_micro_batch=auto needs the device's memory, and none is known: set "
                         "device.memory_gib (GiB per device; every device preset sets it) or give a number of tokens")
-    budget = largest_token_budget(cfg, shape, world, memory)
+    budget = largest_token_budget(cfg, shape, world, memory, device)
     if budget is None:
         raise UserError(f"actor.max_tokens_per_micro_batch=auto: not even one prompt's rows fit the memory plan in "
                         f"{memory / GIB:.1f} GiB per device (see `portrl plan`); use more devices, shorter "
@@ -105,8 +111,8 @@ def resolve_auto_budget(cfg: PortRLConfig, shape: ModelShape, world: int, memory
 class StepPlan:
     """The plan of each step's sizes, for the trainer's ``memory/plan_gib/<phase>`` metrics."""
 
-    def __init__(self, cfg: PortRLConfig, world: int):
-        self.cfg, self.world = cfg, world
+    def __init__(self, cfg: PortRLConfig, backend: Backend, world: int):
+        self.cfg, self.world, self.device = cfg, world, device_of(cfg, backend)
         self.shape: ModelShape = shape_of_folder(str(cfg.model.path))
 
     def metrics(self, batch: Any, measured: Dict[str, float]) -> Dict[str, float]:
@@ -117,7 +123,7 @@ class StepPlan:
         response_len = int(t["response_mask"].sum(-1).max())
         w = workload_of_batch(self.cfg, mesh_of(self.cfg, self.world), prompts, prompt_len, response_len)
         out = {}
-        for phase in plan_run(self.cfg, self.shape, self.world, None, w).phases:
+        for phase in plan_run(self.cfg, self.shape, self.world, None, w, self.device).phases:
             for name in MEASURED_AS[phase.phase]:
                 if f"memory/peak_gib/{name}" in measured:
                     out[f"memory/plan_gib/{name}"] = phase.bytes / GIB

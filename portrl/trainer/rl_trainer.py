@@ -110,7 +110,7 @@ class RLTrainer:
         self.rollout, self.weight_link = placement_of(cfg).rollout_side(cfg, self.backend, self.actor)
         self.gen = self.rollout if self.rollout is not None else self.actor  # where generation runs
         self.speed = StepSpeed(cfg, self.backend, self.actor.num_workers, getattr(self.rollout, "num_workers", None))
-        self.memory_plan = StepPlan(cfg, self.actor.num_workers)  # memory/plan_gib/<phase> beside measured peaks
+        self.memory_plan = StepPlan(cfg, self.backend, self.actor.num_workers)  # memory/plan_gib/<phase>
         self.critic = None
         if critic_enabled(cfg):
             self.critic = WorkerGroup(CriticWorker, cfg, settled_num_workers(cfg), self.backend,

@@ -29,6 +29,7 @@ from portrl.device.peaks import named_model
 from portrl.errors import UserError
 from portrl.plan.flops import (executed_train_flops, prefill_flops, rollout_flops, rollout_read_bytes,
                                train_flops)
+from portrl.plan.memory import DTYPE_BYTES
 from portrl.plan.shape import ModelShape, shape_of_config
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS, resolve_dtype
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from portrl.workers.batch import Batch
 
 FLAG_FACTOR = 2.0  # a stage this many times slower than its roofline is flagged
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STAGES = {"update": "bound by FLOPs", "rollout": "bound by its memory reads or FLOPs, the larger"}
 
 
