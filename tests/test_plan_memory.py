@@ -146,6 +146,7 @@ def test_portrl_plan_prints_json_and_refuses_a_folder_without_config_json(tmp_pa
     plan = json.loads(out.stdout)
     assert plan["fits"] is False and plan["memory_source"] == "device.memory_gib"
     assert {"gen", "logp", "update_actor"} <= set(plan["phases"])
+    assert plan["step_floor_s"]["update"] > 0 and "H100" in plan["peaks"]  # the peak table's datasheet figure
     empty = tmp_path / "empty"
     empty.mkdir()
     bad = subprocess.run([sys.executable, "-m", "portrl", "plan", f"model.path={empty}"], capture_output=True,
@@ -185,3 +186,21 @@ def test_a_token_budget_that_is_not_a_number_null_or_auto_is_refused():
 
     with pytest.raises(ConfigError, match="null or auto"):
         compose(overrides=["actor.max_tokens_per_micro_batch=lots"])
+
+
+def test_the_step_time_floor_is_bound_by_reads_or_flops_and_scales_with_epochs(tmp_path):
+    from portrl.device.peaks import PeakThroughput
+    from portrl.plan.memory import Workload
+    from portrl.plan.step_time import step_floor
+
+    shape = shape_of_folder(_write_72b(tmp_path))
+    w = Workload(prompts=4, n=4, prompt_len=256, response_len=512, micro_tokens=0, response_tokens_micro=0)
+    cfg = compose(preset="h100", overrides=[f"model.path={tmp_path / 'qwen2.5-72b'}"])
+    slow_memory = step_floor(cfg, shape, w, PeakThroughput(1e15, 1e9, "x"), 2, checkpointing=True)
+    slow_flops = step_floor(cfg, shape, w, PeakThroughput(1e9, 1e15, "x"), 2, checkpointing=True)
+    assert slow_memory.rollout_bound == "memory reads" and slow_flops.rollout_bound == "FLOPs"
+    twice = compose(preset="h100", overrides=[f"model.path={tmp_path / 'qwen2.5-72b'}", "actor.ppo_epochs=2"])
+    again = step_floor(twice, shape, w, PeakThroughput(1e15, 1e9, "x"), 2, checkpointing=True)
+    assert again.update_s == pytest.approx(2 * slow_memory.update_s)
+    no_recompute = step_floor(cfg, shape, w, PeakThroughput(1e15, 1e9, "x"), 2, checkpointing=False)
+    assert 0.7 < no_recompute.update_s / slow_memory.update_s < 0.8  # 6 N T against 8 N T on the layers
