@@ -42,9 +42,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class Workload:
     """The sizes one device handles in one step (the preflight's from the config's maxima, a running step's from
-    its batch). ``tokens``: the packed tokens of the device's rows (a shared prompt once); ``micro_tokens``: the most
-    tokens one micro-batch runs; ``response_tokens_micro``: the response tokens of that micro-batch (the positions
-    whose logits are kept)."""
+    its batch): ``prompts`` distinct prompts of ``n`` rows each, the longest prompt and response; ``micro_tokens``:
+    the most tokens one training micro-batch runs (a shared prompt once); ``response_tokens_micro``: its response
+    tokens (the positions whose logits are kept); ``inference_*``: the same of a no-grad pass's micro-batch."""
 
     prompts: int
     n: int
@@ -52,7 +52,7 @@ class Workload:
     response_len: int
     micro_tokens: int
     response_tokens_micro: int
-    inference_tokens: int = 0  # ... of a no-grad pass's micro-batch (log-probs, values)
+    inference_tokens: int = 0
     response_tokens_inference: int = 0
 
     @property
