@@ -11,7 +11,8 @@ rehearsal keeps what decides the process layout: ``trainer.num_workers`` (the cl
   head, shrunk in depth (2 layers) and width (head dimension 8; an MLP width and vocabulary that every tensor
   parallel size divides), built from the model folder's ``config.json`` alone (no weights needed), with the
   built-in arith tokenizer (:func:`shrunk_model`);
-* the device for the CPU (gloo, float32, the backend's own attention), the rollout engine for ``hf`` (an engine's own tensor
+* the device for the CPU (gloo, float32, the backend's own attention, the CPU's own peaks and memory: not the
+  preset's ``device.model`` and ``device.memory_gib``), the rollout engine for ``hf`` (an engine's own tensor
   parallel rollout is not rehearsed), the data for the generated arith task, the batch for the smallest one every
   data-parallel size divides.
 
@@ -100,7 +101,8 @@ def rehearsal_config(cfg: PortRLConfig, model_dir: Path, out_dir: Path) -> PortR
     batch = _batch(cfg, world)
     swaps: dict[str, Any] = {
         "device.name": "cpu", "device.dtype": "float32", "device.attn_impl": None, "model.attn_impl": None,
-        "device.kernels": {}, "device.num_threads": 1, "trainer.use_ray": True, "trainer.ray_address": None,
+        "device.kernels": {}, "device.num_threads": 1, "device.model": None, "device.memory_gib": None,
+        "trainer.use_ray": True, "trainer.ray_address": None,
         "model.path": str(model_dir), "model.tokenizer_path": None, "model.sft_warm_start": False,
         "rollout.engine": "hf", "rollout.n": min(int(cfg.rollout.n), 2), "data.name": "arith",
         "data.train_files": [], "data.val_files": [], "data.max_response_length": 8,
