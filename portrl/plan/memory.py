@@ -73,6 +73,7 @@ class Layout:
     reference: bool = False
     critic: bool = False
     tape: bool = False  # the hf engine records the rollout's forward for the update to replay
+    tape_cap: int | None = None  # the most a recording may hold (under checkpointing); None: no bound
     engine: str = "hf"  # hf: portrl's own (memory as it goes); reserving: an engine taking a share up front
     engine_reserve: int = 0  # bytes an up-front engine takes (utilization x device memory)
     logprob_chunk: int | None = None  # tokens per chunk of the log-prob op; None: all of a micro-batch at once
@@ -175,7 +176,8 @@ def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
     and ``update_critic`` (with a critic), per device."""
     state = _state(shape, lay)
     if lay.tape:
-        state["rollout_recording"] = tape_bytes(shape, w, lay.dtype_bytes)
+        recording = tape_bytes(shape, w, lay.dtype_bytes)
+        state["rollout_recording"] = recording if lay.tape_cap is None else min(recording, lay.tape_cap)
     tokens = w.micro_tokens // lay.sequence_parallel
     trainable = shape.params if lay.trainable is None else lay.trainable
     acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel

@@ -89,10 +89,11 @@ def _micro(w: Workload, cfg: PortRLConfig) -> Workload:
 
 
 def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpointing: bool, w: Workload,
-                    dtype_bytes: int) -> bool:
+                    dtype_bytes: int, worst: bool = False) -> bool:
     """Whether the hf engine records the rollout's forward for the update (portrl.workers.actor: colocated, one
     generate call per step, a fast-decode family, packed with shared prompts; under checkpointing only within
-    TAPE_PARAM_MULTIPLE x the weights' bytes, the first bound of portrl.workers.tape_budget)."""
+    TAPE_PARAM_MULTIPLE x the weights' bytes, the first bound of portrl.workers.tape_budget). ``worst``: the
+    config's worst step, where a shorter step than ``w`` may record up to that bound (:func:`tape_cap`)."""
     m = cfg.model
     if int(cfg.actor.lora_rank) > 0:  # the fast decode path, which records, does not take a PEFT model
         return False
@@ -100,10 +101,14 @@ def records_forward(cfg: PortRLConfig, shape: ModelShape, engine: str, checkpoin
             and bool(m.use_packing) and bool(m.share_prompts) and not bool(cfg.rollout.multi_turn.enable)
             and shape.model_type in FAST_DECODE_MODEL_TYPES and str(cfg.trainer.mode) == "sync"):
         return False
-    if not checkpointing:
+    if not checkpointing or worst:
         return True
-    b = dtype_bytes
-    return tape_bytes(shape, w, b) <= TAPE_PARAM_MULTIPLE * shape.params * b
+    return tape_bytes(shape, w, dtype_bytes) <= tape_cap(shape, dtype_bytes)
+
+
+def tape_cap(shape: ModelShape, dtype_bytes: int) -> int:
+    """The most a recording may hold under gradient checkpointing: TAPE_PARAM_MULTIPLE x the weights' bytes."""
+    return TAPE_PARAM_MULTIPLE * shape.params * dtype_bytes
 
 
 def engine_of(cfg: PortRLConfig, host: bool) -> str:
@@ -116,7 +121,7 @@ def engine_of(cfg: PortRLConfig, host: bool) -> str:
 
 
 def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: Workload,
-                     device_memory: Optional[int], dtype: str, host: bool) -> Layout:
+                     device_memory: Optional[int], dtype: str, host: bool, worst: bool = False) -> Layout:
     fsdp = str(cfg.actor.strategy) in ("auto", "fsdp") and mesh.fsdp > 1
     engine = engine_of(cfg, host)
     ckpt = checkpointing_on(cfg, shape)
@@ -124,7 +129,8 @@ def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: W
     return Layout(dtype_bytes=DTYPE_BYTES[dtype], shards=(mesh.fsdp if fsdp else 1) * mesh.tp,
                   tensor_parallel=mesh.tp, sequence_parallel=mesh.sp, fsdp=fsdp, checkpointing=ckpt,
                   reference=reference_enabled(cfg), critic=critic_enabled(cfg),
-                  tape=records_forward(cfg, shape, engine, ckpt, w, DTYPE_BYTES[dtype]), engine=engine,
+                  tape=records_forward(cfg, shape, engine, ckpt, w, DTYPE_BYTES[dtype], worst), engine=engine,
+                  tape_cap=tape_cap(shape, DTYPE_BYTES[dtype]) if ckpt else None,
                   engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
                   logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,
                   trainable=lora_params(shape, int(cfg.actor.lora_rank), list(cfg.actor.lora_target_modules))
@@ -169,5 +175,6 @@ def plan_run(cfg: PortRLConfig, shape: ModelShape, world: int, device_memory: Op
     mesh = mesh_of(cfg, world)
     w = workload or workload_of_config(cfg, mesh)
     host = on_host(cfg) if device.host is None else device.host
-    layout = layout_of_config(cfg, shape, mesh, w, device_memory, device.dtype or run_dtype(cfg, host), host)
+    layout = layout_of_config(cfg, shape, mesh, w, device_memory, device.dtype or run_dtype(cfg, host), host,
+                              worst=workload is None)
     return RunPlan(plan_phases(shape, w, layout), device_memory)
