@@ -1,11 +1,10 @@
 """The structured config of a portrl run: one dataclass per group.
 
-Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, async_training,
-device, sandbox (trainer and async_training in portrl/config/schema_trainer.py). Names
-follow verl where verl has the knob, so recipes translate one to one. Batch sizes count
-*prompts* (``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says
-sequences or tokens; a step trains on ``train_batch_size * rollout.n`` sequences.
-``None`` means "decided at run time" (documented on the field).
+Groups: algorithm, data, model, actor, rollout, ref, critic, reward, reward_model, trainer, async_training, device,
+sandbox (trainer and async_training in portrl/config/schema_trainer.py, the offload levers in schema_offload.py).
+Names follow verl where verl has the knob, so recipes translate one to one. Batch sizes count *prompts*
+(``data.train_batch_size``, ``actor.ppo_mini_batch_size``) except where the name says sequences or tokens; a step
+trains on ``train_batch_size * rollout.n`` sequences. ``None`` means "decided at run time" (documented on the field).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from portrl.config.schema_agent import MultiTurnConfig
+from portrl.config.schema_offload import OffloadConfig
 from portrl.config.schema_trainer import AsyncTrainingConfig, TrainerConfig
 
 
@@ -218,6 +218,7 @@ class ActorConfig:
     lora_alpha: int = 16
     lora_target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     freeze_vision_tower: bool = False  # vision-language models: the vision tower gets no updates (default: it trains)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # state kept on the host between calls
 
 
 # ----------------------------------------------------------------------------------- rollout
@@ -255,6 +256,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     enable: Optional[bool] = None  # None = when a KL term (loss or reward) needs it
+    param_offload: bool = False  # the reference waits in host memory, on the device only for its log-probs
 
 
 @dataclass
@@ -266,14 +268,14 @@ class CriticConfig:
     loss_agg_mode: Optional[str] = None  # None = the actor's
     ppo_epochs: Optional[int] = None  # None = the actor's
     warmup_steps: int = 0  # critic-only steps before the actor starts updating (VC-PPO value pretraining)
-    # value pretraining (VAPO): critic-only steps on rollouts of the starting policy before RL step 1, not
-    # counted in trainer.total_steps; pretrain_steps is the cap, pretrain_target_ev an early stop on the
-    # explained variance (mean over the last PRETRAIN_EV_WINDOW batches, portrl.trainer.value_pretrain)
+    # value pretraining (VAPO): critic-only steps on rollouts of the starting policy before RL step 1, not counted in
+    # trainer.total_steps; pretrain_steps caps them, pretrain_target_ev stops early (portrl.trainer.value_pretrain)
     pretrain_steps: int = 0
     pretrain_target_ev: Optional[float] = None
     tensor_parallel_size: int = 1  # the critic's mesh, as actor.tensor_parallel_size
     sequence_parallel_size: int = 1  # the critic's mesh, as actor.sequence_parallel_size
     fsdp_size: int = -1  # the critic's mesh, as actor.fsdp_size
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # as actor.offload
 
 
 @dataclass
@@ -363,9 +365,7 @@ class SandboxConfig:
 @dataclass
 class DeviceConfig:
     name: str = "auto"  # a registered backend name (portrl devices) or auto
-    # where name came from ("--device", "override device=NAME", "preset h100", the config file), set by compose()
-    # for error messages; None = the default
-    name_source: Optional[str] = None
+    name_source: Optional[str] = None  # where name came from, for error messages (set by compose(); None: default)
     preset: Optional[str] = None  # the device preset that was applied, for reports
     dtype: Optional[str] = None  # overrides model.dtype when set
     attn_impl: Optional[str] = None  # overrides model.attn_impl when set
@@ -375,11 +375,11 @@ class DeviceConfig:
     # and env_presets); a loader, plugin or hook variable (LD_PRELOAD, RAY_JEMALLOC_LIB_PATH) is refused with why
     env: Dict[str, str] = field(default_factory=dict)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
-    # the device model of the backend's peak table (h100, mi300x, ...: each device preset sets its own); None
-    # = detected from the device's name; MFU and the rooflines divide by its peaks (docs/performance.md)
+    # the device model of the backend's peak table (h100, mi300x: each device preset sets its own; None = detected
+    # from the device's name); MFU and the rooflines divide by its peaks (docs/performance.md)
     model: Optional[str] = None
-    # memory of one device in GiB (each device preset sets what the device reports); None = the backend's figure at
-    # run time (the CPU: the host's available memory). The memory plan checks each phase's peak against it
+    # GiB of one device (each device preset sets it); None = the backend's figure at run time (the CPU: physical
+    # memory over the run's workers). The memory plan checks each phase's peak against it
     memory_gib: Optional[float] = None
 
 

@@ -29,6 +29,13 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "actor.offload.params",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "actor.offload.optimizer",
+    "actor_rollout_ref.model.enable_activation_offload": "actor.offload.activations",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "ref.param_offload",
+    "critic.model.fsdp_config.param_offload": "critic.offload.params",
+    "critic.model.fsdp_config.optimizer_offload": "critic.offload.optimizer",
+    "critic.model.enable_activation_offload": "critic.offload.activations",
 }
 
 _MISSING = object()

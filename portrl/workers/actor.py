@@ -41,6 +41,7 @@ from portrl.workers.actor_loss import ADDITIVE_METRICS, actor_loss
 from portrl.workers.batch import Batch
 from portrl.workers.lora import apply_lora, merged_weight_meta, merged_weights
 from portrl.workers.master_weights import load_dtype
+from portrl.workers.offload import holding
 from portrl.agent.rollout import AgentRollout, agent_rollout
 from portrl.workers.rollout_worker import generate_batch, rollout_settings
 from portrl.workers.sft import run_sft as run_sft_steps
@@ -96,14 +97,21 @@ class ActorRolloutWorker(TrainedModelWorker):
         # inside the wrapper's root forward, so DDP all-reduces the gradients and FSDP2 gathers the parameters)
         self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
                                     strategy=self.strategy, optim=cfg.actor.optim, rank=rank, world_size=world_size,
-                                    forward=compute_logprobs, mesh_sizes=mesh_sizes(cfg, "actor"))
+                                    forward=compute_logprobs, mesh_sizes=mesh_sizes(cfg, "actor"),
+                                    offload=cfg.actor.offload)
         self.ref_module: Optional[torch.nn.Module] = None
+        if bool(cfg.ref.param_offload):
+            self.offload.add("reference", self._move_reference)
         self.engine = self._make_engine(engine_model) if self.holds_engine else None
         self.update_count = 0
         self._tape = None  # the last recorded rollout forward (portrl.models.forward_tape), until the update
         self._param_bytes: Optional[int] = None  # the policy's parameter bytes (the tape budget's first bound)
 
     # ---------------------------------------------------------------------------------- building
+    def _move_reference(self, device: torch.device) -> None:
+        if self.ref_module is not None:
+            self.ref_module.to(device)
+
     def _plain_copy(self, module: Optional[torch.nn.Module] = None) -> torch.nn.Module:
         """A frozen, unwrapped, unsharded copy of the policy (``module``, default the trained one) with any LoRA
         deltas merged in (a collective under FSDP2: every rank must call it)."""
@@ -160,10 +168,13 @@ class ActorRolloutWorker(TrainedModelWorker):
         """The policy's parameter count (choose_engine's rule for small models on the CPU)."""
         return sum(p.numel() for p in self.module.parameters())
 
+    @holding("module")
     def init_reference(self) -> None:
-        """Freeze a copy of the current policy as the reference (call after any SFT warm start)."""
+        """Freeze a copy of the current policy as the reference (after any SFT warm start; ``ref.param_offload``)."""
         self.ref_module = self._plain_copy()
+        self.offload.settle("reference")
 
+    @holding("module", "reference")
     def update_reference(self) -> None:
         """Make the reference a copy of the current policy (SPIN's ``trainer.ref_update_freq``), in place: the
         weights the engine would get (LoRA deltas merged, :func:`portrl.workers.lora.merged_weights`) are copied
@@ -234,6 +245,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         """See :func:`old_log_probs_needed` (``num_rows`` = rows of the whole step, all ranks)."""
         return old_log_probs_needed(self.cfg, num_rows)
 
+    @holding("module")
     def compute_log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` and ``entropys`` (B,T) under the current policy, and ``sum_pi_squared`` (B,T) when the
         algorithm's record needs it (``needs_sum_pi_squared``: optimal-token-baseline estimators)."""
@@ -248,7 +260,8 @@ class ActorRolloutWorker(TrainedModelWorker):
         """``ref_log_probs`` (B,T) under the frozen reference (created on first use if needed)."""
         if self.ref_module is None:
             self.init_reference()
-        logp, _ = self._log_probs(self.ref_module, batch, with_entropy=False)
+        with self.offload.on_device("reference"):
+            logp, _ = self._log_probs(self.ref_module, batch, with_entropy=False)
         return Batch({"ref_log_probs": logp})
 
     # --------------------------------------------------------------------------------- update
@@ -259,6 +272,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         seed = int(self.cfg.trainer.seed) * 7919 + self.update_count * 31 if a.shuffle else None
         return self.trained.loop_settings(int(a.ppo_epochs), a.ppo_mini_batch_size, shuffle_seed=seed)
 
+    @holding("params", "optimizer")
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         """One RL step of policy optimisation through the shared loop (portrl.workers.update_loop; see the module
         docstring for the loss). Returns ``actor/*`` metrics, the rollout gap (``training/*``) and rollout
@@ -299,6 +313,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         out.update(rollout_corr_metrics(corr, self.trained.dp_size), **normalized)
         return out
 
+    @holding("params", "optimizer")
     def run_sft(self, rows: List[Dict[str, Any]], steps: int, lr: float, batch_size: int) -> Dict[str, float]:
         """Supervised warm start of the policy on (prompt, response) rows (see portrl.workers.sft)."""
         wrapped = self.trained.wrapped
@@ -313,12 +328,14 @@ class ActorRolloutWorker(TrainedModelWorker):
         """(HF name, full tensor) of every parameter and buffer of the policy, named as in the base
         checkpoint, LoRA deltas merged in (:func:`portrl.workers.lora.merged_weights`). Under FSDP2 the
         shards are gathered as it is iterated: every rank must iterate it."""
-        return merged_weights(self.module)
+        with self.offload.on_device("module"):
+            yield from merged_weights(self.module)
 
     def weight_meta(self) -> List[Tuple[str, Tuple[int, ...], str]]:
         """``(name, full shape, dtype name)`` of :meth:`named_weights`, in order, with nothing gathered."""
         return merged_weight_meta(self.module)
 
+    @holding("module")
     def sync_weights(self) -> bool:
         """Push the policy to the rollout engine; False (nothing moved) when the engine shares the module
         (a peft-wrapped module included: its forward applies the adapters) or there is no engine here."""
@@ -354,6 +371,7 @@ class ActorRolloutWorker(TrainedModelWorker):
         """The frozen reference's weights (a full copy on every rank; None while there is none)."""
         return None if self.ref_module is None else self.ref_module.state_dict()
 
+    @holding("module")
     def export_hf(self, out_dir: str) -> str:
         """Write the policy as the user's model with new weights (portrl.models.export): a plain model of the
         base architecture, LoRA deltas merged in, the source's config and tokenizer files. Rank 0 writes;

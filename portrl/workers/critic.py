@@ -23,6 +23,7 @@ from portrl.models.hf_types import HFModule
 from portrl.models.logprobs import response_hidden_states
 from portrl.workers.batch import Batch
 from portrl.workers.master_weights import load_dtype
+from portrl.workers.offload import holding
 from portrl.workers.setup import resolve_dtype, start_worker, use_gradient_checkpointing
 from portrl.workers.trained_model import TrainedModel, TrainedModelWorker, model_strategy
 from portrl.workers.training import inference_micro_batches, shares_prompts
@@ -80,7 +81,7 @@ class CriticWorker(TrainedModelWorker):
         # forward sees it (no ForwardModule needed)
         self.trained = TrainedModel(cfg, module, backend=self.backend, device=self.device, dtype=self.dtype,
                                     strategy=self.strategy, optim=cfg.critic.optim, rank=rank, world_size=world_size,
-                                    mesh_sizes=mesh_sizes(cfg, "critic"))
+                                    mesh_sizes=mesh_sizes(cfg, "critic"), offload=cfg.critic.offload)
 
     def _values(self, module, batch: Batch) -> torch.Tensor:
         return module(batch.tensors["input_ids"].to(self.device), batch.tensors["attention_mask"].to(self.device),
@@ -88,6 +89,7 @@ class CriticWorker(TrainedModelWorker):
                       share_prompts=bool(self.cfg.model.share_prompts))
 
     @torch.no_grad()
+    @holding("module")
     def compute_values(self, batch: Batch) -> Batch:
         """``values (B,T)`` of the current critic (0 on padding)."""
         micro = inference_micro_batches(batch, self.cfg.actor, self.trained.dp_size, shares_prompts(self.cfg.model))
@@ -99,6 +101,7 @@ class CriticWorker(TrainedModelWorker):
         c, a = self.cfg.critic, self.cfg.actor
         return self.trained.loop_settings(int(c.ppo_epochs or a.ppo_epochs), a.ppo_mini_batch_size)
 
+    @holding("params", "optimizer")
     def update_critic(self, batch: Batch, advance_schedule: bool = True) -> Dict[str, float]:
         """One RL step of value regression on ``returns`` (needs values, returns, response_mask) through the shared
         loop (portrl.workers.update_loop). ``advance_schedule=False`` (value pretraining) leaves the LR schedule

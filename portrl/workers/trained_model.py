@@ -11,6 +11,8 @@
   computation is a function of the module (the log-probs of the actor and the PRM), else over the module itself
   (the critic's ValueModel, whose forward is the whole value computation); the plain module on one worker;
 * AdamW and the learning-rate schedule from the worker's ``optim`` section;
+* the parts of that state its section's ``offload`` keeps in host memory between the calls that read them
+  (:class:`~portrl.workers.offload.StateOffload`; the worker marks each method with what it reads);
 * the shared update loop's settings (:meth:`TrainedModel.loop_settings`) and one update (:meth:`TrainedModel.update`);
 * its checkpoint state: ``model``, ``optimizer``, ``scheduler`` (full tensors keyed by name, or, under FSDP2 over
   several ranks, each rank's own shard files ``<dir>/<name>/rank_<r>.*``, portrl.state_files).
@@ -24,6 +26,7 @@ worker answers (``weights_finite``, ``state_dict``, ``load_state_dict``, ``shard
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -34,6 +37,7 @@ from portrl.workers.batch import Batch
 from portrl.workers.master_weights import MasterWeights, load_train_state, train_state
 from portrl.device.mesh_shape import MeshShape
 from portrl.workers.mesh import build_mesh, needs_mesh
+from portrl.workers.offload import StateOffload, holding, move_module, move_optimizer_state, move_tensors
 from portrl.workers.parallel import ForwardModule, resolve_strategy, shard_wrap, wrap_model
 from portrl.workers.profiled import ProfiledWorker
 from portrl.workers.training import (build_lr_scheduler, build_optimizer, rescale_lr, set_data_parallel_group,
@@ -56,12 +60,14 @@ class TrainedModel:
     ``module``: the model as loaded (float32 when ``dtype`` is bfloat16 / float16, portrl.workers.master_weights
     .load_dtype), on ``device``; ``strategy``: :func:`model_strategy`; ``optim``: the worker's OptimConfig section
     (lr, betas, eps, weight_decay, scheduler, warm-up, grad_clip); ``forward``: wrap ``ForwardModule(module,
-    forward)`` instead of the module itself (with several workers). ``cfg`` supplies ``trainer.total_steps`` (the
+    forward)`` instead of the module itself (with several workers); ``offload``: the section's OffloadConfig (None:
+    nothing offloaded). ``cfg`` supplies ``trainer.total_steps`` (the
     schedule's length) and the loop settings' sections (actor, rollout, data, model)."""
 
     def __init__(self, cfg: PortRLConfig, module: torch.nn.Module, *, backend: Backend, device: torch.device, dtype: str,
                  strategy: str, optim: Mapping[str, Any], rank: int = 0, world_size: int = 1,
-                 forward: Optional[Callable[..., Any]] = None, mesh_sizes: Tuple[int, int, int] = (1, 1, -1)):
+                 forward: Optional[Callable[..., Any]] = None, mesh_sizes: Tuple[int, int, int] = (1, 1, -1),
+                 offload: Optional[Any] = None):
         self.cfg, self.module, self.device, self.dtype = cfg, module, device, dtype
         self.strategy, self.optim, self.rank, self.world_size = strategy, optim, rank, world_size
         self.mesh = build_mesh(device.type, MeshShape.of(world_size, *mesh_sizes), rank) \
@@ -83,6 +89,23 @@ class TrainedModel:
             self.master = MasterWeights(module)
         self.optimizer = build_optimizer(self.master.masters, optim)
         self.scheduler = build_lr_scheduler(self.optimizer, optim, int(cfg.trainer.total_steps))
+        self.offload_activations = bool(offload is not None and offload.activations)
+        self.offload = self._state_offload(offload)
+
+    def _state_offload(self, offload: Optional[Any]) -> StateOffload:
+        """The parts of the state ``offload`` (an OffloadConfig) keeps on the host (portrl.workers.offload):
+        ``params`` are FSDP2's shards (moved with the wrapped module) or a 16-bit run's separate masters."""
+        fsdp = self.strategy == "fsdp" and self.wrapped
+        movers: Dict[str, Callable[[torch.device], None]] = {}
+        if offload is not None and offload.params:
+            separate = [m for m, p in zip(self.master.masters, self.master.params) if m is not p]
+            if fsdp:
+                movers["params"] = functools.partial(move_module, self.train_module)
+            elif separate:
+                movers["params"] = lambda device: move_tensors(separate, device)
+        if offload is not None and offload.optimizer:
+            movers["optimizer"] = lambda device: move_optimizer_state(self.optimizer, device)
+        return StateOffload(self.device, movers, module_is_params=fsdp)
 
     @property
     def wrapped(self) -> bool:
@@ -109,7 +132,7 @@ class TrainedModel:
                             max_tokens=None if a.max_tokens_per_micro_batch is None else int(a.max_tokens_per_micro_batch),
                             grad_clip=float(self.optim["grad_clip"]), loss_scale_factor=int(cfg.data.max_response_length),
                             world_size=self.dp_size, shuffle_seed=shuffle_seed,
-                            shared_prompts=shares_prompts(cfg.model))
+                            shared_prompts=shares_prompts(cfg.model), offload_activations=self.offload_activations)
 
     def update(self, batch: Batch, settings: LoopSettings, loss_fn: LossFn, **kwargs: Any) -> Dict[str, float]:
         """One update through the shared loop (:func:`portrl.workers.update_loop.run_update`; ``kwargs``: its
@@ -188,6 +211,10 @@ class TrainedModelWorker(ProfiledWorker):
     def scheduler(self) -> Any:
         return self.trained.scheduler
 
+    @property
+    def offload(self) -> StateOffload:
+        return self.trained.offload
+
     def extra_state(self, sharded: bool) -> Dict[str, Any]:
         """The worker's own entries of its checkpoint state (none here); ``sharded``: for a rank's shard."""
         return {}
@@ -195,6 +222,7 @@ class TrainedModelWorker(ProfiledWorker):
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         """Load the worker's own entries of ``state`` (after the model's); nothing here."""
 
+    @holding("params")
     def weights_finite(self) -> bool:
         """Whether this worker's trained weights (its FSDP2 shards) are all finite: asked of every worker before a
         checkpoint is written (portrl.trainer.divergence)."""
@@ -205,11 +233,13 @@ class TrainedModelWorker(ProfiledWorker):
         :meth:`save_shard`) instead of rank 0 writing the gathered :meth:`state_dict`."""
         return self.trained.sharded
 
+    @holding("params", "optimizer")
     def state_dict(self) -> Dict[str, Any]:
         """The model's state and the worker's own entries; full tensors keyed by name, whatever the number of
         workers (a collective under FSDP2: every rank calls it; each gets it all)."""
         return {**self.trained.state(), **self.extra_state(sharded=False)}
 
+    @holding("params", "optimizer")
     def load_state_dict(self, state: Mapping[str, Any], sharded: bool = False) -> Optional[str]:
         """The inverse of :meth:`state_dict` (every rank gets the same full state); ``sharded``: of
         :meth:`load_shard` (this rank's DTensor shards). The model restores itself: a learning rate changed since
@@ -219,12 +249,14 @@ class TrainedModelWorker(ProfiledWorker):
         self.load_extra_state(state)
         return note
 
+    @holding("params", "optimizer")
     def save_shard(self, directory: str, name: str) -> None:
         """This rank's part of the state, written by this rank with nothing gathered:
         ``<directory>/<name>/rank_<rank>.*`` (portrl.state_files.save_shard). Every rank calls it."""
         state = {**self.trained.state(sharded=True), **self.extra_state(sharded=True)}
         save_shard(directory, name, state, self.rank, self.world_size)
 
+    @holding("params", "optimizer")
     def load_shard(self, directory: str, name: str, extra: Optional[Mapping[str, Any]] = None) -> Optional[str]:
         """Load this rank's rows of a state :meth:`save_shard` wrote (by any number of ranks); ``extra``: entries
         that replace the saved ones (a reference). Every rank calls it. Returns :meth:`load_state_dict`'s note."""

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from portrl.workers.batch import Batch
+from portrl.workers.offload import saved_on_host
 from portrl.workers.training import (
     all_reduce_max,
     clip_and_step,
@@ -53,7 +54,8 @@ class LoopSettings:
     the micro-batch limits (``max_tokens`` None = rows only; ``shared_prompts``: count a prompt once per micro-batch,
     :func:`~portrl.workers.training.split_micro_batches`); ``shuffle_seed``: epoch e permutes the rows with
     ``torch.Generator().manual_seed(shuffle_seed + e)`` (None = keep the order); ``loss_scale_factor``: the
-    ``agg_loss`` constant of the seq-mean-token-sum-norm mode (``data.max_response_length``)."""
+    ``agg_loss`` constant of the seq-mean-token-sum-norm mode (``data.max_response_length``); ``offload_activations``:
+    each micro-batch's forward runs under :func:`portrl.workers.offload.saved_on_host`."""
 
     epochs: int
     mini_rows: int
@@ -64,6 +66,7 @@ class LoopSettings:
     world_size: int = 1
     shuffle_seed: Optional[int] = None
     shared_prompts: bool = False
+    offload_activations: bool = False  # saved tensors in host memory until backward (portrl.workers.offload)
 
 
 class Position(NamedTuple):
@@ -134,7 +137,8 @@ def run_update(state: Trainable, batch: Batch, settings: LoopSettings, loss_fn: 
             total = None  # the mini-batch's loss (its micro-batch losses summed), checked once before the step
             for i, micro in enumerate(micros):
                 pos = Position(epoch, len(norms), i == len(micros) - 1)
-                loss, metrics = loss_fn(micro.to(state.device), counts, pos)
+                with saved_on_host(s.offload_activations, state.device):
+                    loss, metrics = loss_fn(micro.to(state.device), counts, pos)
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 micro_rows.append(metrics)
