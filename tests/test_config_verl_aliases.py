@@ -13,7 +13,8 @@ from portrl.config.verl_aliases import ALIASES, rewrite
 
 
 #: a value of each alias's type (2 elsewhere)
-VALUES = {"model.gradient_checkpointing": True, "rollout.gpu_memory_utilization": 0.4}
+VALUES = {"model.gradient_checkpointing": True, "rollout.gpu_memory_utilization": 0.4,
+          **{key: True for key in ALIASES.values() if "offload" in key}}
 
 
 @pytest.mark.parametrize("alias, key", ALIASES.items())
@@ -62,9 +63,9 @@ def test_two_values_for_one_key_are_one_line_of_error(tmp_path):
 
 def test_other_verl_keys_are_still_unknown(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'actor_rollout_ref'"):
-        compose(overrides=["actor_rollout_ref.actor.fsdp_config.param_offload=true"])
+        compose(overrides=["actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"])
     path = tmp_path / "mixed.yaml"  # a known alias beside an unknown key of the same group
-    path.write_text("critic:\n  ulysses_sequence_parallel_size: 2\n  model:\n    fsdp_config:\n      param_offload: true\n")
+    path.write_text("critic:\n  ulysses_sequence_parallel_size: 2\n  model:\n    fsdp_config:\n      wrap_policy: {}\n")
     with pytest.raises(ConfigError, match="unknown config key 'critic.model'"):
         compose(config_file=path)
 

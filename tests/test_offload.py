@@ -89,17 +89,23 @@ def test_moves_keep_the_objects_the_optimizer_holds():
     assert all(torch.equal(opt.state[w][k], v) for k, v in before.items())
 
 
-def test_saved_on_host_gives_the_same_gradients():
+def test_saved_on_host_copies_activations_not_weights_and_gives_the_same_gradients():
     x = torch.randn(5, 3, requires_grad=True)
     lin = torch.nn.Linear(3, 2)
     grads = []
     for enabled in (False, True):
-        x.grad = None
+        x.grad = lin.weight.grad = None
         with saved_on_host(enabled, HOST):
-            loss = torch.tanh(lin(x)).pow(2).sum()
+            y = torch.tanh(lin(x))
+            loss = y.pow(2).sum()
+        saved = y.grad_fn._saved_result  # tanh's output, unpacked: a copy when offloaded
+        assert (saved.data_ptr() != y.data_ptr()) == enabled
+        addmm = y.grad_fn.next_functions[0][0]
+        assert (addmm._saved_mat1.data_ptr() != x.data_ptr()) == enabled  # the input: copied
+        assert addmm._saved_mat2.data_ptr() == lin.weight.data_ptr()  # the weight's transpose: as it was
         loss.backward()
-        grads.append(x.grad.clone())
-    assert torch.equal(grads[0], grads[1])
+        grads.append((x.grad.clone(), lin.weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 # ----------------------------------------------------------------------------------------- one worker

@@ -2,7 +2,8 @@
 
 The changes tried, each alone, in this order (the first that fits is the answer): gradient checkpointing on;
 the micro-batch token budget halved until it fits (not below one prompt's group of rows); the rollout engine's
-share of the device lowered (an engine that reserves memory up front); sequence parallelism doubled while the
+share of the device lowered (an engine that reserves memory up front); an offload lever (AdamW's moments, the
+float32 weights, the reference, the activations: an accelerator's only); sequence parallelism doubled while the
 devices allow. None fits: the plan says so and names the phase.
 """
 
@@ -46,6 +47,12 @@ def _candidates(cfg: PortRLConfig, shape: ModelShape, world: int) -> Iterator[tu
     for lower in (0.5, 0.4, 0.3):
         if lower < util:
             yield "rollout.gpu_memory_utilization", lower
+    a = cfg.actor.offload
+    levers = {"actor.offload.optimizer": a.optimizer, "actor.offload.params": a.params,
+              "ref.param_offload": cfg.ref.param_offload, "actor.offload.activations": a.activations}
+    for key, on in levers.items():
+        if not on:
+            yield key, True
     sp = int(cfg.actor.sequence_parallel_size) * 2
     while sp * int(cfg.actor.tensor_parallel_size) <= world and shape.heads % sp == 0:
         yield "actor.sequence_parallel_size", sp
@@ -70,8 +77,8 @@ def refusal(plan: RunPlan, fix: Callable[[], Optional[str]]) -> Optional[str]:
         return None
     peak = plan.peak
     change = fix()
-    how = f"{change} fits" if change else "no single change of micro-batch tokens, checkpointing, rollout share " \
-                                          "or sequence parallelism fits: use more devices or a smaller model"
+    how = f"{change} fits" if change else "no single change of micro-batch tokens, checkpointing, rollout share, " \
+                                          "offload or sequence parallelism fits: use more devices or a smaller model"
     return (f"the memory plan predicts phase {peak.phase} needs {peak.bytes / GIB:.2f} GiB per device, more than "
             f"the {plan.device_memory / GIB:.2f} GiB available; {how} (see `portrl plan`; "
             "trainer.memory_check=false runs anyway)")

@@ -7,6 +7,7 @@ it runs (its *work*), as a device's ``max_memory_allocated`` counts it (the CPU:
     gen     = state + the engine's share (hf: KV cache, fused q/k/v and gate/up weights, prefill workspace;
               an engine that reserves memory up front: rollout.gpu_memory_utilization x device memory)
     logp    = state + one micro-batch's forward without gradients (its logits, per chunk when chunked)
+    ref     = the same through the reference (with a reference)
     update  = state + gradients + one micro-batch's saved activations and logits
 
 with, per device (``S``: the ranks a weight is split over, FSDP group x tensor parallel; ``P``: parameters)::
@@ -19,6 +20,13 @@ with, per device (``S``: the ranks a weight is split over, FSDP group x tensor p
     tape     (prompts x prompt_len + rows x (response_len - 1)) x (q+k+v + o + gate+up + down widths) x L x b
              the hf engine's recording of the rollout's matmuls, kept until the update replays it
              (portrl.models.forward_tape.tape_nbytes; on only where portrl.workers.actor records)
+    engine_weights  P b   under FSDP, the colocated hf engine's full copy of the policy
+
+Offload (``Layout.offload``, portrl.workers.offload; on an accelerator only: on the CPU the host is the device)
+takes a state term out of every phase but those that read it (:data:`HELD`): the float32 shards under FSDP
+(read by the old log-probs and the update) or a 16-bit run's masters (read by the update), AdamW's moments (the
+update), the reference (its own pass), the critic's alike (values, its update). Activation offload leaves a
+training micro-batch one layer's saved tensors on the device (the layer backward is at; the rest wait on the host).
 
 An activation's bytes per token and layer are counted from the layer's tensors autograd keeps (see
 :func:`activation_bytes_per_token`); the logits' from the vocabulary and the element size the code path really
@@ -78,6 +86,9 @@ class Layout:
     engine_reserve: int = 0  # bytes an up-front engine takes (utilization x device memory)
     logprob_chunk: int | None = None  # tokens per chunk of the log-prob op; None: all of a micro-batch at once
     trainable: int | None = None  # parameters trained (LoRA: the adapters'); None: all of them
+    # parts kept in host memory between the calls that read them: params, optimizer, activations, reference,
+    # critic_params, critic_optimizer, critic_activations (portrl.workers.offload)
+    offload: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -119,11 +130,25 @@ def activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, checkpointin
     the gate and up projections, SiLU(gate) and the product (4 i), plus float32 norm statistics (ignored).
     With checkpointing a layer keeps its input only (h), and the one layer being recomputed holds the full set.
     """
-    a, k, d, h, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
-    full = 4 * h + 2 * (a * d + 2 * k * d) + a * d + 4 * i
+    full = _layer_saved(shape)
     if checkpointing:
-        return (shape.layers * h + full) * dtype_bytes
+        return (shape.layers * shape.hidden + full) * dtype_bytes
     return shape.layers * full * dtype_bytes
+
+
+def _layer_saved(shape: ModelShape) -> int:
+    """Elements per token one layer's training forward saves (:func:`activation_bytes_per_token`)."""
+    a, k, d, h, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    return 4 * h + 2 * (a * d + 2 * k * d) + a * d + 4 * i
+
+
+#: a state term -> (the offload part that moves it, the phases that read it); ``weights`` and ``critic`` move only
+#: under FSDP (the float32 shards; otherwise they are the compute copy the engine and the no-grad passes read)
+HELD = {"weights": ("params", ("logp", "update_actor")), "master_weights": ("params", ("update_actor",)),
+        "adamw_moments": ("optimizer", ("update_actor",)), "reference": ("reference", ("ref",)),
+        "critic": ("critic_params", ("values", "update_critic")),
+        "critic_masters": ("critic_params", ("update_critic",)),
+        "critic_adamw": ("critic_optimizer", ("update_critic",))}
 
 
 def _state(shape: ModelShape, lay: Layout) -> dict[str, int]:
@@ -133,11 +158,26 @@ def _state(shape: ModelShape, lay: Layout) -> dict[str, int]:
     terms = {"weights": weights, "adamw_moments": 2 * F32 * trainable // s}
     if b < F32 and not lay.fsdp:
         terms["master_weights"] = F32 * trainable // s
+    if lay.fsdp and lay.engine == "hf":  # FSDP shards the policy in place: the engine decodes a copy of its own
+        terms["engine_weights"] = p * b // lay.tensor_parallel
     if lay.reference:  # a deep copy keeps tensor-parallel shards; under FSDP it is loaded whole
         terms["reference"] = p * b // (1 if lay.fsdp else lay.tensor_parallel)
     if lay.critic:  # a critic of the policy's shape (value head: one row instead of the vocabulary)
-        terms["critic"] = (weights + 2 * F32 * p // s)
+        terms.update(critic=weights, critic_adamw=2 * F32 * p // s)
+        if b < F32 and not lay.fsdp:
+            terms["critic_masters"] = F32 * p // s
     return terms
+
+
+def _resident(state: dict[str, int], phase: str, lay: Layout) -> dict[str, int]:
+    """The state terms on the device during ``phase``: offloaded parts only where the phase reads them."""
+    out = {}
+    for term, size in state.items():
+        part, readers = HELD.get(term, ("", ()))
+        moves = part in lay.offload and (lay.fsdp or term not in ("weights", "critic"))
+        if not moves or phase in readers:
+            out[term] = size
+    return out
 
 
 def _gen_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
@@ -172,23 +212,31 @@ def _no_grad_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]
 
 
 def plan_phases(shape: ModelShape, w: Workload, lay: Layout) -> list[PhasePeak]:
-    """The peaks of ``gen``, ``logp`` (old and reference log-probs), ``values`` (with a critic), ``update_actor``
-    and ``update_critic`` (with a critic), per device."""
+    """The peaks of ``gen``, ``logp`` (old log-probs), ``ref`` (with a reference), ``update_actor``, and with a
+    critic ``values`` and ``update_critic``, per device."""
     state = _state(shape, lay)
     if lay.tape:
         recording = tape_bytes(shape, w, lay.dtype_bytes)
         state["rollout_recording"] = recording if lay.tape_cap is None else min(recording, lay.tape_cap)
-    tokens = w.micro_tokens // lay.sequence_parallel
     trainable = shape.params if lay.trainable is None else lay.trainable
-    acts = tokens * activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing) // lay.tensor_parallel
     logits = _logits_bytes(shape, w.response_tokens_micro // lay.sequence_parallel, lay)
-    phases = [PhasePeak("gen", {**state, **_gen_work(shape, w, lay)}),
-              PhasePeak("logp", {**state, **_no_grad_work(shape, w, lay)}),
-              PhasePeak("update_actor", {**state, **_update_work(trainable, acts, logits, lay)})]
+    work = {"gen": _gen_work(shape, w, lay), "logp": _no_grad_work(shape, w, lay)}
+    if lay.reference:
+        work["ref"] = work["logp"]
+    work["update_actor"] = _update_work(trainable, _activations(shape, w, lay, "activations"), logits, lay)
     if lay.critic:
-        phases.append(PhasePeak("values", {**state, "layer_work": _no_grad_work(shape, w, lay)["layer_work"]}))
-        phases.append(PhasePeak("update_critic", {**state, **_update_work(trainable, acts, 0, lay)}))
-    return phases
+        work["values"] = {"layer_work": work["logp"]["layer_work"]}
+        work["update_critic"] = _update_work(trainable, _activations(shape, w, lay, "critic_activations"), 0, lay)
+    return [PhasePeak(phase, {**_resident(state, phase, lay), **terms}) for phase, terms in work.items()]
+
+
+def _activations(shape: ModelShape, w: Workload, lay: Layout, part: str) -> int:
+    """A training micro-batch's saved activations on the device; with ``part`` offloaded, one layer's."""
+    if part in lay.offload:
+        per_token = _layer_saved(shape) * lay.dtype_bytes
+    else:
+        per_token = activation_bytes_per_token(shape, lay.dtype_bytes, lay.checkpointing)
+    return w.micro_tokens // lay.sequence_parallel * per_token // lay.tensor_parallel
 
 
 def _update_work(trainable: int, acts: int, logits: int, lay: Layout) -> dict[str, int]:

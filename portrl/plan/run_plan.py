@@ -120,6 +120,18 @@ def engine_of(cfg: PortRLConfig, host: bool) -> str:
     return "hf" if engine == "hf" else "reserving"
 
 
+def offloaded(cfg: PortRLConfig, host: bool) -> frozenset[str]:
+    """The parts the config keeps in host memory (portrl.plan.memory.Layout.offload); none on the CPU, where the
+    host is the device and offload lowers nothing."""
+    if host:
+        return frozenset()
+    a, c = cfg.actor.offload, cfg.critic.offload
+    parts = {"params": a.params, "optimizer": a.optimizer, "activations": a.activations,
+             "reference": cfg.ref.param_offload, "critic_params": c.params, "critic_optimizer": c.optimizer,
+             "critic_activations": c.activations}
+    return frozenset(name for name, on in parts.items() if on)
+
+
 def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: Workload,
                      device_memory: Optional[int], dtype: str, host: bool, worst: bool = False) -> Layout:
     fsdp = str(cfg.actor.strategy) in ("auto", "fsdp") and mesh.fsdp > 1
@@ -134,7 +146,7 @@ def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: W
                   engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
                   logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,
                   trainable=lora_params(shape, int(cfg.actor.lora_rank), list(cfg.actor.lora_target_modules))
-                  if lora else None)
+                  if lora else None, offload=offloaded(cfg, host))
 
 
 @dataclass

@@ -10,8 +10,7 @@ logs what the plan predicts of that step beside what it measured.
   plan fits.
 * :class:`StepPlan` (the trainer, where its workers run in its process and memory is measured): per step,
   ``memory/plan_gib/<phase>`` for each measured ``memory/peak_gib/<phase>``, the plan evaluated at the step's
-  own sizes (its prompts, its longest prompt and response). The no-grad pass (``logp``) is the plan of both
-  ``old_log_prob`` and ``ref``.
+  own sizes (its prompts, its longest prompt and response).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
     from portrl.config.schema import PortRLConfig
 
 #: a plan phase -> the trainer's Timer phases it predicts
-MEASURED_AS = {"gen": ("gen",), "logp": ("old_log_prob", "ref"), "update_actor": ("update_actor",),
+MEASURED_AS = {"gen": ("gen",), "logp": ("old_log_prob",), "ref": ("ref",), "update_actor": ("update_actor",),
                "values": ("values",), "update_critic": ("update_critic",)}
 
 

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 class ActorRolloutWorker(TrainedModelWorker):
     """Policy + rollout engine (+ reference). ``model_path`` overrides ``cfg.model.path`` (the resolved tiny model)."""
 
-    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "algorithm", "sandbox")  # reads
+    config_sections = ("trainer", "device", "model", "data", "rollout", "actor", "ref", "algorithm", "sandbox")  # reads
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1, model_path: Optional[str] = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size

@@ -16,8 +16,8 @@ each worker call). The parts:
 A method that reads the module's weights (a log-prob pass, a weight sync, an export) holds ``module``: the
 ``params`` part where those are FSDP2's shards, nothing where the module holds its compute copy itself.
 
-Activation offload is not state: :func:`saved_on_host` keeps a training forward's saved tensors in host memory
-until backward needs them (``torch.autograd.graph.save_on_cpu``; pinned memory on an accelerator).
+Activation offload is not state: :func:`saved_on_host` keeps a training forward's saved tensors (not the
+weights) in host memory until backward needs them (pinned memory on an accelerator).
 
 Moving a tensor is exact, so a run with any lever on computes what it computes without (tests/test_offload.py);
 what it lowers is each phase's peak on an accelerator (``portrl plan`` prints which). On the CPU the host is the
@@ -125,8 +125,28 @@ def holding(*parts: str) -> Callable[[F], F]:
 
 
 def saved_on_host(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
-    """The tensors a forward saves for backward kept in host memory (``torch.autograd.graph.save_on_cpu``, pinned on
-    an accelerator so the copies back can overlap); a no-op context when not ``enabled``."""
+    """The tensors a forward saves for backward kept in host memory until backward unpacks them (pinned on an
+    accelerator); a no-op context when not ``enabled``.
+
+    Parameters are saved as they are: a linear layer saves its weight, which the model holds anyway (and FSDP2
+    gathers again for backward), so copying it out would only cost time (``torch.autograd.graph.save_on_cpu``
+    copies every saved tensor, weights included). The copies are synchronous: overlapping them with compute, as
+    verl's asynchronous activation offload does, is not done here."""
     if not enabled:
         return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=device.type != "cpu")
+    pin = device.type != "cpu"
+
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):  # a weight, or its view
+            return t
+        host = torch.empty_like(t, device=HOST, pin_memory=pin)
+        host.copy_(t)
+        return t.device, host
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        where, host = packed
+        return host.to(where)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
