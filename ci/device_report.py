@@ -19,6 +19,7 @@ GAP_KEYS = ("training/rollout_log_probs_diff_mean", "training/rollout_log_probs_
 STEP_KEYS = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "memory/peak_gib/step", "perf/tokens_per_s",
              "training/rollout_probs_diff_max", "training/rollout_log_probs_diff_max", "actor/grad_norm",
              "memory/plan_gib/gen", "memory/peak_gib/gen", "memory/plan_gib/update_actor", "memory/peak_gib/update_actor",
+             "memory/plan_gib/ref", "memory/peak_gib/ref",
              "perf/mfu/actor", "perf/roofline/update", "perf/roofline/rollout", "perf/throughput")
 
 
