@@ -1,12 +1,14 @@
 """Asynchronous RL against synchronous, side by side in one invocation (issue 35, item 8).
 
-    python benchmarks/async_vs_sync.py [--seeds 0,1,2] [--steps 20] [--modes MODE,...] [--prompts 16]
-                                       [--samples 8] [--lr 1e-4] [--sft-steps 400] [--model-cache DIR]
+    python benchmarks/async_vs_sync.py [--data arith|wordprob] [--seeds 0,1,2] [--steps 20] [--modes MODE,...]
+                                       [--prompts 16] [--samples 8] [--lr 1e-4] [--sft-steps 400] [--model-cache DIR]
     python benchmarks/async_vs_sync.py --quick        # a short smoke of the wiring (small model, 3 steps)
 
 Workload: GRPO (the ``grpo`` preset: group advantages, KL loss against the reference) on the arith task
 (``data=arith``, difficulty 1: a number below 100 plus or minus one digit, answers of a few tokens, at most 16 new
-tokens; greedy validation on its 200 test problems) with the medium benchmark model (benchmarks/_common.py CONFIGS:
+tokens; greedy validation on its 200 test problems; ``--data wordprob``: the word problems of three steps, worked
+answers of 64-85 tokens, at most 128 new tokens, where generation is a larger share of a step) with the medium
+benchmark model (benchmarks/_common.py CONFIGS:
 Qwen2 architecture, hidden 512, 4 layers, arith vocabulary; 15.4M parameters), float32 on the CPU. A model that
 knows nothing of the task gets no reward, so every run starts from one SFT warm start of that model (``portrl sft``:
 ``--sft-steps`` steps of ``--sft-batch`` examples at ``--sft-lr``, stopped early once P(answer) reaches
@@ -71,6 +73,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated trainer.seed values (default 0,1,2)")
     p.add_argument("--steps", type=int, default=20, help="RL steps per run (>= 2; default 20)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--data", default="arith", choices=("arith", "wordprob"),
+                   help="task: arith (answers of a few tokens) or wordprob (worked answers of 64-85 tokens)")
     p.add_argument("--config", default="medium", choices=sorted(_common.CONFIGS), help="benchmark model")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8)")
@@ -128,15 +132,16 @@ def run_quiet(cmd: List[str], verbose: bool, what: str) -> None:
 
 
 def warm_start(args: argparse.Namespace, cache: Path) -> Path:
-    """The SFT warm start every run starts from: the benchmark model trained by ``portrl sft`` on arith, made once
+    """The SFT warm start every run starts from: the benchmark model trained by ``portrl sft`` on the task, made once
     per settings in ``cache`` (its name holds the settings)."""
     model = cache / args.config
     if not (model / "config.json").exists():
         _common.build_model(args.config, model)
     target = f"p{args.sft_target_p:g}" if args.sft_target_p else "full"
-    out = cache / f"sft-{args.config}-s{args.sft_steps}-b{args.sft_batch}-lr{args.sft_lr:g}-{target}"
+    task = "" if args.data == "arith" else f"-{args.data}"
+    out = cache / f"sft-{args.config}{task}-s{args.sft_steps}-b{args.sft_batch}-lr{args.sft_lr:g}-{target}"
     if not (out / "config.json").exists():
-        overrides = [f"model.path={model}", "data=arith", "device.num_threads=2"]
+        overrides = [f"model.path={model}", f"data={args.data}", "device.num_threads=2"]
         if args.sft_target_p:
             overrides.append(f"model.sft_target_answer_p={args.sft_target_p}")
         t0 = time.perf_counter()
@@ -150,7 +155,7 @@ def warm_start(args: argparse.Namespace, cache: Path) -> Path:
 def train_overrides(args: argparse.Namespace, model: Path, mode: str, seed: int, out_dir: Path) -> List[str]:
     """The ``portrl train`` overrides of one run."""
     return [
-        "data=arith", "algorithm=grpo", f"model.path={model}", "model.sft_warm_start=false",
+        f"data={args.data}", "algorithm=grpo", f"model.path={model}", "model.sft_warm_start=false",
         f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
         f"rollout.n={args.samples}", f"actor.optim.lr={args.lr}", f"trainer.total_steps={args.steps}",
         f"trainer.test_freq={args.steps}", "trainer.val_before_train=true", f"trainer.seed={seed}",
@@ -259,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"validation)", flush=True)
             if args.json:
                 _common.write_result(args.json, {"args": {k: v for k, v in vars(args).items()}, "runs": runs})
-    print(f"\n{args.config} model, arith, {args.prompts} prompts x {args.samples} samples, {args.steps} steps, "
+    print(f"\n{args.config} model, {args.data}, {args.prompts} prompts x {args.samples} samples, {args.steps} steps, "
           f"seeds {','.join(map(str, args.seeds))}; nproc {os.cpu_count()}\n")
     print(table(runs, args.modes))
     if cache_tmp is not None:

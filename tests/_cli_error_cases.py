@@ -316,6 +316,6 @@ CASES: list[tuple[str, list[str], str, dict]] = [
     ("mesh-verl-alias-conflict-yaml", ["train", "--config", "{verl_sp_yaml}"],
      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 (verl's name for actor.sequence_parallel_size) and "
      "actor.sequence_parallel_size=2 set it to two values", {}),
-    ("mesh-verl-unknown", ["train", "actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+    ("mesh-verl-unknown", ["train", "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"],
      "unknown config key 'actor_rollout_ref'", {}),
 ]

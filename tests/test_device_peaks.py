@@ -79,3 +79,16 @@ def test_a_gpu_is_named_without_a_context_of_the_trainers_own(monkeypatch):
     assert cuda.peak_throughput("bfloat16").flops_per_s == 989.4e12
     monkeypatch.setattr(type(cuda), "_device_name_without_init", lambda self: "")
     assert cuda.device_name() == "" and cuda.peak_throughput("bfloat16") is None
+
+
+def test_a_cpu_without_native_bf16_reads_bf16_against_float32s_peak(monkeypatch):
+    """Emulated bf16 matmuls run at a shape-dependent fraction of float32's rate: their measured figure is no
+    ceiling (the device check's CPU leg read MFU 1.96 against it), so such a CPU's bf16 peak is float32's."""
+    cpu = get_backend("cpu")
+    monkeypatch.setattr(type(cpu), "supports_bf16", lambda self: False)
+    peak = cpu.peak_throughput("bfloat16")
+    assert peak.flops_per_s == cpu.peak_throughput("float32").flops_per_s
+    assert peak.source.startswith("no native bfloat16 arithmetic, so float32's peak: measured")
+    monkeypatch.setattr(type(cpu), "supports_bf16", lambda self: True)
+    assert cpu.peak_throughput("bfloat16").source.startswith("measured") and "bfloat16" in cpu.peak_throughput(
+        "bfloat16").source

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 from typing import TYPE_CHECKING, Mapping
 
@@ -174,11 +176,18 @@ class CPUBackend(Backend):
 
     def peak_throughput(self, dtype: str, model: str | None = None) -> PeakThroughput | None:
         """Measured, not declared: this process's ``dtype`` matmul FLOP/s and memory read bandwidth on its torch
-        threads, once per process (backends/cpu/ceilings.py: under a second). A CPU has no ``device.model``."""
+        threads, once per process (backends/cpu/ceilings.py: under a second). A CPU has no ``device.model``.
+
+        bfloat16 without native arithmetic (:meth:`supports_bf16`) gets float32's peak: torch emulates the bf16
+        matmul at a rate that depends on the shape (0.3-1 GFLOP/s on a Zen 3 core pair where float32 reaches
+        60-130), so no bf16 figure is this CPU's ceiling; what the chip can do is float32's."""
         if model:
             named_model(self.device_models, model, self.name)  # raises: no models to name
         from portrl.backends.cpu.ceilings import measured_peak  # noqa: PLC0415  (torch: the doctor runs without it)
 
+        if dtype == "bfloat16" and not self.supports_bf16():
+            peak = measured_peak("float32")
+            return replace(peak, source=f"no native bfloat16 arithmetic, so float32's peak: {peak.source}")
         return measured_peak(dtype)
 
     def rollout_engines(self) -> tuple[str, ...]:
