@@ -1,12 +1,18 @@
 """The memory plan against what runs measure: each phase's predicted and measured peak, side by side (issue 61).
 
     python benchmarks/memory_plan.py [--configs tiny,med,...] [--keep DIR]
+    python benchmarks/memory_plan.py --levers     # each offload lever's predicted effect at Qwen2.5-7B's shape
 
 Each configuration runs ``portrl train`` for 2 steps in a process of its own (the built-in tiny model, or the
 medium one: hidden 512, 4 layers, 8 heads, 2 KV heads, MLP 1536; arith, no SFT warm start); the second step's
 ``memory/plan_gib/<phase>`` (the plan at the step's own sizes: portrl/plan) and ``memory/peak_gib/<phase>``
 (measured: the CPU's tensor count, backends/cpu/heap.py) are printed with their ratio, per phase (``logp``: the
 reference's log-prob pass). Needs a C++ compiler (the tensor count).
+
+``--levers`` runs nothing: the plan of Qwen2.5-7B's shape (config.json only) on 8 H100s with a reference, 512 + 2048
+tokens a row and 16384-token micro-batches, each phase's predicted GiB per device without a lever and with each
+(portrl/workers/offload.py). On the CPU the host is the device and no lever lowers anything; the device check's
+``grpo-offload`` part measures their effect on an accelerator.
 """
 
 from __future__ import annotations
@@ -49,12 +55,43 @@ def measure(name: str, work: Path) -> dict:
     return [r for r in rows if "memory/peak_gib/step" in r][-1]
 
 
+QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}
+LEVER_RUN = ["trainer.num_workers=8", "actor.use_kl_loss=true", "model.gradient_checkpointing=true",
+             "data.max_prompt_length=512", "data.max_response_length=2048", "actor.max_tokens_per_micro_batch=16384"]
+LEVERS = {"none": [], "optimizer": ["actor.offload.optimizer=true"], "params": ["actor.offload.params=true"],
+          "reference": ["ref.param_offload=true"], "activations": ["actor.offload.activations=true"],
+          "all four": ["actor.offload.optimizer=true", "actor.offload.params=true", "ref.param_offload=true",
+                       "actor.offload.activations=true"]}
+
+
+def levers_table() -> None:
+    """Each lever's predicted peaks per phase (GiB per device), side by side."""
+    from portrl.config.composition import compose
+    from portrl.plan.run_plan import Device, plan_run
+    from portrl.plan.shape import shape_of_raw
+
+    shape = shape_of_raw(QWEN25_7B, "Qwen2.5-7B")
+    print("Qwen2.5-7B's shape, 8 x H100 (80 GiB), bfloat16, FSDP over 8, a reference; GiB per device")
+    print(f"{'lever':12s} {'gen':>7s} {'logp':>7s} {'ref':>7s} {'update':>7s} {'peak':>7s}")
+    for name, over in LEVERS.items():
+        cfg = compose(preset="h100", overrides=["model.path=unused", *LEVER_RUN, *over], check=False)
+        plan = plan_run(cfg, shape, 8, 80 * 2**30, device=Device(dtype="bfloat16", host=False))
+        gib = {p.phase: p.bytes / 2**30 for p in plan.phases}
+        print(f"{name:12s} {gib['gen']:7.2f} {gib['logp']:7.2f} {gib['ref']:7.2f} {gib['update_actor']:7.2f} "
+              f"{plan.peak.bytes / 2**30:7.2f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     p.add_argument("--keep", help="write the runs here instead of a temporary folder")
+    p.add_argument("--levers", action="store_true", help="print each offload lever's predicted peaks; run nothing")
     args = p.parse_args()
     print(_common.host_line(_common.host_info()))
+    if args.levers:
+        levers_table()
+        return 0
     print(f"{'config':14s} {'phase':14s} {'plan MiB':>9s} {'measured':>9s} {'ratio':>6s}")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
