@@ -4,7 +4,8 @@ A phase's peak is what stays on the device through the run (the *state*) plus wh
 it runs (its *work*), as a device's ``max_memory_allocated`` counts it (the CPU: backends/cpu/heap.py)::
 
     state   = weights + masters + AdamW moments + reference copy + critic + recorded rollout forward
-    gen     = state + the engine's share (hf: KV cache, fused q/k/v and gate/up weights, prefill workspace;
+    gen     = state + the engine's share (hf: KV cache and the copy made while rows are repeated or dropped,
+              fused q/k/v and gate/up weights, prefill workspace;
               an engine that reserves memory up front: rollout.gpu_memory_utilization x device memory)
     logp    = state + one micro-batch's forward without gradients (its logits, per chunk when chunked)
     ref     = the same through the reference (with a reference)
@@ -39,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from portrl.ops.logprobs import CHUNK_ELEMENTS
+from portrl.rollout.decode_rows import COMPACT_FRACTION
 from portrl.plan.shape import ModelShape
 
 #: bytes of a float32 element (master weights, AdamW moments, gradients of the masters, logits)
@@ -62,6 +64,7 @@ class Workload:
     response_tokens_micro: int
     inference_tokens: int = 0
     response_tokens_inference: int = 0
+    compacts: bool = True  # the hf engine drops finished rows from its cache mid-generation (a copy of the cache)
 
     @property
     def rows(self) -> int:
@@ -83,6 +86,7 @@ class Layout:
     tape: bool = False  # the hf engine records the rollout's forward for the update to replay
     tape_cap: int | None = None  # the most a recording may hold (under checkpointing); None: no bound
     engine: str = "hf"  # hf: portrl's own (memory as it goes); reserving: an engine taking a share up front
+    fast_decode: bool = True  # the hf engine decodes on its own cache, allocated whole (portrl.rollout.fast_decode)
     engine_reserve: int = 0  # bytes an up-front engine takes (utilization x device memory)
     logprob_chunk: int | None = None  # tokens per chunk of the log-prob op; None: all of a micro-batch at once
     trainable: int | None = None  # parameters trained (LoRA: the adapters'); None: all of them
@@ -185,11 +189,16 @@ def _gen_work(shape: ModelShape, w: Workload, lay: Layout) -> dict[str, int]:
         return {"engine_reserve": lay.engine_reserve}
     b = lay.dtype_bytes
     kv = w.rows * (w.prompt_len + w.response_len) * shape.kv_bytes_per_token * b // lay.tensor_parallel
+    # the cache is copied while the old one lives: the prompts' rows repeated n times after the prefill (1/n of it
+    # beside the whole), then each drop of finished rows (the rows kept beside the whole)
+    copy = max(1 / w.n if w.n > 1 else 0.0, 1 - COMPACT_FRACTION if w.compacts and w.response_len > 1 else 0.0)
+    copy = copy if lay.fast_decode else 0.0  # transformers' own cache grows a step at a time instead
     a, k, d, h, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
     fused = shape.layers * (h * (a * d + 2 * k * d) + 2 * h * i) * b
     prefill = w.prompts * w.prompt_len * (h + a * d + 2 * k * d + 2 * i) * b
     logits = w.rows * shape.vocab * F32
-    return {"kv_cache": kv, "fused_weights": fused, "prefill_work": prefill, "step_logits": logits}
+    return {"kv_cache": kv, "kv_cache_copy": int(kv * copy), "fused_weights": fused, "prefill_work": prefill,
+            "step_logits": logits}
 
 
 def _logits_bytes(shape: ModelShape, positions: int, lay: Layout) -> int:

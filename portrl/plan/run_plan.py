@@ -16,6 +16,7 @@ from portrl.algo.spec import critic_enabled, reference_enabled
 from portrl.device.mesh_shape import MeshShape
 from portrl.plan.memory import DTYPE_BYTES, Layout, PhasePeak, Workload, lora_params, plan_phases, tape_bytes
 from portrl.plan.shape import ModelShape
+from portrl.rollout.decode_rows import COMPACT_FRACTION
 from portrl.rollout.fast_decode import SUPPORTED_MODEL_TYPES as FAST_DECODE_MODEL_TYPES
 from portrl.workers.setup import AUTO_CHECKPOINTING_PARAMS
 from portrl.workers.tape_budget import TAPE_PARAM_MULTIPLE
@@ -59,10 +60,19 @@ def workload_of_config(cfg: PortRLConfig, mesh: MeshShape) -> Workload:
 
 
 def workload_of_batch(cfg: PortRLConfig, mesh: MeshShape, prompts: int, prompt_len: int,
-                      response_len: int) -> Workload:
-    """A running step's sizes on one device: its batch's prompts (all devices), longest prompt and response."""
+                      response_len: int, compacts: bool = True) -> Workload:
+    """A running step's sizes on one device: its batch's prompts (all devices), longest prompt and response;
+    ``compacts``: whether the engine dropped finished rows from its cache (:func:`compacted`)."""
     n = int(cfg.rollout.n)
-    return _micro(Workload(max(1, -(-prompts // mesh.dp)), n, prompt_len, response_len, 0, 0), cfg)
+    w = Workload(max(1, -(-prompts // mesh.dp)), n, prompt_len, response_len, 0, 0, compacts=compacts)
+    return _micro(w, cfg)
+
+
+def compacted(response_lengths: list[int], max_new_tokens: int) -> bool:
+    """Whether the hf engine dropped finished rows mid-generation: once at least COMPACT_FRACTION of the rows (and
+    one) finished before the last step (portrl.rollout.decode_rows.DecodeRows.compact)."""
+    early = sum(1 for n in response_lengths if n < max_new_tokens)
+    return early >= max(1, COMPACT_FRACTION * len(response_lengths))
 
 
 def _micro_tokens(w: Workload, cfg: PortRLConfig, rows: int) -> tuple[int, int]:
@@ -142,6 +152,7 @@ def layout_of_config(cfg: PortRLConfig, shape: ModelShape, mesh: MeshShape, w: W
                   tensor_parallel=mesh.tp, sequence_parallel=mesh.sp, fsdp=fsdp, checkpointing=ckpt,
                   reference=reference_enabled(cfg), critic=critic_enabled(cfg),
                   tape=records_forward(cfg, shape, engine, ckpt, w, DTYPE_BYTES[dtype], worst), engine=engine,
+                  fast_decode=shape.model_type in FAST_DECODE_MODEL_TYPES and not lora,
                   tape_cap=tape_cap(shape, DTYPE_BYTES[dtype]) if ckpt else None,
                   engine_reserve=int(float(cfg.rollout.gpu_memory_utilization) * (device_memory or 0)),
                   logprob_chunk=int(cfg.model.logprob_chunk_size) if cfg.model.logprob_chunk_size else None,

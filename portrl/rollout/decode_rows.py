@@ -19,6 +19,10 @@ import torch
 from portrl.rollout.sampling import NonFiniteLogitsError
 from portrl.rollout.types import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
+#: the hf engine's default: finished rows leave the batch and its KV cache once they are this share of it (the
+#: cache is then copied: portrl/plan/memory.py counts the copy)
+COMPACT_FRACTION = 0.125
+
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids (B, P) long, mask (B, P) bool, lengths (B,))``: prompts left-padded to the longest."""

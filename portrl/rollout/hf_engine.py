@@ -40,7 +40,7 @@ from portrl.models.forward_tape import tape_nbytes
 from portrl.models.hf_types import HFModule
 from portrl.ops.rotary_multimodal import multimodal_rope_index
 from portrl.progress import note
-from portrl.rollout.decode_rows import DecodeRows, left_pad
+from portrl.rollout.decode_rows import COMPACT_FRACTION, DecodeRows, left_pad
 from portrl.rollout.engine import EngineCapabilities, RolloutEngine, check_prompts
 from portrl.rollout.fast_decode import decode_chunk, fast_decoder_for
 from portrl.rollout.sampling import sample_next
@@ -115,7 +115,7 @@ class HFEngine(RolloutEngine):
         backend: Backend | None = None,
         dtype: str = "float32",
         max_batch_rows: int | None = None,
-        compact_fraction: float = 0.125,
+        compact_fraction: float = COMPACT_FRACTION,
         fast_decode: bool = True,
     ) -> None:
         if model is None and model_path is None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from portrl.device.backend import Backend
 from portrl.plan.fit import check_fits, largest_token_budget
-from portrl.plan.run_plan import GIB, Device, mesh_of, plan_run, workload_of_batch
+from portrl.plan.run_plan import GIB, Device, compacted, mesh_of, plan_run, workload_of_batch
 from portrl.plan.shape import ModelShape, shape_of_folder, tiny_shape
 from portrl.errors import UserError
 from portrl.trainer.data_fit import note_once, writable
@@ -119,8 +119,10 @@ class StepPlan:
         t = batch.tensors
         prompts = len(set(batch.meta["uid"])) if "uid" in batch.meta else len(t["responses"]) // int(self.cfg.rollout.n)
         prompt_len = int(t["attention_mask"][:, : -t["responses"].shape[1]].sum(-1).max())
-        response_len = int(t["response_mask"].sum(-1).max())
-        w = workload_of_batch(self.cfg, mesh_of(self.cfg, self.world), prompts, prompt_len, response_len)
+        lengths = t["response_mask"].sum(-1).tolist()
+        compacts = compacted(lengths, int(self.cfg.data.max_response_length))
+        w = workload_of_batch(self.cfg, mesh_of(self.cfg, self.world), prompts, prompt_len, int(max(lengths)),
+                              compacts)
         out = {}
         for phase in plan_run(self.cfg, self.shape, self.world, None, w, self.device).phases:
             for name in MEASURED_AS[phase.phase]:
