@@ -18,9 +18,10 @@ ray = pytest.importorskip("ray")
 from portrl.config.options_schema import default_config  # noqa: E402
 from portrl.device import get_backend  # noqa: E402
 from portrl.workers.actor import ActorRolloutWorker  # noqa: E402
-from portrl.workers.batch import Batch, build_rollout_batch  # noqa: E402
+from portrl.workers.batch import Batch  # noqa: E402
 from portrl.workers.group import WorkerDiedError, WorkerGroup  # noqa: E402
 from portrl.workers.ray_env import init_ray  # noqa: E402
+from _random_batch import random_rollout_batch as _batch  # noqa: E402
 
 SAMPLING = {"n": 4, "temperature": 1.0, "max_new_tokens": 5, "seed": 3}
 
@@ -54,18 +55,6 @@ def group(path):
     g = WorkerGroup(ActorRolloutWorker, _cfg(path), 2, get_backend("cpu"), role="actor")
     yield g
     g.shutdown()
-
-
-def _batch(seed, n_prompts=4, n=4):
-    """A rollout batch of random tokens (prompt and response lengths vary) with random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 30, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n_prompts)]
-    resp = [torch.randint(3, 30, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n_prompts * n)]
-    b = build_rollout_batch(prompts, resp, n=n)
-    b["advantages"] = torch.randn(len(b), 1, generator=g) * b["response_mask"]
-    return b
 
 
 def _assert_same_weights(got, want, atol=1e-5):

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 from portrl.config.options_schema import default_config
 from portrl.workers.actor import ActorRolloutWorker
-from portrl.workers.batch import build_rollout_batch
 from portrl.workers.offload import HOST, StateOffload, move_optimizer_state, move_tensors, saved_on_host
 from _gloo_ranks import run_ranks
+from _random_batch import random_rollout_batch as _batch
 
 LEVERS = {"actor.offload.params": True, "actor.offload.optimizer": True, "actor.offload.activations": True,
           "ref.param_offload": True}
@@ -31,17 +31,6 @@ def _cfg(path, **over):
     for k, v in {**base, **over}.items():
         OmegaConf.update(cfg, k, v)
     return cfg
-
-
-def _batch(seed, n_prompts=4, n=4):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 30, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n_prompts)]
-    resp = [torch.randint(3, 30, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n_prompts * n)]
-    b = build_rollout_batch(prompts, resp, n=n)
-    b["advantages"] = torch.randn(len(b), 1, generator=g) * b["response_mask"]
-    return b
 
 
 def _step_rows(worker, b):
