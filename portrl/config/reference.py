@@ -198,8 +198,8 @@ def render(rows: Optional[List[Entry]] = None) -> str:
         "Checks across keys (batch sizes that divide, what an algorithm needs) are in `portrl/config/checks.py`; "
         "a key outside its range stops the command with one line naming it.",
         "",
-        "verl's names of the mesh sizes and memory levers are accepted as aliases of portrl's keys, in a YAML file (`--config`) and in "
-        "overrides: " + ", ".join(f"`{alias}` (`{key}`)" for alias, key in ALIASES.items()) + ". Setting one and "
+        "verl's names of the mesh sizes and memory levers are accepted as aliases of portrl's keys, in a YAML file "
+        "(`--config`) and in overrides: " + ", ".join(f"`{alias}` (`{key}`)" for alias, key in ALIASES.items()) + ". Setting one and "
         "its portrl key to different values in the same file, or in the same command line, is an error.",
         "",
         "A value may refer to another key (`${data.max_response_length}`) and use omegaconf's resolvers, except "
